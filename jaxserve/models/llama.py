@@ -1,0 +1,148 @@
+"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2) in flax nnx.
+
+Computed exactly as transformers computes it: RMSNorm in float32, RoPE with rotate_half,
+grouped-query attention, SwiGLU. The KV cache is passed in and returned, never held as
+module state, so that the engine can jit a pure function of (params, tokens, positions,
+cache) with fixed shapes and donate the cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxserve.models.config import ModelConfig
+from pallas_kernels import reference
+
+KVCache = tuple[tuple[jax.Array, jax.Array], ...]  # per layer (k_pages, v_pages)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class AttentionMetadata:
+    """Where each new token's K/V goes and what each query may see (all int32)."""
+
+    slot_mapping: jax.Array  # [B, T] flat page slot page*page_size+offset; padding -> dummy page 0
+    block_tables: jax.Array  # [B, P] the slot's pages in sequence order
+    context_lens: jax.Array  # [B] valid keys once this chunk is written
+
+
+# (q, k_pages, v_pages, block_tables, context_lens, positions, scale) -> out
+PagedAttentionFn = Callable[..., jax.Array]
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, dtype):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x):
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...] * x32.astype(x.dtype)
+
+
+def _linear(din: int, dout: int, bias: bool, dtype, rngs: nnx.Rngs, std: float) -> nnx.Linear:
+    return nnx.Linear(din, dout, use_bias=bias, dtype=dtype, param_dtype=dtype, rngs=rngs,
+                      kernel_init=nnx.initializers.normal(std))
+
+
+def rope(x, positions, inv_freq):
+    """x [B,T,N,D], positions [B,T]: rotate_half RoPE with float32 angles, as transformers."""
+    freqs = positions[..., None].astype(jnp.float32) * inv_freq
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    cos = jnp.cos(emb).astype(x.dtype)[:, :, None, :]
+    sin = jnp.sin(emb).astype(x.dtype)[:, :, None, :]
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, std: float):
+        d, hd = cfg.hidden_size, cfg.head_dim
+        self.q_proj = _linear(d, cfg.num_heads * hd, cfg.qkv_bias, dtype, rngs, std)
+        self.k_proj = _linear(d, cfg.num_kv_heads * hd, cfg.qkv_bias, dtype, rngs, std)
+        self.v_proj = _linear(d, cfg.num_kv_heads * hd, cfg.qkv_bias, dtype, rngs, std)
+        self.o_proj = _linear(cfg.num_heads * hd, d, cfg.o_bias, dtype, rngs, std)
+        self.cfg = cfg
+
+    def __call__(self, x, positions, inv_freq, cache, meta, attn_fn):
+        b, t, _ = x.shape
+        c = self.cfg
+        q = self.q_proj(x).reshape(b, t, c.num_heads, c.head_dim)
+        k = self.k_proj(x).reshape(b, t, c.num_kv_heads, c.head_dim)
+        v = self.v_proj(x).reshape(b, t, c.num_kv_heads, c.head_dim)
+        q, k = rope(q, positions, inv_freq), rope(k, positions, inv_freq)
+        scale = c.head_dim ** -0.5
+        if cache is None:
+            out = reference.causal_attention(q, k, v, scale)
+        else:
+            k_pages = reference.write_pages(cache[0], k, meta.slot_mapping)
+            v_pages = reference.write_pages(cache[1], v, meta.slot_mapping)
+            cache = (k_pages, v_pages)
+            out = attn_fn(q, k_pages, v_pages, meta.block_tables, meta.context_lens, positions, scale)
+        return self.o_proj(out.reshape(b, t, -1)), cache
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, std: float):
+        d, f = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = _linear(d, f, cfg.mlp_bias, dtype, rngs, std)
+        self.up_proj = _linear(d, f, cfg.mlp_bias, dtype, rngs, std)
+        self.down_proj = _linear(f, d, cfg.mlp_bias, dtype, rngs, std)
+
+    def __call__(self, x):
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, std: float):
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.self_attn = Attention(cfg, dtype, rngs, std)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.mlp = MLP(cfg, dtype, rngs, std)
+
+    def __call__(self, x, positions, inv_freq, cache, meta, attn_fn):
+        h, cache = self.self_attn(self.input_layernorm(x), positions, inv_freq, cache, meta, attn_fn)
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x)), cache
+
+
+class LlamaForCausalLM(nnx.Module):
+    """Parameter names mirror transformers' so that loading is a rename and a transpose."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None, init_std: float = 0.02):
+        rngs = rngs or nnx.Rngs(0)
+        self.cfg = cfg
+        self.dtype = dtype
+        self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=dtype, rngs=rngs,
+                                      embedding_init=nnx.initializers.normal(init_std))
+        self.layers = nnx.List([DecoderLayer(cfg, dtype, rngs, init_std) for _ in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = _linear(cfg.hidden_size, cfg.vocab_size, False, dtype, rngs, init_std)
+
+    def __call__(self, tokens, positions, kv_cache: KVCache | None = None, meta: AttentionMetadata | None = None,
+                 attn_fn: PagedAttentionFn = reference.paged_attention, logits_index=None):
+        """tokens/positions [B, T]. Without a cache: dense causal attention over the batch
+        (right padding is harmless under a causal mask). logits_index [B] selects one position
+        per row before the vocabulary projection, which is most of a prefill's FLOPs otherwise."""
+        inv_freq = jnp.asarray(self.cfg.inv_freq())
+        x = self.embed_tokens(tokens)
+        new_cache = []
+        for i, layer in enumerate(self.layers):
+            x, c = layer(x, positions, inv_freq, None if kv_cache is None else kv_cache[i], meta, attn_fn)
+            new_cache.append(c)
+        x = self.norm(x)
+        if logits_index is not None:
+            x = jnp.take_along_axis(x, logits_index[:, None, None], axis=1)[:, 0]
+        if self.cfg.tie_word_embeddings:
+            logits = self.embed_tokens.attend(x)
+        else:
+            logits = self.lm_head(x)
+        return logits.astype(jnp.float32), (None if kv_cache is None else tuple(new_cache))

@@ -1,0 +1,58 @@
+"""Shared fixtures: seeded random transformers models saved to temporary directories."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import pytest
+
+
+def make_hf_model(kind: str, path, seed: int = 0, max_shard_size: str | None = None, **overrides):
+    """A small random transformers model with peaked outputs (large initializer range) so
+    that argmax comparisons mean something; saved with save_pretrained to `path`."""
+    import torch
+    import transformers as tf
+
+    base = dict(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                initializer_range=0.3, rms_norm_eps=1e-5, eos_token_id=1, bos_token_id=0)
+    if kind == "llama":
+        base.update(rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                     "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                     "original_max_position_embeddings": 64})
+        cls, cfg_cls = tf.LlamaForCausalLM, tf.LlamaConfig
+    elif kind == "mistral":
+        base.update(sliding_window=None, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+        cls, cfg_cls = tf.MistralForCausalLM, tf.MistralConfig
+    elif kind == "qwen2":
+        base.update(tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+        cls, cfg_cls = tf.Qwen2ForCausalLM, tf.Qwen2Config
+    else:
+        raise ValueError(kind)
+    base.update(overrides)
+    torch.manual_seed(seed)
+    model = cls(cfg_cls(**base)).eval()
+    if kind == "qwen2":  # biases default to zero; make them matter
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.3)
+    model.save_pretrained(str(path), **({"max_shard_size": max_shard_size} if max_shard_size else {}))
+    return model
+
+
+@pytest.fixture(scope="session")
+def hf_models(tmp_path_factory):
+    """One saved random model per family: {kind: (dir, torch_model)}."""
+    out = {}
+    for kind in ("llama", "mistral", "qwen2"):
+        d = tmp_path_factory.mktemp(kind)
+        out[kind] = (d, make_hf_model(kind, d))
+    return out
+
+
+@pytest.fixture(autouse=True)
+def _isolated_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXSERVE_CACHE_DIR", str(tmp_path / "jaxserve-cache"))

@@ -1,0 +1,134 @@
+"""Checkpoint loading: shards, the orbax converted-weight cache, and clear errors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from safetensors.numpy import load_file, save_file
+
+from conftest import make_hf_model
+from jaxserve.models.loader import load_model
+
+
+def _params(model) -> dict:
+    return {str(p): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+
+
+def test_sharded_checkpoint_loads_identically(tmp_path, hf_models):
+    single, _ = hf_models["llama"]
+    sharded = tmp_path / "sharded"
+    make_hf_model("llama", sharded, max_shard_size="100KB")
+    assert (sharded / "model.safetensors.index.json").is_file()
+    assert len(list(sharded.glob("*.safetensors"))) > 2
+    a, b = _params(load_model(single)[0]), _params(load_model(sharded)[0])
+    assert a.keys() == b.keys()
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+
+
+def test_orbax_cache_is_faster_identical_and_rebuilt_when_corrupt(tmp_path, caplog):
+    # A model whose conversion costs real time (~60 MB of float32 weights to transpose and copy).
+    path = tmp_path / "m"
+    make_hf_model("llama", path, vocab_size=16000, hidden_size=512, intermediate_size=1408,
+                  num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4)
+    cache = tmp_path / "cache"
+    t0 = time.perf_counter(); m1, _ = load_model(path, cache_dir=cache); cold = time.perf_counter() - t0
+    t0 = time.perf_counter(); m2, _ = load_model(path, cache_dir=cache); warm = time.perf_counter() - t0
+    print(f"first load (convert + save cache) {cold:.3f}s, second load (from orbax cache) {warm:.3f}s")
+    assert warm < cold
+    p1, p2 = _params(m1), _params(m2)
+    for k in p1:
+        np.testing.assert_array_equal(p1[k], p2[k], err_msg=k)
+
+    # Corrupt: flip the stored checksums' view of the data by rewriting one array file's bytes.
+    meta = json.loads((cache / "jaxserve_meta.json").read_text())
+    meta["checksums"][next(iter(meta["checksums"]))] += 1.0
+    (cache / "jaxserve_meta.json").write_text(json.dumps(meta))
+    with caplog.at_level("WARNING", logger="jaxserve.loader"):
+        m3, _ = load_model(path, cache_dir=cache)
+    assert "corrupt" in caplog.text
+    for k, v in _params(m3).items():
+        np.testing.assert_array_equal(v, p1[k], err_msg=k)
+
+    # Truncated array data: unreadable, rebuilt.
+    caplog.clear()
+    for f in (cache / "params").rglob("*"):
+        if f.is_file() and f.stat().st_size > 4096:
+            f.write_bytes(f.read_bytes()[: f.stat().st_size // 3])
+    with caplog.at_level("WARNING", logger="jaxserve.loader"):
+        m4, _ = load_model(path, cache_dir=cache)
+    assert "rebuilding" in caplog.text
+    for k, v in _params(m4).items():
+        np.testing.assert_array_equal(v, p1[k], err_msg=k)
+
+
+def test_cache_of_other_weights_is_not_used(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    make_hf_model("llama", a, seed=0)
+    make_hf_model("llama", b, seed=1)
+    cache = tmp_path / "cache"
+    load_model(a, cache_dir=cache)
+    pb, _ = load_model(b, cache_dir=cache)  # same cache dir, other weights: must rebuild
+    ref, _ = load_model(b, use_cache=False)
+    for k, v in _params(pb).items():
+        np.testing.assert_array_equal(v, _params(ref)[k], err_msg=k)
+
+
+def test_missing_directory(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        load_model(tmp_path / "nope")
+
+
+def test_unsupported_architecture(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="GPT2LMHeadModel.*not implemented"):
+        load_model(tmp_path)
+
+
+def test_missing_tensor_named(tmp_path, hf_models):
+    src, _ = hf_models["llama"]
+    dst = tmp_path / "m"
+    shutil.copytree(src, dst)
+    tensors = load_file(dst / "model.safetensors")
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, dst / "model.safetensors")
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.up_proj\.weight.*missing"):
+        load_model(dst, use_cache=False)
+
+
+def test_wrong_shape_named(tmp_path, hf_models):
+    src, _ = hf_models["llama"]
+    dst = tmp_path / "m"
+    shutil.copytree(src, dst)
+    tensors = load_file(dst / "model.safetensors")
+    tensors["model.layers.0.self_attn.k_proj.weight"] = np.zeros((3, 64), np.float32)
+    save_file(tensors, dst / "model.safetensors")
+    with pytest.raises(ValueError, match=r"k_proj\.weight.*shape \(3, 64\).*expected \(32, 64\)"):
+        load_model(dst, use_cache=False)
+
+
+def test_missing_config(tmp_path):
+    with pytest.raises(ValueError, match="config.json"):
+        load_model(tmp_path)
+
+
+def test_bfloat16_weights_cast_to_compute_dtype(tmp_path):
+    import torch
+
+    path = tmp_path / "bf16"
+    hf = make_hf_model("llama", path)
+    hf.to(torch.bfloat16).save_pretrained(path)
+    model, _ = load_model(path, dtype=jnp.float32, use_cache=False)
+    emb = np.asarray(model.embed_tokens.embedding.get_value())
+    assert emb.dtype == np.float32
+    np.testing.assert_array_equal(emb, hf.model.embed_tokens.weight.float().detach().numpy())
