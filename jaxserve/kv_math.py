@@ -1,0 +1,625 @@
+"""KV-cache capacity and cost calculator (``jaxserve kv-math``).
+
+Answers, before a machine is rented: for this model, this accelerator and this
+context length, how many requests fit at once, how fast can decode go, and what
+does a token cost?  Every speed figure is a roofline lower bound (bytes over
+bandwidth, FLOPs over peak), so real engines land above the step times and below
+the tokens/s printed here.
+
+Plain Python + numpy on purpose: the engine and the CLI call this at start-up to
+refuse configurations that cannot fit, and that check must not pay for a jax
+import.  Only :func:`measure_host` imports jax, lazily.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+GiB = 1024**3
+GB = 10**9
+DTYPE_BYTES: dict[str, float] = {"bf16": 2, "fp16": 2, "fp8": 1, "int8": 1, "fp32": 4, "int4": 0.5}
+WEIGHT_ONLY_DTYPES = frozenset({"int4"})  # no engine here keeps a 4-bit KV cache
+DEFAULT_ACTIVATION_RESERVE_FRACTION = 0.05  # of each chip's HBM: prefill-chunk activations, logits, XLA scratch
+DEFAULT_PAGE_SIZE = 16
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+def _positive(name: str, value: Any, allow_zero: bool = False) -> float:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or value < 0 or (value == 0 and not allow_zero):
+        raise ValueError(f"{name} must be {'non-negative' if allow_zero else 'positive'}, got {value!r}")
+    return float(value)
+
+
+def dtype_bytes(dtype: str, field_name: str = "dtype", weights: bool = True) -> float:
+    """Bytes per element; the field name goes into the error so a CLI user sees which flag was wrong."""
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"{field_name}: unknown dtype {dtype!r}; choose from {', '.join(DTYPE_BYTES)}")
+    if not weights and dtype in WEIGHT_ONLY_DTYPES:
+        raise ValueError(f"{field_name}: {dtype} is for weights only, not for the KV cache")
+    return DTYPE_BYTES[dtype]
+
+
+# --------------------------------------------------------------------------- models
+@dataclass(frozen=True)
+class ModelShape:
+    """The few numbers of a decoder-only transformer that decide memory and FLOPs."""
+
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 8192
+    name: str = "custom"
+
+    def __post_init__(self) -> None:
+        for f in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
+                  "intermediate_size", "vocab_size", "max_position_embeddings"):
+            _positive_int(f, getattr(self, f))
+
+    @classmethod
+    def from_hf_config(cls, cfg: Any, name: str | None = None) -> "ModelShape":
+        """Accept a transformers config object or the dict of a config.json, since users have either."""
+        get = cfg.get if isinstance(cfg, Mapping) else (lambda k, d=None: getattr(cfg, k, d))
+        for key in ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size"):
+            if get(key) is None:
+                raise ValueError(f"model config: missing {key!r}")
+        hidden, heads = int(get("hidden_size")), int(get("num_attention_heads"))
+        head_dim = get("head_dim")  # Qwen2 configs omit it; Gemma's differs from hidden/heads
+        if head_dim is None:
+            if hidden % heads:
+                raise ValueError(f"model config: hidden_size {hidden} is not a multiple of num_attention_heads {heads}")
+            head_dim = hidden // heads
+        return cls(
+            num_layers=int(get("num_hidden_layers")), hidden_size=hidden, num_heads=heads,
+            num_kv_heads=int(get("num_key_value_heads") or heads),  # absent in older MHA configs
+            head_dim=int(head_dim), intermediate_size=int(get("intermediate_size")),
+            vocab_size=int(get("vocab_size")), tie_word_embeddings=bool(get("tie_word_embeddings", False)),
+            max_position_embeddings=int(get("max_position_embeddings") or 8192),
+            name=name or get("_name_or_path") or get("name_or_path") or get("model_type") or "custom",
+        )
+
+    @classmethod
+    def from_path(cls, path: str | Path) -> "ModelShape":
+        """A checkpoint directory, its config.json, or a workload JSON whose ``model`` dict is a config."""
+        p = Path(path)
+        cfg_file = p / "config.json" if p.is_dir() else p
+        if not cfg_file.is_file():
+            raise ValueError(f"model: no config.json at {str(cfg_file)!r}")
+        try:
+            data = json.loads(cfg_file.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"model: cannot read {str(cfg_file)!r}: {e}") from None
+        if isinstance(data.get("model"), Mapping) and "requests" in data:
+            return cls.from_hf_config(data["model"], name=cfg_file.stem)
+        name = cfg_file.parent.name if cfg_file.name == "config.json" and cfg_file.parent.name else cfg_file.stem
+        return cls.from_hf_config(data, name=name)
+
+    @property
+    def num_params(self) -> int:
+        """Embeddings, LM head unless tied, q/k/v/o, gate/up/down and RMSNorm weights.
+
+        Qwen2's q/k/v biases are left out: under 0.01% of the weights, and presets stay comparable.
+        """
+        attn = self.hidden_size * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
+        per_layer = attn + 3 * self.hidden_size * self.intermediate_size + 2 * self.hidden_size
+        embed = self.vocab_size * self.hidden_size
+        return embed * (1 if self.tie_word_embeddings else 2) + self.num_layers * per_layer + self.hidden_size
+
+    @property
+    def streamed_params(self) -> int:
+        """Parameters one decode step reads in full and multiplies: all but an untied input embedding,
+        which is a gather of B rows. A tied table is read whole, as the LM head."""
+        return self.num_params - (0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size)
+
+
+def _llama(name: str, layers: int, hidden: int, heads: int, kv: int, inter: int, vocab: int,
+           max_pos: int) -> ModelShape:
+    return ModelShape(layers, hidden, heads, kv, hidden // heads, inter, vocab, False, max_pos, name)
+
+
+PRESETS: dict[str, ModelShape] = {m.name: m for m in (
+    _llama("llama-2-7b", 32, 4096, 32, 32, 11008, 32000, 4096),
+    _llama("llama-3-8b", 32, 4096, 32, 8, 14336, 128256, 8192),
+    _llama("llama-3.1-8b", 32, 4096, 32, 8, 14336, 128256, 131072),
+    _llama("llama-3-70b", 80, 8192, 64, 8, 28672, 128256, 8192),
+    _llama("llama-3.1-70b", 80, 8192, 64, 8, 28672, 128256, 131072),
+    _llama("qwen2.5-7b", 28, 3584, 28, 4, 18944, 152064, 32768),
+    _llama("mistral-7b", 32, 4096, 32, 8, 14336, 32768, 32768),  # v0.3 vocabulary
+)}
+
+
+def resolve_model(spec: str | ModelShape) -> ModelShape:
+    """Preset name, checkpoint directory, config.json or workload JSON."""
+    if isinstance(spec, ModelShape):
+        return spec
+    if str(spec).lower() in PRESETS:
+        return PRESETS[str(spec).lower()]
+    if Path(spec).exists():
+        return ModelShape.from_path(spec)
+    raise ValueError(f"model: {spec!r} is not a preset, checkpoint directory or config.json; "
+                     f"presets: {', '.join(PRESETS)}")
+
+
+# --------------------------------------------------------------------------- accelerators
+@dataclass(frozen=True)
+class Accelerator:
+    """One chip. Prices are rough on-demand USD list prices: placeholders to override, not quotes."""
+
+    name: str
+    hbm_bytes: int
+    hbm_bandwidth: float  # bytes/s
+    bf16_flops: float  # dense FLOP/s
+    pads_head_dim_to: int | None  # TPU lanes are 128 wide, so a 64-wide head dim wastes half its KV
+    source: str
+    price_per_chip_hour: float = 0.0
+
+    def __post_init__(self) -> None:
+        for f in ("hbm_bytes", "hbm_bandwidth", "bf16_flops"):
+            _positive(f, getattr(self, f))
+
+
+_NV = "https://www.nvidia.com/en-us/data-center/"
+ACCELERATORS: dict[str, Accelerator] = {a.name: a for a in (
+    Accelerator("tpu-v4", 32 * GiB, 1200e9, 275e12, 128, "https://cloud.google.com/tpu/docs/v4", 3.22),
+    Accelerator("tpu-v5e", 16 * GiB, 819e9, 197e12, 128, "https://cloud.google.com/tpu/docs/v5e", 1.20),
+    Accelerator("tpu-v5p", 95 * GiB, 2765e9, 459e12, 128, "https://cloud.google.com/tpu/docs/v5p", 4.20),
+    Accelerator("tpu-v6e", 32 * GiB, 1640e9, 918e12, 128, "https://cloud.google.com/tpu/docs/v6e", 2.70),
+    Accelerator("a100-80gb", 80 * GB, 2039e9, 312e12, None, _NV + "a100/ (A100 datasheet, SXM 80GB)", 3.00),
+    Accelerator("h100", 80 * GB, 3.35e12, 989e12, None, _NV + "h100/ (H100 datasheet, SXM)", 4.00),
+    Accelerator("h200", 141 * GB, 4.8e12, 989e12, None, _NV + "h200/ (H200 datasheet, SXM)", 5.00),
+    Accelerator("l4", 24 * GB, 300e9, 121e12, None, _NV + "l4/ (L4 datasheet)", 0.80),
+)}
+
+
+def resolve_accelerator(spec: str | Accelerator) -> Accelerator:
+    if isinstance(spec, Accelerator):
+        return spec
+    if str(spec).lower() not in ACCELERATORS:
+        raise ValueError(f"accelerator: unknown {spec!r}; choose from {', '.join(ACCELERATORS)}")
+    return ACCELERATORS[str(spec).lower()]
+
+
+# --------------------------------------------------------------------------- sizing
+def kv_bytes_per_token(model: ModelShape, kv_dtype: str = "bf16", pad_head_dim_to: int | None = None) -> int:
+    """K and V for every layer and KV head: what one more token of context costs in HBM."""
+    return kv_bytes_per_token_per_chip(model, 1, kv_dtype, pad_head_dim_to)
+
+
+def kv_heads_per_chip(model: ModelShape, num_chips: int) -> int:
+    """Tensor parallelism splits KV heads; with more chips than heads each chip still needs one, so heads replicate."""
+    return math.ceil(model.num_kv_heads / _positive_int("num_chips", num_chips))
+
+
+def stored_head_dim(model: ModelShape, pad_head_dim_to: int | None = None) -> int:
+    """The head dim the cache really stores: rounded up to the lane width where the hardware pads."""
+    if not pad_head_dim_to:
+        return model.head_dim
+    return math.ceil(model.head_dim / pad_head_dim_to) * pad_head_dim_to
+
+
+def kv_bytes_per_token_per_chip(model: ModelShape, num_chips: int = 1, kv_dtype: str = "bf16",
+                                pad_head_dim_to: int | None = None) -> int:
+    per_elem = dtype_bytes(kv_dtype, "kv_dtype", weights=False)
+    heads = kv_heads_per_chip(model, num_chips)
+    return int(2 * model.num_layers * heads * stored_head_dim(model, pad_head_dim_to) * per_elem)
+
+
+def weight_bytes(model: ModelShape, weight_dtype: str = "bf16") -> int:
+    return math.ceil(model.num_params * dtype_bytes(weight_dtype, "weight_dtype"))
+
+
+def _roofline(weight_bytes_per_chip: float, kv_bytes_per_chip: float, flop_params: int, batch: int,
+              bandwidth: float, flops: float, num_chips: int) -> tuple[float, float]:
+    """The one formula every step time here comes from: (memory-bound s, compute-bound s)."""
+    return ((weight_bytes_per_chip + kv_bytes_per_chip) / bandwidth,
+            2.0 * flop_params * batch / (flops * num_chips))
+
+
+def decode_step_bounds(model: ModelShape, batch: int, kv_tokens_per_request: float, bandwidth: float,
+                       flops: float, *, num_chips: int = 1, weight_dtype: str = "bf16", kv_dtype: str = "bf16",
+                       pad_head_dim_to: int | None = None) -> tuple[float, float]:
+    """(memory-bound, compute-bound) seconds for one decode step, per chip under tensor parallelism.
+
+    Memory: every streamed weight once plus each request's KV.  Compute: 2 FLOPs per
+    streamed parameter per token.  Attention FLOPs are left out: at decode their
+    intensity is about heads/kv_heads FLOPs per KV byte, far below any chip's ridge, so
+    the KV bytes, already counted, are what they cost.  Communication is ignored.
+    """
+    w = model.streamed_params * dtype_bytes(weight_dtype, "weight_dtype") / num_chips
+    kv = batch * kv_tokens_per_request * kv_bytes_per_token_per_chip(model, num_chips, kv_dtype, pad_head_dim_to)
+    return _roofline(w, kv, model.streamed_params, batch, bandwidth, flops, num_chips)
+
+
+def predict_decode_step(model: ModelShape, batch: int, context_len: int, bandwidth: float, flops: float,
+                        weight_dtype: str = "fp32", kv_dtype: str = "fp32") -> float:
+    """Single-device lower bound, for comparing with a measured engine step on this host."""
+    return max(decode_step_bounds(model, batch, context_len, bandwidth, flops,
+                                  weight_dtype=weight_dtype, kv_dtype=kv_dtype))
+
+
+def load_workload(path: str | Path) -> tuple[float, float, int]:
+    """(mean prompt_len, mean output_len, request count) of a workload JSON with a ``requests`` list."""
+    try:
+        reqs = json.loads(Path(path).read_text())["requests"]
+        prompts = [int(r["prompt_len"]) for r in reqs]
+        outputs = [int(r["output_len"]) for r in reqs]
+    except (OSError, KeyError, TypeError, json.JSONDecodeError) as e:
+        raise ValueError(f"workload: cannot read requests from {str(path)!r}: {e!r}") from None
+    if not prompts:
+        raise ValueError(f"workload: {str(path)!r} has no requests")
+    return sum(prompts) / len(prompts), sum(outputs) / len(outputs), len(prompts)
+
+
+@dataclass
+class Plan:
+    """Everything `jaxserve kv-math` reports; byte figures are per chip unless named *_total or whole-model."""
+
+    model: str
+    accelerator: str
+    num_chips: int
+    kv_dtype: str
+    weight_dtype: str
+    context_len: int
+    memory_fraction: float
+    page_size: int | None
+    price_per_chip_hour: float
+    bandwidth: float
+    peak_flops: float
+    num_params: int
+    flop_params: int  # streamed parameters: all but an untied input embedding
+    weight_bytes_total: int
+    weight_bytes_per_chip: int
+    streamed_weight_bytes_per_chip: int
+    hbm_bytes_per_chip: int
+    usable_bytes_per_chip: int
+    activation_reserve_bytes: int
+    activation_reserve_note: str
+    kv_free_bytes_per_chip: int
+    kv_heads_per_chip: int
+    head_dim_stored: int
+    kv_bytes_per_token: int  # whole model, unpadded, unreplicated
+    kv_bytes_per_token_per_chip: int  # after padding and replication
+    kv_bytes_max_request: int  # one context_len request, whole model
+    kv_bytes_max_request_per_chip: int  # after page rounding, padding, replication
+    pages_per_request: int | None
+    pages_per_chip: int | None
+    max_concurrent_requests: int
+    fits: bool
+    reason: str
+    step_time_batch1_s: float = 0.0
+    step_memory_bound_s: float = 0.0  # at max(1, max_concurrent_requests), every request at context_len
+    step_compute_bound_s: float = 0.0
+    step_time_s: float = 0.0
+    compute_bound_from_batch: float | None = None  # None: never, each request adds more bytes than its FLOPs hide
+    tokens_per_s: float = 0.0
+    cost_per_million_output_tokens: float | None = None
+    traffic: dict[str, Any] | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def bounds(self, batch: int, kv_tokens: float | None = None) -> tuple[float, float]:
+        """(memory-bound s, compute-bound s) at any batch, each request holding kv_tokens (default context_len)."""
+        kv = batch * (self.context_len if kv_tokens is None else kv_tokens) * self.kv_bytes_per_token_per_chip
+        return _roofline(self.streamed_weight_bytes_per_chip, kv, self.flop_params, batch, self.bandwidth,
+                         self.peak_flops, self.num_chips)
+
+    def at_batch(self, batch: int, kv_tokens: float | None = None) -> tuple[float, float, float | None]:
+        """(step s, tokens/s, USD per million output tokens) at any batch, e.g. for plots."""
+        step = max(self.bounds(batch, kv_tokens))
+        tps = batch / step
+        return step, tps, self.price_per_chip_hour * self.num_chips / (tps * 3600) * 1e6
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def to_text(self) -> str:
+        return format_plan(self)
+
+
+def plan(model: str | ModelShape = "llama-3.1-8b", accelerator: str | Accelerator = "h100", num_chips: int = 1,
+         kv_dtype: str = "bf16", weight_dtype: str = "bf16", context_len: int = 8192, memory_fraction: float = 0.9,
+         activation_reserve_bytes: float | None = None, page_size: int | None = DEFAULT_PAGE_SIZE,
+         price_per_chip_hour: float | None = None, mean_prompt: float | None = None,
+         mean_output: float | None = None, workload: str | Path | None = None) -> Plan:
+    """Size one deployment. Weights that do not fit are a result (fits=False), not an exception."""
+    m, acc = resolve_model(model), resolve_accelerator(accelerator)
+    chips, ctx = _positive_int("num_chips", num_chips), _positive_int("context_len", context_len)
+    if isinstance(memory_fraction, bool) or not isinstance(memory_fraction, (int, float)) \
+            or not 0 < memory_fraction <= 1:
+        raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction!r}")
+    page = None if page_size is None else _positive_int("page_size", page_size)
+    price = acc.price_per_chip_hour if price_per_chip_hour is None else _positive(
+        "price_per_chip_hour", price_per_chip_hour, allow_zero=True)
+    if (mean_prompt is None) != (mean_output is None):
+        raise ValueError(f"{'mean_output' if mean_output is None else 'mean_prompt'} is missing: "
+                         "a traffic pattern needs both mean_prompt and mean_output")
+    w_total = weight_bytes(m, weight_dtype)
+    w_chip = math.ceil(w_total / chips)  # assumes every weight shards evenly; embeddings may replicate in practice
+    kv_chip = kv_bytes_per_token_per_chip(m, chips, kv_dtype, acc.pads_head_dim_to)
+    usable = int(acc.hbm_bytes * memory_fraction)
+    if activation_reserve_bytes is None:
+        reserve = int(acc.hbm_bytes * DEFAULT_ACTIVATION_RESERVE_FRACTION)
+        reserve_note = f"default: {DEFAULT_ACTIVATION_RESERVE_FRACTION:.0%} of HBM"
+    else:
+        reserve = int(_positive("activation_reserve_bytes", activation_reserve_bytes, allow_zero=True))
+        reserve_note = "given"
+    free = usable - w_chip - reserve
+
+    def request_tokens(tokens: float) -> int:  # KV is allocated in whole pages
+        return math.ceil(tokens / page) * page if page else math.ceil(tokens)
+
+    req_chip = request_tokens(ctx) * kv_chip
+    max_req = max(0, free) // req_chip
+    if free <= 0:
+        reason = (f"weights do not fit: {_gb(w_chip)} of weights per chip + {_gb(reserve)} reserve "
+                  f"> {_gb(usable)} usable ({memory_fraction:g} of {_gb(acc.hbm_bytes)}) on {chips} x {acc.name}")
+    elif max_req == 0:
+        reason = (f"one {ctx}-token request does not fit: it needs {_gb(req_chip)} of KV per chip and "
+                  f"{_gb(free)} is left after the weights")
+    else:
+        reason = "ok"
+    out = Plan(
+        model=m.name, accelerator=acc.name, num_chips=chips, kv_dtype=kv_dtype, weight_dtype=weight_dtype,
+        context_len=ctx, memory_fraction=float(memory_fraction), page_size=page, price_per_chip_hour=price,
+        bandwidth=acc.hbm_bandwidth, peak_flops=acc.bf16_flops, num_params=m.num_params,
+        flop_params=m.streamed_params, weight_bytes_total=w_total, weight_bytes_per_chip=w_chip,
+        streamed_weight_bytes_per_chip=math.ceil(m.streamed_params * dtype_bytes(weight_dtype) / chips),
+        hbm_bytes_per_chip=acc.hbm_bytes, usable_bytes_per_chip=usable, activation_reserve_bytes=reserve,
+        activation_reserve_note=reserve_note, kv_free_bytes_per_chip=free,
+        kv_heads_per_chip=kv_heads_per_chip(m, chips), head_dim_stored=stored_head_dim(m, acc.pads_head_dim_to),
+        kv_bytes_per_token=kv_bytes_per_token(m, kv_dtype), kv_bytes_per_token_per_chip=kv_chip,
+        kv_bytes_max_request=ctx * kv_bytes_per_token(m, kv_dtype), kv_bytes_max_request_per_chip=req_chip,
+        pages_per_request=request_tokens(ctx) // page if page else None,
+        pages_per_chip=max(0, free) // (page * kv_chip) if page else None,
+        max_concurrent_requests=int(max_req), fits=max_req > 0, reason=reason)
+    out.step_time_batch1_s = out.at_batch(1)[0]
+    batch = max(1, out.max_concurrent_requests)
+    out.step_memory_bound_s, out.step_compute_bound_s = out.bounds(batch)
+    out.step_time_s = max(out.step_memory_bound_s, out.step_compute_bound_s)
+    if out.fits:
+        _, out.tokens_per_s, out.cost_per_million_output_tokens = out.at_batch(batch)
+    # memory time = compute time:  (W + B*K)/bw = 2*P*B/(F*chips)  =>  B = W / (2*P*bw/(F*chips) - K)
+    denom = 2.0 * m.streamed_params * acc.hbm_bandwidth / (acc.bf16_flops * chips) - ctx * kv_chip
+    out.compute_bound_from_batch = out.streamed_weight_bytes_per_chip / denom if denom > 0 else None
+    if ctx > m.max_position_embeddings:
+        out.notes.append(f"context {ctx} exceeds the model's max_position_embeddings {m.max_position_embeddings}")
+    source = "given means"
+    if workload is not None:
+        mean_prompt, mean_output, n = load_workload(workload)
+        source = f"{workload} ({n} requests)"
+    if mean_prompt is not None:
+        p, o = _positive("mean_prompt", mean_prompt), _positive("mean_output", mean_output)
+        held = p + o / 2  # a request holds its prompt plus, averaged over its decode, half its output
+        conc = int(max(0, free) // (request_tokens(held) * kv_chip))
+        step, tps, cost = out.at_batch(max(1, conc), kv_tokens=held)
+        out.traffic = {"source": source, "mean_prompt": p, "mean_output": o, "mean_kv_tokens": held,
+                       "mean_kv_bytes_per_request": held * out.kv_bytes_per_token, "concurrent_requests": conc,
+                       "step_time_s": step, "tokens_per_s": tps if conc else 0.0,
+                       "cost_per_million_output_tokens": cost if conc else None}
+    return out
+
+
+def max_concurrent_requests(model: str | ModelShape, context_len: int, accelerator: str | Accelerator = "h100",
+                            num_chips: int = 1, kv_dtype: str = "bf16", weight_dtype: str = "bf16",
+                            memory_fraction: float = 0.9, activation_reserve_bytes: int | None = None,
+                            page_size: int | None = None) -> int:
+    """Requests of context_len tokens that fit at once; 0 when the weights (or one request) do not fit."""
+    return plan(model, accelerator, num_chips, kv_dtype, weight_dtype, context_len, memory_fraction,
+                activation_reserve_bytes, page_size).max_concurrent_requests
+
+
+# --------------------------------------------------------------------------- output
+def _gb(x: float) -> str:
+    return f"{x / GB:,.2f} GB"
+
+
+def _ms(s: float) -> str:
+    return f"{s * 1e3:,.2f} ms"
+
+
+def _usd(x: float | None) -> str:
+    return "n/a" if x is None else f"${x:,.3f}"
+
+
+def format_plan(p: Plan) -> str:
+    """A two-column plain-text table: readable in a terminal and pasteable into docs."""
+    per = f" per chip (x{p.num_chips})" if p.num_chips > 1 else ""
+    rows = [
+        ("model", f"{p.model} ({p.num_params / 1e9:.2f}B params)"),
+        ("accelerator", f"{p.num_chips} x {p.accelerator}, {_gb(p.hbm_bytes_per_chip)} "
+                        f"({p.hbm_bytes_per_chip / GiB:.1f} GiB) HBM, "
+                        f"{p.bandwidth / 1e12:.3g} TB/s, {p.peak_flops / 1e12:.0f} TFLOP/s bf16 per chip"),
+        ("dtypes", f"weights {p.weight_dtype}, KV {p.kv_dtype}"),
+        ("context", f"{p.context_len:,} tokens, page size {p.page_size or 'none'}"),
+        ("weights", f"{_gb(p.weight_bytes_total)} total, {_gb(p.weight_bytes_per_chip)} per chip"),
+        ("usable HBM" + per, f"{_gb(p.usable_bytes_per_chip)} ({p.memory_fraction:g} of HBM)"),
+        ("activation reserve" + per, f"{_gb(p.activation_reserve_bytes)} ({p.activation_reserve_note})"),
+        ("left for KV" + per, _gb(p.kv_free_bytes_per_chip)),
+        ("KV per token", f"{p.kv_bytes_per_token:,} B ({p.kv_bytes_per_token_per_chip:,} B per chip: "
+                         f"{p.kv_heads_per_chip} KV head{'s' * (p.kv_heads_per_chip > 1)} "
+                         f"x head_dim {p.head_dim_stored})"),
+        ("KV per max-length request", f"{_gb(p.kv_bytes_max_request)} ({_gb(p.kv_bytes_max_request_per_chip)}"
+                                      " per chip, in pages)"),
+        ("pages", "n/a" if p.page_size is None else
+         f"{p.pages_per_request:,} per request, {p.pages_per_chip:,} per chip"),
+        ("max concurrent requests", f"{p.max_concurrent_requests:,}" + ("" if p.fits else f"  ({p.reason})")),
+        ("decode step, batch 1", f">= {_ms(p.step_time_batch1_s)}"),
+    ]
+    if p.fits:
+        rows.append((f"decode step, batch {p.max_concurrent_requests}", f">= {_ms(p.step_time_s)} (memory "
+                     f"{_ms(p.step_memory_bound_s)}, compute {_ms(p.step_compute_bound_s)})"))
+    rows += [
+        ("compute-bound from batch", "never at this context (KV reads grow as fast as FLOPs)"
+         if p.compute_bound_from_batch is None else f"{p.compute_bound_from_batch:,.0f}"),
+        ("tokens/s ceiling at max batch", f"{p.tokens_per_s:,.0f}"),
+        ("cost per 1M output tokens", f"{_usd(p.cost_per_million_output_tokens)} at "
+                                      f"${p.price_per_chip_hour:.2f}/chip-hour"),
+    ]
+    if p.traffic:
+        t = p.traffic
+        rows += [("traffic", f"{t['source']}: mean prompt {t['mean_prompt']:.1f}, output {t['mean_output']:.1f}"),
+                 ("  mean KV held per request", f"{t['mean_kv_tokens']:,.1f} tokens, "
+                                                f"{_gb(t['mean_kv_bytes_per_request'])}"),
+                 ("  concurrent requests", f"{t['concurrent_requests']:,}"),
+                 ("  tokens/s ceiling", f"{t['tokens_per_s']:,.0f} (step >= {_ms(t['step_time_s'])})"),
+                 ("  cost per 1M output tokens", _usd(t["cost_per_million_output_tokens"]))]
+    rows += [("note", n) for n in p.notes]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def write_plot(p: Plan, path: str | Path) -> None:
+    """Tokens/s and cost against batch size: shows where batching stops paying and where memory ends."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    top = max(2, p.max_concurrent_requests)
+    batches = np.unique(np.geomspace(1, top * 1.5, 60).astype(int))
+    stats = [p.at_batch(int(b)) for b in batches]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    ax1.plot(batches, [s[1] for s in stats])
+    ax1.set(xlabel="batch (concurrent requests)", ylabel="tokens/s ceiling", xscale="log")
+    ax2.plot(batches, [s[2] if s[2] is not None else np.nan for s in stats])
+    ax2.set(xlabel="batch (concurrent requests)", ylabel="USD per 1M output tokens", xscale="log", yscale="log")
+    for ax in (ax1, ax2):
+        ax.axvline(p.max_concurrent_requests, color="red", ls="--", label=f"max batch {p.max_concurrent_requests}")
+        ax.axvspan(p.max_concurrent_requests, batches[-1], color="grey", alpha=0.15, label="KV does not fit")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    fig.suptitle(f"{p.model} on {p.num_chips} x {p.accelerator}, {p.context_len:,}-token context, "
+                 f"weights {p.weight_dtype}, KV {p.kv_dtype}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+# --------------------------------------------------------------------------- host measurement
+def measure_host(size_bytes: int = 512 * 1024 * 1024, repeats: int = 5) -> dict[str, float]:
+    """Measure the bandwidth and FLOP/s that predict_decode_step needs, on this machine.
+
+    Bandwidth is the faster of a numpy sum (one core) and a jitted jax sum (all cores),
+    since the engine streams weights through XLA; best of ``repeats`` runs.
+    """
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    def best(fn: Any) -> float:
+        fn()  # warm-up: page faults, compilation
+        times = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+        return min(times)
+
+    start = time.perf_counter()
+    x = jnp.ones(size_bytes // 4, jnp.float32)  # allocating once: page faults cost seconds on a small VM
+    a = np.asarray(x)  # a zero-copy view on the CPU backend
+    bw_numpy = a.nbytes / best(a.sum)
+    jsum = jax.jit(jnp.sum)
+    bw_jax = x.nbytes / best(lambda: jsum(x).block_until_ready())
+    del a, x
+    lhs, rhs = jnp.ones((512, 4096), jnp.float32), jnp.ones((4096, 4096), jnp.float32)
+    mm = jax.jit(jnp.matmul)
+    flops = 2 * 512 * 4096 * 4096 / best(lambda: mm(lhs, rhs).block_until_ready())
+    return {"memory_bandwidth": max(bw_numpy, bw_jax), "memory_bandwidth_numpy": bw_numpy,
+            "memory_bandwidth_jax": bw_jax, "matmul_flops_fp32": flops,
+            "seconds": time.perf_counter() - start}
+
+
+def _measure_host_report(model: ModelShape, context_len: int, as_json: bool) -> int:
+    host = measure_host()
+    rows = []
+    for b in (1, 8, 32):
+        mem, comp = decode_step_bounds(model, b, context_len, host["memory_bandwidth"], host["matmul_flops_fp32"],
+                                       weight_dtype="fp32", kv_dtype="fp32")
+        rows.append({"batch": b, "memory_bound_s": mem, "compute_bound_s": comp, "predicted_s": max(mem, comp),
+                     # ---- MEASURED ENGINE STEP GOES HERE -------------------------------------------
+                     # Filled in by the engine benchmark (its own measure_engine_step, not written here):
+                     # the measured jitted decode step at this batch and context, to set beside predicted_s.
+                     "measured_engine_s": None})
+    if as_json:
+        print(json.dumps({"host": host, "model": model.name, "context_len": context_len, "steps": rows}, indent=2))
+        return 0
+    print(f"host: memory bandwidth {host['memory_bandwidth'] / GB:.1f} GB/s (numpy sum "
+          f"{host['memory_bandwidth_numpy'] / GB:.1f}, jax sum {host['memory_bandwidth_jax'] / GB:.1f}), "
+          f"fp32 matmul {host['matmul_flops_fp32'] / 1e9:.0f} GFLOP/s  [{host['seconds']:.1f} s]")
+    print(f"predicted fp32 decode step, {model.name} ({model.num_params / 1e6:.1f}M params), context {context_len}:")
+    print(f"{'batch':>6} {'memory':>12} {'compute':>12} {'predicted':>12} {'engine':>12}")
+    for r in rows:
+        print(f"{r['batch']:>6} {_ms(r['memory_bound_s']):>12} {_ms(r['compute_bound_s']):>12} "
+              f"{_ms(r['predicted_s']):>12} {'(not run)':>12}")
+    return 0
+
+
+# --------------------------------------------------------------------------- CLI
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="jaxserve kv-math", description=__doc__.split("\n\n")[1])
+    ap.add_argument("--model", default="llama-3.1-8b", help=f"preset ({', '.join(PRESETS)}), checkpoint dir, "
+                    "config.json or workload JSON")
+    ap.add_argument("--accelerator", default="h100", help=", ".join(ACCELERATORS))
+    ap.add_argument("--chips", type=int, default=1, help="chips in the tensor-parallel group")
+    ap.add_argument("--kv-dtype", default="bf16", help=", ".join(d for d in DTYPE_BYTES if d not in WEIGHT_ONLY_DTYPES))
+    ap.add_argument("--weight-dtype", default="bf16", help=", ".join(DTYPE_BYTES))
+    ap.add_argument("--context", type=int, default=8192, help="tokens per request (prompt + output)")
+    ap.add_argument("--memory-fraction", type=float, default=0.9, help="share of HBM the server may use")
+    ap.add_argument("--activation-reserve-gb", type=float, default=None,
+                    help=f"per chip, in GB (default {DEFAULT_ACTIVATION_RESERVE_FRACTION:.0%} of HBM)")
+    ap.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE, help="tokens per KV page")
+    ap.add_argument("--price-per-chip-hour", type=float, default=None, help="USD (default: rough on-demand price)")
+    ap.add_argument("--mean-prompt", type=float, default=None)
+    ap.add_argument("--mean-output", type=float, default=None)
+    ap.add_argument("--workload", metavar="FILE", default=None, help="workload JSON with a requests list")
+    ap.add_argument("--json", action="store_true", help="print the plan as JSON")
+    ap.add_argument("--plot", metavar="FILE.png", default=None, help="tokens/s and cost against batch size")
+    ap.add_argument("--measure-host", action="store_true",
+                    help="measure this machine and predict fp32 decode steps at batch 1, 8, 32")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Exit codes: 0 ok, 1 the configuration does not fit, 2 bad usage."""
+    try:
+        args = _parser().parse_args(argv)
+    except SystemExit as e:  # argparse has printed its message; hand back its code instead of exiting
+        return int(e.code or 0)
+    try:
+        model = resolve_model(args.model)
+        if args.measure_host:
+            return _measure_host_report(model, _positive_int("context_len", args.context), args.json)
+        reserve = None if args.activation_reserve_gb is None else args.activation_reserve_gb * GB
+        p = plan(model, args.accelerator, args.chips, args.kv_dtype, args.weight_dtype, args.context,
+                 args.memory_fraction, reserve, args.page_size, args.price_per_chip_hour,
+                 args.mean_prompt, args.mean_output, args.workload)
+    except ValueError as e:
+        print(f"jaxserve kv-math: error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(p.to_dict(), indent=2) if args.json else p.to_text())
+    if not p.fits:
+        print(f"jaxserve kv-math: {p.reason}", file=sys.stderr)
+        return 1
+    if args.plot:
+        write_plot(p, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
