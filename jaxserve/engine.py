@@ -1,0 +1,272 @@
+"""The device side: jitted prefill, decode and page-copy steps over fixed shapes.
+
+Pure functions of arrays, jitted with the model graph and config static and the KV cache
+donated. The engine never sees a request: it takes token ids, positions, page ids and
+sampling arrays, and every dynamic size is padded to a bucket so that warm-up compiles
+everything serving will ever run.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import functools
+import logging
+import threading
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxserve import kv_math
+from jaxserve.models.config import ModelConfig
+from jaxserve.models.llama import AttentionMetadata, LlamaForCausalLM
+from jaxserve.paged_cache import DUMMY_PAGE
+from jaxserve.request import MAX_LOGPROBS
+from jaxserve.sampling import sample
+from pallas_kernels import reference
+
+log = logging.getLogger("jaxserve.engine")
+
+_compiles = 0
+_compiles_lock = threading.Lock()
+
+
+def _on_event(name: str, *_args, **_kw) -> None:
+    global _compiles
+    if name == "/jax/core/compile/backend_compile_duration":
+        with _compiles_lock:
+            _compiles += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_on_event)
+
+
+def compile_count() -> int:
+    """XLA compilations in this process so far: the tripwire for compiles after warm-up."""
+    return _compiles
+
+
+def pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
+    out, b = [], lo
+    while b < hi:
+        out.append(b)
+        b *= 2
+    out.append(hi)
+    return tuple(out)
+
+
+def bucket_for(buckets: tuple[int, ...], n: int) -> int:
+    i = bisect.bisect_left(buckets, n)
+    if i == len(buckets):
+        raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
+    return buckets[i]
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    max_slots: int = 16
+    page_size: int = 16
+    max_model_len: int | None = None  # default: the model's context, capped at 2048
+    num_pages: int | None = None  # default: sized from kv_cache_memory_bytes
+    kv_cache_memory_bytes: int | None = None  # default: accelerator memory left, or 2 GiB on CPU
+    memory_fraction: float = 0.9
+    prefill_buckets: tuple[int, ...] = (16, 32, 64, 128, 256, 512)
+    max_prefill_tokens: int = 512  # per scheduler step, across sequences
+    dtype: str | None = None  # "float32" | "bfloat16"; default by backend
+    attention_impl: str | None = None  # "xla" | "pallas"; default pallas on TPU/GPU, xla on CPU
+    interpret: bool | None = None  # run Pallas kernels interpreted (default: on CPU)
+    seed: int = 0
+
+    def __post_init__(self):
+        for name in ("max_slots", "page_size", "max_prefill_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.attention_impl not in (None, "xla", "pallas"):
+            raise ValueError(f"attention_impl must be 'xla' or 'pallas', got {self.attention_impl!r}")
+        if list(self.prefill_buckets) != sorted(set(self.prefill_buckets)) or self.prefill_buckets[0] < 1:
+            raise ValueError(f"prefill_buckets must be increasing positive sizes, got {self.prefill_buckets}")
+
+
+def _attention_fn(impl: str, interpret: bool, page_size: int) -> Callable:
+    if impl == "xla":
+        return reference.paged_attention
+    from pallas_kernels import paged_attention as pk
+
+    return functools.partial(pk.paged_attention_any, interpret=interpret)
+
+
+def _prefill_step(graphdef, attn_fn, params, kv, tokens, positions, slot_mapping, block_tables, context_lens):
+    model = nnx.merge(graphdef, params)
+    meta = AttentionMetadata(slot_mapping, block_tables, context_lens)
+    _, kv = model(tokens, positions, kv, meta, attn_fn, logits_index=jnp.zeros((tokens.shape[0],), jnp.int32))
+    return kv  # logits unused: XLA drops the vocabulary projection
+
+
+def _decode_step(graphdef, attn_fn, params, kv, tokens, positions, slot_mapping, block_tables, context_lens):
+    model = nnx.merge(graphdef, params)
+    meta = AttentionMetadata(slot_mapping[:, None], block_tables, context_lens)
+    logits, kv = model(tokens[:, None], positions[:, None], kv, meta, attn_fn,
+                       logits_index=jnp.zeros((tokens.shape[0],), jnp.int32))
+    return logits, kv
+
+
+def _copy_pages(kv, src, dst):
+    return tuple((k.at[dst].set(k[src]), v.at[dst].set(v[src])) for k, v in kv)
+
+
+@dataclasses.dataclass
+class DecodeResult:
+    tokens: np.ndarray  # [S]
+    logprobs: np.ndarray | None  # [S]
+    top_ids: np.ndarray | None  # [S, n]
+    top_logprobs: np.ndarray | None
+
+
+class Engine:
+    def __init__(self, model: LlamaForCausalLM, model_cfg: ModelConfig, cfg: EngineConfig):
+        self.model_cfg = model_cfg
+        self.cfg = cfg
+        backend = jax.default_backend()
+        self.dtype = jnp.dtype(cfg.dtype or ("float32" if backend == "cpu" else "bfloat16"))
+        self.attention_impl = cfg.attention_impl or ("xla" if backend == "cpu" else "pallas")
+        self.interpret = cfg.interpret if cfg.interpret is not None else backend == "cpu"
+        self.max_model_len = min(cfg.max_model_len or min(model_cfg.max_context, 2048), model_cfg.max_context)
+        ps = cfg.page_size
+        self.max_pages_per_seq = -(-self.max_model_len // ps)
+        self.page_buckets = pow2_buckets(1, self.max_pages_per_seq)
+        fits = [b for b in cfg.prefill_buckets if b < self.max_model_len]
+        bigger = [b for b in cfg.prefill_buckets if b >= self.max_model_len]
+        self.prefill_buckets = tuple(fits + bigger[:1])
+        graphdef, params = nnx.split(model)
+        self.params = params
+        weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+        self.kv_bytes_per_token = kv_math.kv_bytes_per_token(
+            kv_math.ModelShape.from_hf_config(_shape_dict(model_cfg)), kv_dtype=_KV_DTYPE[self.dtype.name])
+        self.num_pages = cfg.num_pages or self._size_pool(weight_bytes)
+        need = self.max_pages_per_seq + 1
+        if self.num_pages < need:
+            raise ValueError(
+                f"KV cache too small: one request of max_model_len={self.max_model_len} needs "
+                f"{self.max_pages_per_seq} pages of {ps} tokens ({self.max_pages_per_seq * ps * self.kv_bytes_per_token / 2**20:.1f} MiB "
+                f"at {self.kv_bytes_per_token} bytes/token) plus the reserved page, but the pool has {self.num_pages} "
+                f"pages; raise num_pages / kv_cache_memory_bytes or lower max_model_len")
+        c = model_cfg
+        shape = (self.num_pages, ps, c.num_kv_heads, c.head_dim)
+        self.kv = tuple((jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype)) for _ in range(c.num_layers))
+        log.info("KV cache: %d pages x %d tokens (%.1f MiB), %d slots, max_model_len %d, attention %s",
+                 self.num_pages, ps, self.num_pages * ps * self.kv_bytes_per_token / 2**20,
+                 cfg.max_slots, self.max_model_len, self.attention_impl)
+        attn = _attention_fn(self.attention_impl, self.interpret, ps)
+        self._prefill = jax.jit(functools.partial(_prefill_step, graphdef, attn), donate_argnums=(1,))
+        self._decode = jax.jit(functools.partial(_decode_step, graphdef, attn), donate_argnums=(1,))
+        self._sample = jax.jit(sample, static_argnames=("do_sample", "num_logprobs"))
+        self._copy = jax.jit(_copy_pages, donate_argnums=(0,))
+        self.copy_batch = max(8, cfg.max_slots)
+
+    def _size_pool(self, weight_bytes: int) -> int:
+        per_page = self.cfg.page_size * self.kv_bytes_per_token
+        budget = self.cfg.kv_cache_memory_bytes
+        if budget is None:
+            stats = jax.devices()[0].memory_stats() or {}
+            if "bytes_limit" in stats:
+                budget = int(stats["bytes_limit"] * self.cfg.memory_fraction) - weight_bytes - stats.get("bytes_in_use", 0)
+            else:  # CPU: enough for every slot at full length, at most 2 GiB
+                budget = min(2 << 30, (self.cfg.max_slots * self.max_pages_per_seq + 1) * per_page)
+        return max(0, budget // per_page)
+
+    # -- steps -------------------------------------------------------------------------
+    def prefill(self, tokens: list[int], start: int, pages: list[int]) -> None:
+        """Fill KV for `tokens` at positions start.. of a sequence owning `pages`."""
+        n = len(tokens)
+        t = bucket_for(self.prefill_buckets, n)
+        ps = self.cfg.page_size
+        # A fresh prompt attends only to its own pages; a continuation sees the whole context.
+        p = -(-t // ps) if start == 0 else self.max_pages_per_seq
+        tok = np.zeros((1, t), np.int32)
+        tok[0, :n] = tokens
+        pos = np.zeros((1, t), np.int32)
+        pos[0, :n] = np.arange(start, start + n)
+        pages_arr = np.asarray(pages, np.int32)
+        slots = np.full((1, t), DUMMY_PAGE * ps, np.int32)
+        idx = np.arange(start, start + n)
+        slots[0, :n] = pages_arr[idx // ps] * ps + idx % ps
+        bt = np.full((1, p), DUMMY_PAGE, np.int32)
+        m = min(p, len(pages))
+        bt[0, :m] = pages_arr[:m]
+        self.kv = self._prefill(self.params, self.kv, tok, pos, slots, bt, np.asarray([start + n], np.int32))
+
+    def decode(self, tokens: np.ndarray, positions: np.ndarray, block_tables: list[list[int]], active: np.ndarray,
+               temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray, seeds: np.ndarray,
+               counters: np.ndarray, num_logprobs: int) -> DecodeResult:
+        """One step over all max_slots slots; inactive slots write into the dummy page."""
+        s = self.cfg.max_slots
+        ps = self.cfg.page_size
+        need = max([len(b) for b, a in zip(block_tables, active) if a] or [1])
+        p = bucket_for(self.page_buckets, need)
+        bt = np.zeros((s, p), np.int32)
+        slots = np.zeros((s,), np.int32)
+        for i, (pages, a) in enumerate(zip(block_tables, active)):
+            if a:
+                bt[i, : len(pages)] = pages
+                slots[i] = pages[positions[i] // ps] * ps + positions[i] % ps
+        ctx = np.where(active, positions + 1, 0).astype(np.int32)
+        logits, self.kv = self._decode(self.params, self.kv, tokens.astype(np.int32), positions.astype(np.int32),
+                                       slots, bt, ctx)
+        do_sample = bool(np.any(active & (temperature > 0)))
+        n = MAX_LOGPROBS if num_logprobs > 0 else 0
+        out = self._sample(logits, temperature.astype(np.float32), top_k.astype(np.int32), top_p.astype(np.float32),
+                           seeds, counters.astype(np.int32), do_sample=do_sample, num_logprobs=n)
+        out = jax.device_get(out)
+        return DecodeResult(*out)
+
+    def copy_pages(self, pairs: list[tuple[int, int]]) -> None:
+        for i in range(0, len(pairs), self.copy_batch):
+            chunk = pairs[i: i + self.copy_batch]
+            src = np.zeros((self.copy_batch,), np.int32)
+            dst = np.zeros((self.copy_batch,), np.int32)
+            src[: len(chunk)] = [a for a, _ in chunk]
+            dst[: len(chunk)] = [b for _, b in chunk]
+            self.kv = self._copy(self.kv, src, dst)
+
+    # -- warm-up -----------------------------------------------------------------------
+    def warmup(self, progress: Callable[[str], None] | None = None) -> float:
+        """Compile every shape serving can produce; all writes go to the dummy page."""
+        t0 = time.perf_counter()
+        s, ps = self.cfg.max_slots, self.cfg.page_size
+        jobs = []
+        for t in self.prefill_buckets:
+            for start in (0, ps):
+                jobs.append(("prefill", t, start))
+        for p in self.page_buckets:
+            jobs.append(("decode", p, None))
+        for i, (kind, a, b) in enumerate(jobs):
+            if progress:
+                progress(f"compiling {kind} {a} ({i + 1}/{len(jobs)})")
+            if kind == "prefill":
+                self.prefill([0] * a, b, [DUMMY_PAGE] * (self.max_pages_per_seq + a // ps + 2))
+            else:
+                z = np.zeros((s,), np.int32)
+                active = np.zeros((s,), bool)
+                active[0] = True
+                for do_sample in (False, True):
+                    for nlp in (0, 1):
+                        self.decode(z, z, [[DUMMY_PAGE] * a] + [[]] * (s - 1), active,
+                                    np.full((s,), 1.0 if do_sample else 0.0, np.float32), z, np.ones((s,), np.float32),
+                                    np.zeros((s, 2), np.uint32), z, nlp)
+        self.copy_pages([(DUMMY_PAGE, DUMMY_PAGE)])
+        jax.block_until_ready(self.kv)
+        return time.perf_counter() - t0
+
+
+_KV_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def _shape_dict(c: ModelConfig) -> dict:
+    return dict(num_hidden_layers=c.num_layers, hidden_size=c.hidden_size, num_attention_heads=c.num_heads,
+                num_key_value_heads=c.num_kv_heads, head_dim=c.head_dim, intermediate_size=c.intermediate_size,
+                vocab_size=c.vocab_size, tie_word_embeddings=c.tie_word_embeddings,
+                max_position_embeddings=c.max_position_embeddings)

@@ -1,0 +1,214 @@
+"""Continuous batching on the host: admit, chunk prefills, decode, preempt, finish.
+
+Plain Python: the scheduler hands the engine lists of token ids and page ids and gets back
+sampled token ids. Every step it refills free slots from the waiting queue, so no slot idles
+while a long request finishes. When pages run out mid-decode, the newest running request is
+preempted (pages freed, requeued at the front, recomputed later): oldest-first admission
+plus newest-first preemption means the oldest request always makes progress.
+
+A prefill only fills KV for tokens [num_computed, length-1); the last token of every running
+sequence is fed by the decode step, which is the only place that samples.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+from typing import Iterable
+
+from jaxserve.paged_cache import PageAllocator
+from jaxserve.request import Sequence, Status
+
+
+@dataclasses.dataclass
+class PrefillChunk:
+    seq: Sequence
+    start: int
+    end: int
+
+
+@dataclasses.dataclass
+class StepPlan:
+    prefills: list[PrefillChunk]
+    decodes: list[Sequence]
+    copies: list[tuple[int, int]]  # (src, dst) page copies (copy-on-write) to run first
+    preempted: list[Sequence]
+
+    @property
+    def empty(self) -> bool:
+        return not self.prefills and not self.decodes
+
+
+class Scheduler:
+    def __init__(self, allocator: PageAllocator, max_slots: int, max_model_len: int,
+                 max_prefill_tokens: int, max_prefill_chunk: int, eos_token_ids: Iterable[int] = (),
+                 prefix_cache=None, watermark: float = 0.01):
+        self.alloc = allocator
+        self.max_slots = max_slots
+        self.max_model_len = max_model_len
+        self.max_prefill_tokens = max_prefill_tokens
+        self.max_prefill_chunk = max_prefill_chunk
+        self.eos = frozenset(eos_token_ids)
+        self.prefix_cache = prefix_cache
+        self.watermark_pages = int(watermark * allocator.capacity)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.free_slots = list(range(max_slots))
+        self.num_preemptions = 0
+
+    # -- queue -------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def abort(self, request_id: str) -> Sequence | None:
+        for seq in list(self.waiting):
+            if seq.request_id == request_id:
+                self.waiting.remove(seq)
+                self._finish(seq, "abort")
+                return seq
+        for seq in self.running:
+            if seq.request_id == request_id:
+                self._finish(seq, "abort")
+                return seq
+        return None
+
+    # -- planning ----------------------------------------------------------------------
+    def schedule(self) -> StepPlan:
+        copies: list[tuple[int, int]] = []
+        preempted: list[Sequence] = []
+        # 1. Every decoding sequence needs a writable page for position length-1.
+        for seq in sorted(self.running, key=lambda s: s.arrival):
+            if seq.status is not Status.RUNNING or seq.prefilling:
+                continue
+            while not self._reserve(seq, seq.length, copies):
+                victim = max((s for s in self.running if s.status is Status.RUNNING), key=lambda s: s.arrival)
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+        # 2. Admit from the waiting queue, oldest first, while a slot and its pages are free.
+        while self.waiting and self.free_slots and not preempted:
+            seq = self.waiting[0]
+            if not self._admit(seq, copies):
+                break
+            self.waiting.popleft()
+        # 3. Prefill chunks under a token budget; 4. decode everything that is ready.
+        prefills, budget = [], self.max_prefill_tokens
+        decodes = []
+        for seq in sorted(self.running, key=lambda s: s.arrival):
+            if seq.prefilling and budget > 0:
+                n = min(seq.length - 1 - seq.num_computed, self.max_prefill_chunk, budget)
+                prefills.append(PrefillChunk(seq, seq.num_computed, seq.num_computed + n))
+                budget -= n
+                if seq.num_computed + n == seq.length - 1:
+                    decodes.append(seq)
+            elif not seq.prefilling:
+                decodes.append(seq)
+        return StepPlan(prefills, decodes, copies, preempted)
+
+    def _admit(self, seq: Sequence, copies: list) -> bool:
+        cached_pages, cached_tokens = [], 0
+        if self.prefix_cache is not None:
+            cached_pages, cached_tokens = self.prefix_cache.match(seq.all_ids[:-1])
+        need = self.alloc.pages_for(seq.length) - len(cached_pages) + (1 if cached_tokens % self.alloc.page_size else 0)
+        if self.prefix_cache is not None and self.alloc.num_free < need + self.watermark_pages:
+            self.prefix_cache.evict(need + self.watermark_pages - self.alloc.num_free)
+        if self.alloc.num_free < need + self.watermark_pages and self.running:
+            if self.prefix_cache is not None:
+                self.prefix_cache.unmatch(cached_pages)
+            return False
+        if self.alloc.num_free < need:  # alone and still too big: cannot happen when max_model_len fits the pool
+            if self.prefix_cache is not None:
+                self.prefix_cache.unmatch(cached_pages)
+            return False
+        seq.pages = list(cached_pages)
+        seq.num_computed = cached_tokens
+        if seq.num_preemptions == 0:
+            seq.num_cached_prompt_tokens = min(cached_tokens, len(seq.prompt_ids))
+        seq.status = Status.RUNNING
+        seq.slot = self.free_slots.pop(0)
+        self.running.append(seq)
+        ok = self._reserve(seq, seq.length, copies)
+        assert ok
+        return True
+
+    def _reserve(self, seq: Sequence, num_tokens: int, copies: list) -> bool:
+        """Own enough pages for num_tokens, and make the pages about to be written private."""
+        while len(seq.pages) < self.alloc.pages_for(num_tokens):
+            if self.alloc.num_free == 0:
+                if self.prefix_cache is None or not self.prefix_cache.evict(1):
+                    return False
+            seq.pages.append(self.alloc.allocate())
+        first = seq.num_computed // self.alloc.page_size
+        for i in range(first, len(seq.pages)):
+            page = seq.pages[i]
+            if self.alloc.is_shared(page):
+                if self.alloc.num_free == 0 and (self.prefix_cache is None or not self.prefix_cache.evict(1)):
+                    return False
+                new = self.alloc.allocate()
+                copies.append((page, new))
+                self.alloc.release(page)
+                seq.pages[i] = new
+        return True
+
+    # -- state changes -----------------------------------------------------------------
+    def _release_pages(self, seq: Sequence) -> None:
+        if self.prefix_cache is not None:
+            self.prefix_cache.release(seq)
+        else:
+            for p in seq.pages:
+                self.alloc.release(p)
+        seq.pages = []
+
+    def _preempt(self, seq: Sequence) -> None:
+        self._release_pages(seq)
+        self.running.remove(seq)
+        self.free_slots.append(seq.slot)
+        self.free_slots.sort()
+        seq.slot = None
+        seq.num_computed = 0
+        seq.status = Status.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        if seq.status is Status.RUNNING:
+            self._release_pages(seq)
+            self.running.remove(seq)
+            self.free_slots.append(seq.slot)
+            self.free_slots.sort()
+            seq.slot = None
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Finish from outside the step (a stop string found by the detokenizer)."""
+        if seq.status is not Status.FINISHED:
+            self._finish(seq, reason)
+
+    def update(self, plan: StepPlan, sampled: dict[str, tuple[int, dict[int, float] | None]]) -> list[Sequence]:
+        """Apply a step's results. sampled: request_id -> (token, logprobs). Returns the
+        sequences that got a token this step (finished ones included)."""
+        for chunk in plan.prefills:
+            if chunk.seq.status is Status.RUNNING:
+                chunk.seq.num_computed = chunk.end
+        touched = []
+        for seq in plan.decodes:
+            if seq.status is not Status.RUNNING or seq.request_id not in sampled:
+                continue
+            token, lp = sampled[seq.request_id]
+            seq.num_computed = seq.length
+            seq.output_ids.append(token)
+            if lp is not None:
+                seq.logprobs.append(lp)
+            touched.append(seq)
+            p = seq.params
+            if (token in self.eos and not p.ignore_eos) or token in p.stop_token_ids:
+                self._finish(seq, "stop")
+            elif len(seq.output_ids) >= p.max_tokens or seq.length >= self.max_model_len:
+                self._finish(seq, "length")
+        return touched
