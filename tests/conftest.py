@@ -56,3 +56,38 @@ def hf_models(tmp_path_factory):
 @pytest.fixture(autouse=True)
 def _isolated_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("JAXSERVE_CACHE_DIR", str(tmp_path / "jaxserve-cache"))
+
+
+def add_tokenizer(path, vocab_size: int = 512):
+    """Train a small byte-level BPE tokenizer and save it beside a test model, so text
+    prompts, stop strings and detokenization are exercised without any download."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<s>", "</s>", "<pad>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    corpus = ["def f(x):\n    return x + 1\n", "hello world, héllo wörld ☃ 日本語", "the quick brown fox"] * 50
+    tok.train_from_iterator(corpus, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    fast.save_pretrained(str(path))
+    return fast
+
+
+@pytest.fixture(scope="session")
+def tok_model(tmp_path_factory):
+    """A llama test model with a tokenizer: (dir, torch_model, tokenizer)."""
+    d = tmp_path_factory.mktemp("llama_tok")
+    hf = make_hf_model("llama", d, eos_token_id=1, bos_token_id=0)
+    tok = add_tokenizer(d)
+    return d, hf, tok
+
+
+def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
+    import torch
+
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
