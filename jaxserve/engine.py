@@ -91,24 +91,27 @@ class EngineConfig:
             raise ValueError(f"prefill_buckets must be increasing positive sizes, got {self.prefill_buckets}")
 
 
-def _attention_fn(impl: str, interpret: bool, page_size: int) -> Callable:
+def _attention_fn(impl: str, interpret: bool, mode: str) -> Callable:
+    """The attention of one step kind: "prefill" (fresh prompt), "context" (a chunk that
+    continues a sequence) or "decode"."""
     if impl == "xla":
-        return reference.paged_attention
+        return functools.partial(reference.attention, mode=mode)
     from pallas_kernels import paged_attention as pk
 
-    return functools.partial(pk.paged_attention_any, interpret=interpret)
+    return functools.partial(pk.attention, mode=mode, interpret=interpret)
 
 
-def _prefill_step(graphdef, attn_fn, params, kv, tokens, positions, slot_mapping, block_tables, context_lens):
+def _prefill_step(graphdef, attn_fn, params, kv, tokens, positions, slot_mapping, block_tables, context_lens,
+                  segment_ids):
     model = nnx.merge(graphdef, params)
-    meta = AttentionMetadata(slot_mapping, block_tables, context_lens)
+    meta = AttentionMetadata(slot_mapping, block_tables, context_lens, segment_ids)
     _, kv = model(tokens, positions, kv, meta, attn_fn, logits_index=jnp.zeros((tokens.shape[0],), jnp.int32))
     return kv  # logits unused: XLA drops the vocabulary projection
 
 
 def _decode_step(graphdef, attn_fn, params, kv, tokens, positions, slot_mapping, block_tables, context_lens):
     model = nnx.merge(graphdef, params)
-    meta = AttentionMetadata(slot_mapping[:, None], block_tables, context_lens)
+    meta = AttentionMetadata(slot_mapping[:, None], block_tables, context_lens, jnp.zeros_like(slot_mapping)[:, None])
     logits, kv = model(tokens[:, None], positions[:, None], kv, meta, attn_fn,
                        logits_index=jnp.zeros((tokens.shape[0],), jnp.int32))
     return logits, kv
@@ -137,7 +140,9 @@ class Engine:
         self.max_model_len = min(cfg.max_model_len or min(model_cfg.max_context, 2048), model_cfg.max_context)
         ps = cfg.page_size
         self.max_pages_per_seq = -(-self.max_model_len // ps)
-        self.page_buckets = pow2_buckets(1, self.max_pages_per_seq)
+        # Decode block tables have one fixed width: the attention loop's trip count follows
+        # the longest live context, so no per-length buckets (and compiles) are needed.
+        self.table_width = -(-self.max_pages_per_seq // 2) * 2
         fits = [b for b in cfg.prefill_buckets if b < self.max_model_len]
         bigger = [b for b in cfg.prefill_buckets if b >= self.max_model_len]
         self.prefill_buckets = tuple(fits + bigger[:1])
@@ -160,9 +165,11 @@ class Engine:
         log.info("KV cache: %d pages x %d tokens (%.1f MiB), %d slots, max_model_len %d, attention %s",
                  self.num_pages, ps, self.num_pages * ps * self.kv_bytes_per_token / 2**20,
                  cfg.max_slots, self.max_model_len, self.attention_impl)
-        attn = _attention_fn(self.attention_impl, self.interpret, ps)
-        self._prefill = jax.jit(functools.partial(_prefill_step, graphdef, attn), donate_argnums=(1,))
-        self._decode = jax.jit(functools.partial(_decode_step, graphdef, attn), donate_argnums=(1,))
+        step = lambda fn, mode: jax.jit(functools.partial(fn, graphdef, _attention_fn(self.attention_impl, self.interpret, mode)),
+                                        donate_argnums=(1,))
+        self._prefill = step(_prefill_step, "prefill")
+        self._prefill_ctx = step(_prefill_step, "context")
+        self._decode = step(_decode_step, "decode")
         self._sample = jax.jit(sample, static_argnames=("do_sample", "num_logprobs"))
         self._copy = jax.jit(_copy_pages, donate_argnums=(0,))
         self.copy_batch = max(8, cfg.max_slots)
@@ -179,25 +186,51 @@ class Engine:
         return max(0, budget // per_page)
 
     # -- steps -------------------------------------------------------------------------
-    def prefill(self, tokens: list[int], start: int, pages: list[int]) -> None:
-        """Fill KV for `tokens` at positions start.. of a sequence owning `pages`."""
-        n = len(tokens)
-        t = bucket_for(self.prefill_buckets, n)
+    def prefill(self, chunks: list[tuple[list[int], int, list[int]]]) -> None:
+        """Fill KV for chunks of (tokens, start position, the sequence's pages).
+
+        Fresh prompts (start 0) are packed into one row of a bucket, each its own segment,
+        so short prompts share one call and padding stays below one bucket step. A chunk that
+        continues a sequence runs alone and attends to the pages already written."""
+        fresh = [c for c in chunks if c[1] == 0]
+        for tokens, start, pages in chunks:
+            if start:
+                self._run_prefill([(tokens, start, pages)], self._prefill_ctx, self.table_width)
+        cap = self.prefill_buckets[-1]
+        pack, used = [], 0
+        for c in fresh:
+            if used + len(c[0]) > cap:
+                self._run_prefill(pack, self._prefill, 1)
+                pack, used = [], 0
+            pack.append(c)
+            used += len(c[0])
+        if pack:
+            self._run_prefill(pack, self._prefill, 1)
+
+    def _run_prefill(self, chunks, fn, table_width: int) -> None:
         ps = self.cfg.page_size
-        # A fresh prompt attends only to its own pages; a continuation sees the whole context.
-        p = -(-t // ps) if start == 0 else self.max_pages_per_seq
+        n = sum(len(c[0]) for c in chunks)
+        t = bucket_for(self.prefill_buckets, n)
         tok = np.zeros((1, t), np.int32)
-        tok[0, :n] = tokens
         pos = np.zeros((1, t), np.int32)
-        pos[0, :n] = np.arange(start, start + n)
-        pages_arr = np.asarray(pages, np.int32)
         slots = np.full((1, t), DUMMY_PAGE * ps, np.int32)
-        idx = np.arange(start, start + n)
-        slots[0, :n] = pages_arr[idx // ps] * ps + idx % ps
-        bt = np.full((1, p), DUMMY_PAGE, np.int32)
-        m = min(p, len(pages))
-        bt[0, :m] = pages_arr[:m]
-        self.kv = self._prefill(self.params, self.kv, tok, pos, slots, bt, np.asarray([start + n], np.int32))
+        seg = np.full((1, t), -1, np.int32)
+        bt = np.full((1, table_width), DUMMY_PAGE, np.int32)
+        off = 0
+        for i, (tokens, start, pages) in enumerate(chunks):
+            m = len(tokens)
+            idx = np.arange(start, start + m)
+            pages_arr = np.asarray(pages, np.int32)
+            tok[0, off:off + m] = tokens
+            pos[0, off:off + m] = idx
+            slots[0, off:off + m] = pages_arr[idx // ps] * ps + idx % ps
+            seg[0, off:off + m] = i
+            off += m
+        if table_width > 1:  # a continuation: one sequence, its whole table
+            pages = chunks[0][2]
+            bt[0, :min(table_width, len(pages))] = pages[:table_width]
+        ctx = np.asarray([chunks[0][1] + len(chunks[0][0])], np.int32)
+        self.kv = fn(self.params, self.kv, tok, pos, slots, bt, ctx, seg)
 
     def decode(self, tokens: np.ndarray, positions: np.ndarray, block_tables: list[list[int]], active: np.ndarray,
                temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray, seeds: np.ndarray,
@@ -205,9 +238,7 @@ class Engine:
         """One step over all max_slots slots; inactive slots write into the dummy page."""
         s = self.cfg.max_slots
         ps = self.cfg.page_size
-        need = max([len(b) for b, a in zip(block_tables, active) if a] or [1])
-        p = bucket_for(self.page_buckets, need)
-        bt = np.zeros((s, p), np.int32)
+        bt = np.zeros((s, self.table_width), np.int32)
         slots = np.zeros((s,), np.int32)
         for i, (pages, a) in enumerate(zip(block_tables, active)):
             if a:
@@ -241,13 +272,12 @@ class Engine:
         for t in self.prefill_buckets:
             for start in (0, ps):
                 jobs.append(("prefill", t, start))
-        for p in self.page_buckets:
-            jobs.append(("decode", p, None))
+        jobs.append(("decode", self.max_pages_per_seq, None))
         for i, (kind, a, b) in enumerate(jobs):
             if progress:
                 progress(f"compiling {kind} {a} ({i + 1}/{len(jobs)})")
             if kind == "prefill":
-                self.prefill([0] * a, b, [DUMMY_PAGE] * (self.max_pages_per_seq + a // ps + 2))
+                self.prefill([([0] * a, b, [DUMMY_PAGE] * (self.max_pages_per_seq + a // ps + 2))])
             else:
                 z = np.zeros((s,), np.int32)
                 active = np.zeros((s,), bool)

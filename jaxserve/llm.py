@@ -159,8 +159,8 @@ class LLM:
         plan = self.scheduler.schedule()
         if plan.copies:
             self.engine.copy_pages(plan.copies)
-        for chunk in plan.prefills:
-            self.engine.prefill(chunk.seq.all_ids[chunk.start:chunk.end], chunk.start, chunk.seq.pages)
+        if plan.prefills:
+            self.engine.prefill([(c.seq.all_ids[c.start:c.end], c.start, c.seq.pages) for c in plan.prefills])
         sampled = self._decode(plan.decodes) if plan.decodes else {}
         touched = self.scheduler.update(plan, sampled)
         outputs = []

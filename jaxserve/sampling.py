@@ -13,6 +13,14 @@ import jax.numpy as jnp
 from jaxserve.request import MAX_LOGPROBS
 
 
+def argmax(logits):
+    """First index of the row maximum. XLA's CPU argmax (a variadic reduce) is ~4x slower
+    than a max followed by a min over matching indices."""
+    m = jnp.max(logits, axis=-1, keepdims=True)
+    idx = jnp.arange(logits.shape[-1], dtype=jnp.int32)
+    return jnp.min(jnp.where(logits == m, idx, logits.shape[-1]), axis=-1).astype(jnp.int32)
+
+
 def _filter_top_k_top_p(logits, top_k, top_p):
     """Mask logits outside each row's top-k and top-p set (k=0: off; p=1: off)."""
     v = logits.shape[-1]
@@ -32,7 +40,7 @@ def sample(logits, temperature, top_k, top_p, seeds, counters, *, do_sample: boo
     """logits [S, V] float32; per-slot temperature/top_k/top_p [S]; seeds uint32 [S, 2] and
     counters int32 [S] make each slot's key. Returns (tokens [S], chosen logprob [S],
     top ids [S, n], top logprobs [S, n]) with n = num_logprobs (0 for none)."""
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy = argmax(logits)
     if do_sample:
         t = jnp.where(temperature > 0, temperature, 1.0)
         scaled = _filter_top_k_top_p(logits / t[:, None], top_k, top_p)

@@ -24,11 +24,15 @@ def _grouped_softmax_attention(q, k, v, mask, scale):
     return o.reshape(b, t, h, d).astype(q.dtype)
 
 
-def causal_attention(q, k, v, scale: float):
-    """Dense causal attention over a right-padded batch (no cache): training and parity tests."""
+def causal_attention(q, k, v, scale: float, segment_ids=None):
+    """Dense causal attention over a right-padded batch (no cache): training, parity tests and
+    fresh prompts. segment_ids [B, T] packs several prompts in one row: a token sees only
+    earlier tokens of its own segment."""
     t = q.shape[1]
-    mask = jnp.tril(jnp.ones((t, t), dtype=bool))[None]
-    return _grouped_softmax_attention(q, k, v, jnp.broadcast_to(mask, (q.shape[0], t, t)), scale)
+    mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), dtype=bool))[None], (q.shape[0], t, t))
+    if segment_ids is not None:
+        mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
+    return _grouped_softmax_attention(q, k, v, mask, scale)
 
 
 def gather_pages(pages, block_tables):
@@ -57,3 +61,54 @@ def write_pages(pages, new, slot_mapping):
     flat = pages.reshape(n * ps, kvh, d)
     flat = flat.at[slot_mapping.reshape(-1)].set(new.reshape(-1, kvh, d).astype(pages.dtype))
     return flat.reshape(n, ps, kvh, d)
+
+
+def paged_decode_attention(q, k_pages, v_pages, block_tables, context_lens, scale: float, pages_per_chunk: int = 2):
+    """Decode attention (one query per slot) as a loop over chunks of pages with an online
+    softmax: flash-decoding in plain XLA. On the CPU this is several times faster than
+    gathering every slot's whole context (XLA's gather of a large [B, S] context is slow,
+    and the loop's working set stays in cache), and the trip count follows the longest live
+    context, so one compiled step serves every length.
+
+    q [B, H, D]; block_tables [B, P] with P a multiple of pages_per_chunk; -> [B, H, D].
+    """
+    b, h, d = q.shape
+    _, ps, kvh, _ = k_pages.shape
+    g = h // kvh
+    c = pages_per_chunk
+    span = c * ps
+    qg = (q.astype(jnp.float32) * scale).reshape(b, kvh, g, d)
+    n_chunks = (jnp.max(context_lens) + span - 1) // span
+
+    def body(i, carry):
+        m, l, acc = carry
+        pages = jax.lax.dynamic_slice_in_dim(block_tables, i * c, c, axis=1)
+        k = k_pages[pages].reshape(b, span, kvh, d).astype(jnp.float32)
+        v = v_pages[pages].reshape(b, span, kvh, d).astype(jnp.float32)
+        s = jnp.einsum("bkgd,bskd->bkgs", qg, k)
+        pos = i * span + jnp.arange(span)
+        s = jnp.where(pos[None, None, None, :] < context_lens[:, None, None, None], s, _NEG)
+        m_new = jnp.maximum(m, s.max(-1))
+        p = jnp.exp(s - m_new[..., None])
+        corr = jnp.exp(m - m_new)
+        return m_new, l * corr + p.sum(-1), acc * corr[..., None] + jnp.einsum("bkgs,bskd->bkgd", p, v)
+
+    init = (jnp.full((b, kvh, g), _NEG, jnp.float32), jnp.zeros((b, kvh, g), jnp.float32),
+            jnp.zeros((b, kvh, g, d), jnp.float32))
+    _, l, acc = jax.lax.fori_loop(0, n_chunks, body, init)
+    out = acc / jnp.where(l > 0, l, 1.0)[..., None]
+    return out.reshape(b, h, d).astype(q.dtype)
+
+
+def attention(q, k, v, k_pages, v_pages, block_tables, context_lens, positions, segment_ids, scale: float, *,
+              mode: str):
+    """The XLA serving path, by step kind (static):
+    - "prefill": fresh prompts (packed, one segment each) attend only to themselves, so use
+      the new K/V directly (no gather);
+    - "context": a chunk that continues a sequence (chunked prefill, prefix-cache hit) gathers its pages;
+    - "decode": one query per slot, the chunked online-softmax loop over pages."""
+    if mode == "prefill":
+        return causal_attention(q, k, v, scale, segment_ids)
+    if mode == "decode":
+        return paged_decode_attention(q[:, 0], k_pages, v_pages, block_tables, context_lens, scale)[:, None]
+    return paged_attention(q, k_pages, v_pages, block_tables, context_lens, positions, scale)

@@ -29,9 +29,11 @@ class AttentionMetadata:
     slot_mapping: jax.Array  # [B, T] flat page slot page*page_size+offset; padding -> dummy page 0
     block_tables: jax.Array  # [B, P] the slot's pages in sequence order
     context_lens: jax.Array  # [B] valid keys once this chunk is written
+    segment_ids: jax.Array  # [B, T] which packed prompt a token belongs to (fresh prefill)
 
 
-# (q, k_pages, v_pages, block_tables, context_lens, positions, scale) -> out
+# (q, k, v, k_pages, v_pages, block_tables, context_lens, positions, segment_ids, scale) -> out, where k/v are
+# this step's new keys and values (already written into the pages).
 PagedAttentionFn = Callable[..., jax.Array]
 
 
@@ -85,7 +87,8 @@ class Attention(nnx.Module):
             k_pages = reference.write_pages(cache[0], k, meta.slot_mapping)
             v_pages = reference.write_pages(cache[1], v, meta.slot_mapping)
             cache = (k_pages, v_pages)
-            out = attn_fn(q, k_pages, v_pages, meta.block_tables, meta.context_lens, positions, scale)
+            out = attn_fn(q, k, v, k_pages, v_pages, meta.block_tables, meta.context_lens, positions,
+                          meta.segment_ids, scale)
         return self.o_proj(out.reshape(b, t, -1)), cache
 
 
@@ -128,7 +131,7 @@ class LlamaForCausalLM(nnx.Module):
             self.lm_head = _linear(cfg.hidden_size, cfg.vocab_size, False, dtype, rngs, init_std)
 
     def __call__(self, tokens, positions, kv_cache: KVCache | None = None, meta: AttentionMetadata | None = None,
-                 attn_fn: PagedAttentionFn = reference.paged_attention, logits_index=None):
+                 attn_fn: PagedAttentionFn | None = None, logits_index=None):
         """tokens/positions [B, T]. Without a cache: dense causal attention over the batch
         (right padding is harmless under a causal mask). logits_index [B] selects one position
         per row before the vocabulary projection, which is most of a prefill's FLOPs otherwise."""
