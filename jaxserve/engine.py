@@ -79,6 +79,7 @@ class EngineConfig:
     dtype: str | None = None  # "float32" | "bfloat16"; default by backend
     attention_impl: str | None = None  # "xla" | "pallas"; default pallas on TPU/GPU, xla on CPU
     interpret: bool | None = None  # run Pallas kernels interpreted (default: on CPU)
+    enable_prefix_caching: bool = True
     seed: int = 0
 
     def __post_init__(self):

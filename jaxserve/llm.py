@@ -21,6 +21,7 @@ import numpy as np
 
 from jaxserve.engine import Engine, EngineConfig, compile_count
 from jaxserve.paged_cache import PageAllocator
+from jaxserve.radix_cache import RadixCache
 from jaxserve.request import RequestOutput, SamplingParams, Sequence, Status
 from jaxserve.scheduler import Scheduler
 
@@ -68,10 +69,11 @@ class LLM:
         self.engine = Engine(module, self.model_cfg, self.cfg)
         self.max_model_len = self.engine.max_model_len
         self.allocator = PageAllocator(self.engine.num_pages, self.cfg.page_size)
+        self.prefix_cache = RadixCache(self.allocator) if self.cfg.enable_prefix_caching else None
         self.scheduler = Scheduler(
             self.allocator, self.cfg.max_slots, self.max_model_len,
             max_prefill_tokens=self.cfg.max_prefill_tokens, max_prefill_chunk=self.engine.prefill_buckets[-1],
-            eos_token_ids=self._eos_ids())
+            eos_token_ids=self._eos_ids(), prefix_cache=self.prefix_cache)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._seqs: dict[str, Sequence] = {}
         self._detok: dict[str, _Detok] = {}
@@ -133,6 +135,23 @@ class LLM:
     def abort(self, request_id: str) -> None:
         """Takes effect at the start of the next step: the slot and pages are free within one step."""
         self._inbox.put(("abort", request_id))
+
+    def flush_prefix_cache(self) -> int:
+        """Drop every cached prefix no running request uses; returns pages freed."""
+        return self.prefix_cache.flush() if self.prefix_cache is not None else 0
+
+    def stats(self) -> dict:
+        pc = self.prefix_cache
+        return {
+            "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+            "kv_pages_total": self.allocator.capacity, "kv_pages_free": self.allocator.num_free,
+            "kv_pages_used": self.allocator.capacity - self.allocator.num_free,
+            "preemptions": self.scheduler.num_preemptions,
+            "prefix_cache_hit_tokens": pc.hit_tokens if pc else 0,
+            "prefix_cache_queried_tokens": pc.queried_tokens if pc else 0,
+            "prefix_cache_hit_rate": pc.hit_rate if pc else 0.0,
+            "prefix_cache_pages": pc.num_cached_pages if pc else 0,
+        }
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or not self._inbox.empty()

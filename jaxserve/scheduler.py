@@ -79,7 +79,8 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         copies: list[tuple[int, int]] = []
         preempted: list[Sequence] = []
-        # 1. Every decoding sequence needs a writable page for position length-1.
+        # 1. Every decoding sequence needs a writable page for position length-1; when the
+        #    pool runs dry, the newest running request is preempted.
         for seq in sorted(self.running, key=lambda s: s.arrival):
             if seq.status is not Status.RUNNING or seq.prefilling:
                 continue
@@ -89,50 +90,62 @@ class Scheduler:
                 preempted.append(victim)
                 if victim is seq:
                     break
-        # 2. Admit from the waiting queue, oldest first, while a slot and its pages are free.
-        while self.waiting and self.free_slots and not preempted:
+        # 2. Continue chunked prefills, oldest first, under the step's token budget.
+        prefills, decodes, budget = [], [], self.max_prefill_tokens
+        for seq in sorted(self.running, key=lambda s: s.arrival):
+            if seq.prefilling:
+                budget = self._plan_chunk(seq, budget, prefills, decodes)
+            else:
+                decodes.append(seq)
+        # 3. Admit from the waiting queue, oldest first, while a slot, its pages and prefill
+        #    budget are free. Admitting no more than the budget can prefill means a request
+        #    sharing a prefix with one still prefilling waits a step and then hits the cache.
+        while self.waiting and self.free_slots and not preempted and budget > 0:
             seq = self.waiting[0]
             if not self._admit(seq, copies):
                 break
             self.waiting.popleft()
-        # 3. Prefill chunks under a token budget; 4. decode everything that is ready.
-        prefills, budget = [], self.max_prefill_tokens
-        decodes = []
-        for seq in sorted(self.running, key=lambda s: s.arrival):
-            if seq.prefilling and budget > 0:
-                n = min(seq.length - 1 - seq.num_computed, self.max_prefill_chunk, budget)
-                prefills.append(PrefillChunk(seq, seq.num_computed, seq.num_computed + n))
-                budget -= n
-                if seq.num_computed + n == seq.length - 1:
-                    decodes.append(seq)
-            elif not seq.prefilling:
+            if seq.prefilling:
+                budget = self._plan_chunk(seq, budget, prefills, decodes)
+            else:
                 decodes.append(seq)
         return StepPlan(prefills, decodes, copies, preempted)
 
+    def _plan_chunk(self, seq: Sequence, budget: int, prefills: list, decodes: list) -> int:
+        if budget <= 0:
+            return budget
+        n = min(seq.length - 1 - seq.num_computed, self.max_prefill_chunk, budget)
+        prefills.append(PrefillChunk(seq, seq.num_computed, seq.num_computed + n))
+        if seq.num_computed + n == seq.length - 1:
+            decodes.append(seq)  # its last token is fed by this very step's decode
+        return budget - n
+
     def _admit(self, seq: Sequence, copies: list) -> bool:
-        cached_pages, cached_tokens = [], 0
-        if self.prefix_cache is not None:
-            cached_pages, cached_tokens = self.prefix_cache.match(seq.all_ids[:-1])
+        cache = self.prefix_cache
+        match = cache.match(seq.all_ids[:-1]) if cache is not None else None
+        cached_pages = match.pages if match else []
+        cached_tokens = match.num_tokens if match else 0
+        # Pages still to allocate, plus one when a shared partial page must be copied on write.
         need = self.alloc.pages_for(seq.length) - len(cached_pages) + (1 if cached_tokens % self.alloc.page_size else 0)
-        if self.prefix_cache is not None and self.alloc.num_free < need + self.watermark_pages:
-            self.prefix_cache.evict(need + self.watermark_pages - self.alloc.num_free)
-        if self.alloc.num_free < need + self.watermark_pages and self.running:
-            if self.prefix_cache is not None:
-                self.prefix_cache.unmatch(cached_pages)
-            return False
-        if self.alloc.num_free < need:  # alone and still too big: cannot happen when max_model_len fits the pool
-            if self.prefix_cache is not None:
-                self.prefix_cache.unmatch(cached_pages)
+        reserve = self.watermark_pages if self.running else 0
+        if cache is not None and self.alloc.num_free < need + reserve:
+            cache.evict(need + reserve - self.alloc.num_free)
+        if self.alloc.num_free < need + reserve:
+            if match:
+                cache.release_match(match)
             return False
         seq.pages = list(cached_pages)
         seq.num_computed = cached_tokens
+        if match:
+            seq.cache_node = match.node
+            cache.record(seq.length - 1, cached_tokens)
         if seq.num_preemptions == 0:
             seq.num_cached_prompt_tokens = min(cached_tokens, len(seq.prompt_ids))
         seq.status = Status.RUNNING
         seq.slot = self.free_slots.pop(0)
         self.running.append(seq)
         ok = self._reserve(seq, seq.length, copies)
-        assert ok
+        assert ok, "admission reserved fewer pages than it checked for"
         return True
 
     def _reserve(self, seq: Sequence, num_tokens: int, copies: list) -> bool:
@@ -156,11 +169,15 @@ class Scheduler:
 
     # -- state changes -----------------------------------------------------------------
     def _release_pages(self, seq: Sequence) -> None:
+        """Give a request's pages back; with prefix caching, first offer its computed whole
+        pages to the tree so the next request (or the next turn) can reuse them."""
         if self.prefix_cache is not None:
-            self.prefix_cache.release(seq)
-        else:
-            for p in seq.pages:
-                self.alloc.release(p)
+            self.prefix_cache.insert(seq.all_ids[: seq.num_computed], seq.pages)
+            if seq.cache_node is not None:
+                self.prefix_cache.unlock(seq.cache_node)
+                seq.cache_node = None
+        for p in seq.pages:
+            self.alloc.release(p)
         seq.pages = []
 
     def _preempt(self, seq: Sequence) -> None:
@@ -194,8 +211,11 @@ class Scheduler:
         """Apply a step's results. sampled: request_id -> (token, logprobs). Returns the
         sequences that got a token this step (finished ones included)."""
         for chunk in plan.prefills:
-            if chunk.seq.status is Status.RUNNING:
-                chunk.seq.num_computed = chunk.end
+            seq = chunk.seq
+            if seq.status is Status.RUNNING:
+                seq.num_computed = chunk.end
+                if self.prefix_cache is not None:  # after every chunk: later arrivals hit sooner
+                    self.prefix_cache.insert(seq.all_ids[: seq.num_computed], seq.pages)
         touched = []
         for seq in plan.decodes:
             if seq.status is not Status.RUNNING or seq.request_id not in sampled:

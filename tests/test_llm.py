@@ -22,6 +22,7 @@ def _mixed_requests(n: int, vocab: int, seed: int, max_prompt=90, max_out=40):
 
 
 def _assert_pool_whole(llm: LLM):
+    llm.flush_prefix_cache()
     llm.allocator.check()
     assert llm.allocator.num_free == llm.allocator.capacity, "pages leaked"
     assert not llm.scheduler.running and not llm.scheduler.waiting
@@ -82,8 +83,8 @@ def test_abort_frees_pages_within_one_step(llm):
     outs = llm.step()
     aborted = {o.request_id for o in outs if o.finish_reason == "abort"}
     assert aborted == {ids[0], ids[3]}
-    held = sum(len(s.pages) for s in llm.scheduler.running)
-    assert llm.allocator.num_free == llm.allocator.capacity - held
+    held = {p for s in llm.scheduler.running for p in s.pages} | set(llm.prefix_cache.pages())
+    assert llm.allocator.num_free == llm.allocator.capacity - len(held)
     for rid in ids[1:3] + ids[4:]:
         llm.abort(rid)
     llm.step()

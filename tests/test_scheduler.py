@@ -9,6 +9,7 @@ import random
 from hypothesis import given, settings, strategies as st
 
 from jaxserve.paged_cache import PageAllocator
+from jaxserve.radix_cache import RadixCache
 from jaxserve.request import SamplingParams, Sequence, Status
 from jaxserve.scheduler import Scheduler
 
@@ -16,6 +17,8 @@ from jaxserve.scheduler import Scheduler
 def _check_ownership(s: Scheduler):
     s.alloc.check()
     held = collections.Counter(p for seq in s.running for p in seq.pages)
+    if s.prefix_cache is not None:
+        held.update(s.prefix_cache.pages())
     for p in range(1, s.alloc.num_pages):
         assert s.alloc.refcount[p] == held.get(p, 0), f"page {p}"
     assert s.alloc.num_free == s.alloc.capacity - len(held)
@@ -42,17 +45,19 @@ def _fake_step(s: Scheduler, rng: random.Random) -> None:
 
 @settings(max_examples=60, deadline=None)
 @given(seed=st.integers(0, 10**6), num_pages=st.integers(12, 40), slots=st.integers(1, 6),
-       ops=st.lists(st.sampled_from(["add", "step", "step", "step", "abort"]), min_size=1, max_size=120))
-def test_random_workloads_keep_invariants_and_finish(seed, num_pages, slots, ops):
+       ops=st.lists(st.sampled_from(["add", "step", "step", "step", "abort"]), min_size=1, max_size=120),
+       prefix_caching=st.booleans())
+def test_random_workloads_keep_invariants_and_finish(seed, num_pages, slots, ops, prefix_caching):
     rng = random.Random(seed)
     page_size, max_len = 4, 40
-    s = Scheduler(PageAllocator(num_pages, page_size), slots, max_len, max_prefill_tokens=24, max_prefill_chunk=16,
-                  eos_token_ids=[1])
+    alloc = PageAllocator(num_pages, page_size)
+    s = Scheduler(alloc, slots, max_len, max_prefill_tokens=24, max_prefill_chunk=16, eos_token_ids=[1],
+                  prefix_cache=RadixCache(alloc) if prefix_caching else None)
     seqs: list[Sequence] = []
     for op in ops:
         if op == "add":
             plen = rng.randrange(1, 20)
-            seq = Sequence(f"r{len(seqs)}", [rng.randrange(3, 50) for _ in range(plen)],
+            seq = Sequence(f"r{len(seqs)}", [rng.randrange(3, 5) for _ in range(plen)],  # small alphabet: shared prefixes
                            SamplingParams(max_tokens=rng.randrange(1, max_len - plen + 1), ignore_eos=True),
                            seed=0, arrival=len(seqs))
             seqs.append(seq)
@@ -68,6 +73,8 @@ def test_random_workloads_keep_invariants_and_finish(seed, num_pages, slots, ops
         _fake_step(s, rng)
         _check_ownership(s)
     assert not s.has_unfinished()
+    if s.prefix_cache is not None:
+        s.prefix_cache.flush()
     assert s.alloc.num_free == s.alloc.capacity
     for seq in seqs:
         assert seq.status is Status.FINISHED

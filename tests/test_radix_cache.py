@@ -1,0 +1,140 @@
+"""The radix tree against a plain reference (a set of cached page-aligned prefixes), and its
+page accounting with the allocator. No JAX."""
+
+from __future__ import annotations
+
+import collections
+
+from hypothesis import given, settings, strategies as st
+
+from jaxserve.paged_cache import PageAllocator
+from jaxserve.radix_cache import RadixCache
+
+PS = 4
+
+
+def _lcp(a, b) -> int:
+    n = 0
+    while n < len(a) and n < len(b) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+tokens_st = st.lists(st.integers(0, 3), min_size=0, max_size=22)  # tiny alphabet: lots of sharing
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["insert", "match", "unlock", "evict"]), tokens_st, st.integers(0, 8)),
+                max_size=40))
+def test_random_operations_against_reference(ops):
+    alloc = PageAllocator(200, PS)
+    cache = RadixCache(alloc)
+    cache.evicted_paths = []
+    cached: set[tuple[int, ...]] = set()  # reference: page-aligned prefixes in the tree
+    held = collections.Counter()  # pages held by "requests" (from inserts and matches)
+    locks = []
+    for op, toks, n in ops:
+        if op == "insert":
+            pages = [alloc.allocate() for _ in range(len(toks) // PS)]
+            cache.insert(toks, pages)
+            for k in range(1, len(pages) + 1):
+                cached.add(tuple(toks[: k * PS]))
+            for p in pages:  # the "request" finishes: its own references go
+                alloc.release(p)
+        elif op == "match":
+            m = cache.match(toks)
+            expect = max([_lcp(toks, p) for p in cached] or [0])
+            assert m.num_tokens == expect, (toks, sorted(cached))
+            assert len(m.pages) == -(-m.num_tokens // PS)
+            locks.append(m)
+            held.update(m.pages)
+        elif op == "unlock" and locks:
+            m = locks.pop(n % len(locks))
+            cache.release_match(m)
+            held.subtract(m.pages)
+        elif op == "evict":
+            locked_pages = {p for m in locks for p in m.pages}
+            before = set(cache.pages())
+            cache.evict(n)
+            gone = before - set(cache.pages())
+            assert not gone & locked_pages, "a locked page was evicted"
+            for parent, leaf in cache.evicted_paths:
+                full = parent + leaf
+                assert not any(len(q) > len(full) and q[: len(full)] == full for q in cached), "evicted a non-leaf"
+                cached = {q for q in cached if not (len(q) > len(parent) and full[: len(q)] == q)}
+            cache.evicted_paths.clear()
+            assert all(_in_tree(cache, q) for q in cached)
+        # Accounting: every page is free, or referenced by the tree and/or requests, exactly.
+        tree = collections.Counter(cache.pages())
+        assert all(c == 1 for c in tree.values()), "a page twice in the tree"
+        for p in range(1, alloc.num_pages):
+            assert alloc.refcount[p] == tree[p] + held[p]
+        alloc.check()
+        free = set(alloc._free)
+        assert not free & set(tree), "a page both free and in the tree"
+        assert len(free) + len(set(tree) | {p for p, c in held.items() if c}) == alloc.capacity
+    for m in locks:
+        cache.release_match(m)
+    cache.flush()
+    assert alloc.num_free == alloc.capacity and not cache.pages()
+
+
+def _in_tree(cache: RadixCache, prefix) -> bool:
+    """Whether the page-aligned prefix is still a path in the tree (walk without side effects)."""
+    node, pos = cache.root, 0
+    while pos < len(prefix):
+        child = node.children.get(tuple(prefix[pos: pos + PS]))
+        if child is None:
+            return False
+        k = min(len(child.tokens), len(prefix) - pos)
+        if tuple(prefix[pos: pos + k]) != child.tokens[:k]:
+            return False
+        pos += k
+        node = child
+    return True
+
+
+def test_match_splits_inside_a_node_and_shares_a_partial_page():
+    alloc = PageAllocator(20, PS)
+    cache = RadixCache(alloc)
+    pages = [alloc.allocate() for _ in range(3)]
+    toks = list(range(12))
+    cache.insert(toks, pages)
+    m = cache.match([0, 1, 2, 3, 4, 5, 99, 99])
+    assert m.num_tokens == 6 and m.pages == pages[:2]  # one whole page, then 2 tokens of the next
+    assert alloc.refcount[pages[1]] == 3  # request + tree + the partial share
+    assert cache.root.children[(0, 1, 2, 3)].pages == [pages[0]]  # split at the page boundary
+    cache.release_match(m)
+
+
+def test_insert_reports_existing_prefix_and_keeps_tree_pages():
+    alloc = PageAllocator(20, PS)
+    cache = RadixCache(alloc)
+    a = [alloc.allocate() for _ in range(2)]
+    assert cache.insert(list(range(8)), a) == 0
+    b = [alloc.allocate() for _ in range(3)]
+    assert cache.insert(list(range(12)), b) == 8  # first 8 tokens were there: tree keeps a
+    assert sorted(cache.pages()) == sorted(a + [b[2]])
+    for p in a + b:
+        alloc.release(p)
+    assert alloc.num_free == alloc.capacity - 3
+
+
+def test_lru_eviction_keeps_locked_and_recent():
+    alloc = PageAllocator(20, PS)
+    cache = RadixCache(alloc)
+    for base in (10, 20, 30):
+        pages = [alloc.allocate()]
+        cache.insert([base] * PS, pages)
+        alloc.release(pages[0])
+    m = cache.match([10] * PS + [1])  # lock 10
+    cache.match([30] * PS + [1])  # touch 30 (then unlock it)
+    cache.unlock(cache.root.children[(30,) * PS])
+    for p in cache.root.children[(30,) * PS].pages:
+        alloc.release(p)
+    assert cache.evict(1) == 1
+    assert set(cache.root.children) == {(10,) * PS, (30,) * PS}  # 20 was least recent
+    assert cache.flush() == 1 and set(cache.root.children) == {(10,) * PS}  # 10 is locked
+    cache.release_match(m)
+    cache.flush()
+    assert alloc.num_free == alloc.capacity
