@@ -128,7 +128,10 @@ class LLM:
 
     def add_request(self, prompt: str | Seq[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
-        seq = self.make_sequence(prompt, params, request_id)
+        return self.submit(self.make_sequence(prompt, params, request_id))
+
+    def submit(self, seq: Sequence) -> str:
+        """Queue a sequence made by make_sequence (thread-safe)."""
         self._inbox.put(("add", seq))
         return seq.request_id
 
@@ -277,7 +280,7 @@ class LLM:
             raise ValueError(f"sampling_params: {len(sampling_params)} given for {len(prompts)} prompts")
         seqs = [self.make_sequence(p, sp) for p, sp in zip(prompts, sampling_params)]  # validate all first
         for seq in seqs:
-            self._inbox.put(("add", seq))
+            self.submit(seq)
         results = {s.request_id: RequestOutput(s.request_id, s.prompt_ids, [], "", None,
                                                [] if s.params.logprobs is not None else None) for s in seqs}
         for out in self._run_until({s.request_id for s in seqs}):
