@@ -80,6 +80,10 @@ class EngineConfig:
     attention_impl: str | None = None  # "xla" | "pallas"; default pallas on TPU/GPU, xla on CPU
     interpret: bool | None = None  # run Pallas kernels interpreted (default: on CPU)
     enable_prefix_caching: bool = True
+    speculative_model: str | None = None  # a draft checkpoint directory, or "ngram" (prompt lookup)
+    num_speculative_tokens: int = 4
+    tensor_parallel_size: int = 1
+    compilation_cache_dir: str | None = None  # persistent XLA cache: a restart skips compilation
     seed: int = 0
 
     def __post_init__(self):
