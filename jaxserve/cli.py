@@ -1,62 +1,173 @@
-"""The `jaxserve` command: serve, generate, client, kv-math, bench, convert."""
+"""The `jaxserve` command: serve, generate, client, kv-math, bench, convert.
+
+Every command takes gin configuration (see docs/deploy.md):
+
+    jaxserve serve --gin_file configs/llama-3.1-8b-instruct.gin --gin_param "ServeConfig.max_slots = 32"
+
+Precedence, lowest first: ServeConfig's defaults, the gin files in order (serve, generate and
+convert read configs/default.gin when none is given), the --gin_param bindings in order,
+then explicit flags (--max-slots ...). serve and generate log the effective configuration at
+start. A bad flag, binding, file or value exits 2 with "jaxserve CMD: error: ...".
+"""
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 from pathlib import Path
 
-ENGINE_FLAGS = {  # flag -> (EngineConfig field, type)
-    "--max-slots": ("max_slots", int), "--page-size": ("page_size", int), "--max-model-len": ("max_model_len", int),
-    "--num-pages": ("num_pages", int), "--dtype": ("dtype", str), "--attention-impl": ("attention_impl", str),
-    "--max-prefill-tokens": ("max_prefill_tokens", int),
+log = logging.getLogger("jaxserve.cli")
+
+GIN_HELP = ("gin configuration: --gin_file FILE (repeatable; a path, or relative to configs/, e.g. "
+            "llama-3.1-8b-instruct.gin) and --gin_param 'ServeConfig.FIELD = VALUE' (repeatable). "
+            "Explicit flags override both.")
+
+
+def _csv_ints(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.replace(" ", "").split(",") if x)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+# flag -> (ServeConfig field, type, help); a flag left out takes its value from gin.
+ENGINE_FLAGS = {
+    "--max-slots": ("max_slots", int, "concurrent sequences (decode batch)"),
+    "--page-size": ("page_size", int, "tokens per KV page"),
+    "--max-model-len": ("max_model_len", int, "longest prompt + output"),
+    "--num-pages": ("num_pages", int, "KV pages (default: sized from memory)"),
+    "--kv-cache-memory-bytes": ("kv_cache_memory_bytes", int, "KV cache budget in bytes"),
+    "--memory-fraction": ("memory_fraction", float, "share of accelerator memory to use"),
+    "--prefill-buckets": ("prefill_buckets", _csv_ints, "prefill sizes compiled at warm-up, e.g. 16,32,64"),
+    "--max-prefill-tokens": ("max_prefill_tokens", int, "prefill tokens per scheduler step"),
+    "--dtype": ("dtype", str, "float32 | bfloat16 (default: by backend)"),
+    "--attention-impl": ("attention_impl", str, "xla | pallas (default: by backend)"),
+    "--tensor-parallel-size": ("tensor_parallel_size", int, "chips in the tensor-parallel mesh"),
+    "--speculative-model": ("speculative_model", str, 'a draft checkpoint directory, or "ngram"'),
+    "--num-speculative-tokens": ("num_speculative_tokens", int, "draft tokens per step"),
+    "--compilation-cache-dir": ("compilation_cache_dir", str, "persistent XLA compilation cache directory"),
+}
+SERVER_FLAGS = {
+    "--host": ("host", str, "address to bind"),
+    "--port": ("port", int, "gRPC port; 0 picks a free port (printed at start)"),
+    "--metrics-port": ("metrics_port", int, "Prometheus endpoint port"),
+    "--token-file": ("token_file", str, "file holding the bearer token to require"),
+    "--tls-cert": ("tls_cert", str, "PEM certificate chain"),
+    "--tls-key": ("tls_key", str, "PEM private key"),
+    "--max-waiting": ("max_waiting", int, "queued requests before RESOURCE_EXHAUSTED"),
+    "--grace": ("grace", float, "seconds SIGTERM waits for in-flight requests"),
+    "--default-max-tokens": ("default_max_tokens", int, "max_tokens of a request that sets none"),
 }
 
 
+def _dest(flag: str) -> str:
+    return flag[2:].replace("-", "_")
+
+
+def _gin_parent() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(add_help=False)
+    g = p.add_argument_group("gin configuration")
+    g.add_argument("--gin_file", "--gin-file", dest="gin_file", action="append", default=[], metavar="FILE",
+                   help="a gin file (repeatable, applied in order); a path, or relative to configs/")
+    g.add_argument("--gin_param", "--gin-param", dest="gin_param", action="append", default=[], metavar="BINDING",
+                   help="a gin binding, e.g. 'ServeConfig.max_slots = 32' (repeatable, after the files)")
+    return p
+
+
+def _add_flags(p: argparse.ArgumentParser, flags: dict, title: str) -> None:
+    g = p.add_argument_group(title, "default: the gin configuration")
+    for flag, (_, typ, help_) in flags.items():
+        g.add_argument(flag, type=typ, default=None, help=help_)
+
+
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="checkpoint directory (default: the shipped model)")
-    for flag, (_, typ) in ENGINE_FLAGS.items():
-        p.add_argument(flag, type=typ, default=None)
-    p.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
-    p.add_argument("--speculative-model", default=None, help='a draft checkpoint directory, or "ngram"')
-    p.add_argument("--num-speculative-tokens", type=int, default=None)
+    p.add_argument("--model", default=None, help="checkpoint directory (default: gin's ServeConfig.model; "
+                   "None there = the shipped model)")
+    _add_flags(p, ENGINE_FLAGS, "engine")
+    g = p.add_argument_group("engine switches")
+    g.add_argument("--prefix-caching", dest="prefix_caching", action=argparse.BooleanOptionalAction, default=None,
+                   help="reuse KV pages of shared prompt prefixes")
+    g.add_argument("--no-compilation-cache", action="store_true", help="do not use a persistent compilation cache")
 
 
-def _engine_options(args) -> dict:
-    opts = {field: getattr(args, flag[2:].replace("-", "_")) for flag, (field, _) in ENGINE_FLAGS.items()}
-    opts = {k: v for k, v in opts.items() if v is not None}
-    if args.no_prefix_caching:
-        opts["enable_prefix_caching"] = False
-    if args.speculative_model:
-        opts["speculative_model"] = args.speculative_model
-    if args.num_speculative_tokens is not None:
-        opts["num_speculative_tokens"] = args.num_speculative_tokens
-    return opts
+def _overrides(args, flags: dict) -> dict:
+    """ServeConfig fields set by explicit flags (a flag left out is None and does not override)."""
+    out = {field: getattr(args, _dest(flag)) for flag, (field, _, _) in flags.items()}
+    out = {k: v for k, v in out.items() if v is not None}
+    if getattr(args, "model", None) is not None:
+        out["model"] = args.model
+    if getattr(args, "prefix_caching", None) is not None:
+        out["enable_prefix_caching"] = args.prefix_caching
+    if getattr(args, "no_compilation_cache", False):
+        out["compilation_cache_dir"] = None
+    return out
 
 
-def _build_llm(args):
+def _gin_files(args, default: bool = True) -> list[str]:
+    from jaxserve.config import DEFAULT_GIN_FILE
+
+    return list(args.gin_file) or ([str(DEFAULT_GIN_FILE)] if default else [])
+
+
+def load_cli_config(args, flags: dict | None = None, default_gin: bool = True):
+    """The ServeConfig of a command: gin files, then --gin_param, then explicit flags."""
+    from jaxserve.config import load_config
+
+    return load_config(_gin_files(args, default_gin), args.gin_param, _overrides(args, flags or {}))
+
+
+def _log_effective_config(args, cfg, overrides: dict) -> None:
+    from jaxserve.config import operative_config_str
+
+    log.info("effective configuration (gin files: %s; gin params: %s; flags: %s):\n%s",
+             ", ".join(_gin_files(args)) or "none", "; ".join(args.gin_param) or "none",
+             ", ".join(f"{k}={v!r}" for k, v in overrides.items()) or "none", operative_config_str().rstrip())
+
+
+def enable_compilation_cache(cache_dir: str | None) -> str | None:
+    """Point JAX's persistent compilation cache at cache_dir (every entry is kept). Must run before
+    the first compile: the LLM's warm-up then loads executables instead of compiling them."""
+    if not cache_dir:
+        return None
+    import jax
+
+    path = Path(cache_dir).expanduser()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        log.warning("compilation cache disabled: cannot create %s (%s)", path, e)
+        return None
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    log.info("XLA compilation cache: %s", path)
+    return str(path)
+
+
+def _build_llm(args, flags: dict):
+    cfg = load_cli_config(args, flags)
+    _log_effective_config(args, cfg, _overrides(args, flags))
+    enable_compilation_cache(cfg.compilation_cache_dir)
     from jaxserve.llm import LLM
 
-    return LLM(args.model, log_progress=True, **_engine_options(args))
+    return cfg, LLM(cfg.model, log_progress=True, **cfg.engine_options())
 
 
 def cmd_serve(args) -> int:
     from jaxserve.server import serve
 
-    llm = _build_llm(args)
-    tls = (Path(args.tls_cert).read_bytes(), Path(args.tls_key).read_bytes()) if args.tls_cert else (None, None)
-    token = Path(args.token_file).read_text().strip() if args.token_file else args.token
-    serve(llm, host=args.host, port=args.port, metrics_port=args.metrics_port, token=token, tls_cert=tls[0],
-          tls_key=tls[1], max_waiting=args.max_waiting, grace_s=args.grace)
+    cfg, llm = _build_llm(args, {**ENGINE_FLAGS, **SERVER_FLAGS})
+    tls = (Path(cfg.tls_cert).read_bytes(), Path(cfg.tls_key).read_bytes()) if cfg.tls_cert else (None, None)
+    token = args.token or (Path(cfg.token_file).read_text().strip() if cfg.token_file else None)
+    serve(llm, token=token, tls_cert=tls[0], tls_key=tls[1], **cfg.server_options())
     return 0
 
 
 def cmd_generate(args) -> int:
     from jaxserve.request import SamplingParams
 
-    llm = _build_llm(args)
+    _, llm = _build_llm(args, ENGINE_FLAGS)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed)
     for prompt in args.prompt:
@@ -67,10 +178,21 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def _client_target(host: str, port: int) -> str:
+    host = {"0.0.0.0": "127.0.0.1", "::": "[::1]", "": "127.0.0.1"}.get(host, host)
+    return f"{host}:{port}"
+
+
 def cmd_client(args) -> int:
     from jaxserve.client import Client
 
-    c = Client(args.target, token=args.token)
+    target, token = args.target, args.token
+    if args.gin_file or args.gin_param:  # gin gives the server's address and token file
+        cfg = load_cli_config(args, default_gin=False)
+        target = target or _client_target(cfg.host, cfg.port)
+        if token is None and cfg.token_file:
+            token = Path(cfg.token_file).read_text().strip()
+    c = Client(target or "127.0.0.1:50051", token=token)
     sampling = dict(max_tokens=args.max_tokens, temperature=args.temperature)
     if args.seed is not None:
         sampling["seed"] = args.seed
@@ -89,10 +211,55 @@ def cmd_client(args) -> int:
     return 0
 
 
+_KV_DTYPES = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}
+
+
+def kv_math_args_from_config(cfg) -> list[str]:
+    """kv-math flags for a ServeConfig: the checkpoint (or its shape preset), chips, page size,
+    context, dtypes, memory fraction. Put them before the user's flags so those win."""
+    if cfg.model_path.is_dir():
+        model = str(cfg.model_path)
+    elif cfg.kv_math_preset:
+        model = cfg.kv_math_preset
+    else:
+        raise ValueError(f"ServeConfig.model {str(cfg.model_path)!r} is not on this machine and "
+                         "ServeConfig.kv_math_preset is not set; pass --model")
+    out = ["--model", model, "--chips", str(cfg.tensor_parallel_size), "--page-size", str(cfg.page_size),
+           "--memory-fraction", str(cfg.memory_fraction)]
+    if cfg.max_model_len is not None:
+        out += ["--context", str(cfg.max_model_len)]
+    if cfg.dtype in _KV_DTYPES:
+        out += ["--kv-dtype", _KV_DTYPES[cfg.dtype], "--weight-dtype", _KV_DTYPES[cfg.dtype]]
+    return out
+
+
+def _split_gin(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    p = argparse.ArgumentParser(add_help=False, allow_abbrev=False, parents=[_gin_parent()])
+    return p.parse_known_args(argv)
+
+
 def cmd_kv_math(argv) -> int:
     from jaxserve import kv_math
 
-    return kv_math.main(argv)
+    gin_args, rest = _split_gin(argv)
+    if "-h" in rest or "--help" in rest:
+        parser = kv_math._parser()  # noqa: SLF001
+        for action in parser._actions:  # noqa: SLF001  a literal "%" in a help string breaks argparse
+            if action.help and "%" in action.help.replace("%(", ""):
+                action.help = action.help.replace("%", "%%").replace("%%(", "%(")
+        parser.print_help()
+        print(f"\n{GIN_HELP}\nFrom gin: ServeConfig.model (or kv_math_preset when the checkpoint is not local) -> "
+              "--model, tensor_parallel_size -> --chips, page_size, max_model_len -> --context, dtype -> "
+              "--kv-dtype/--weight-dtype, memory_fraction.")
+        return 0
+    if gin_args.gin_file or gin_args.gin_param:
+        try:
+            cfg = load_cli_config(gin_args, default_gin=False)
+            rest = kv_math_args_from_config(cfg) + rest
+        except ValueError as e:
+            print(f"jaxserve kv-math: error: {e}", file=sys.stderr)
+            return 2
+    return kv_math.main(rest)
 
 
 def cmd_convert(args) -> int:
@@ -100,54 +267,77 @@ def cmd_convert(args) -> int:
 
     from jaxserve.models.loader import load_model
 
+    cfg = load_cli_config(args, {"--dtype": ("dtype", str, "")})
     t0 = time.perf_counter()
-    load_model(args.model, dtype=args.dtype, cache_dir=args.cache_dir)
-    print(f"converted {args.model} in {time.perf_counter() - t0:.1f}s")
+    load_model(cfg.model_path, dtype=cfg.dtype, cache_dir=args.cache_dir)
+    print(f"converted {cfg.model_path} in {time.perf_counter() - t0:.1f}s")
     return 0
+
+
+def _benchmarks() -> list[str]:
+    scripts = Path(__file__).resolve().parents[1] / "scripts"
+    return sorted(p.stem[6:] for p in scripts.glob("bench_*.py"))
 
 
 def cmd_bench(argv) -> int:
     import runpy
 
     scripts = Path(__file__).resolve().parents[1] / "scripts"
-    name = argv[0] if argv else "offline"
+    gin_args, argv = _split_gin(argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(f"usage: jaxserve bench NAME [--gin_file FILE] [--gin_param BINDING] [ARGS...]\n\n"
+              f"Run scripts/bench_NAME.py with ARGS. Benchmarks: {', '.join(_benchmarks())}.\n"
+              "`jaxserve bench NAME --help` shows a benchmark's own flags. With gin flags, the configuration is\n"
+              "validated and its compilation cache is used; the benchmarks choose their own model sizes.",
+              file=sys.stdout if argv else sys.stderr)
+        return 0 if argv else 2
+    name = argv[0]
     path = scripts / f"bench_{name}.py"
     if not path.is_file():
-        print(f"jaxserve bench: no benchmark {name!r} (have: "
-              f"{', '.join(sorted(p.stem[6:] for p in scripts.glob('bench_*.py')))})", file=sys.stderr)
+        print(f"jaxserve bench: error: no benchmark {name!r} (have: {', '.join(_benchmarks())})", file=sys.stderr)
         return 2
+    if gin_args.gin_file or gin_args.gin_param:
+        try:
+            cfg = load_cli_config(gin_args, default_gin=False)
+        except ValueError as e:
+            print(f"jaxserve bench: error: {e}", file=sys.stderr)
+            return 2
+        enable_compilation_cache(cfg.compilation_cache_dir)
     sys.argv = [str(path)] + argv[1:]
     runpy.run_path(str(path), run_name="__main__")
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="jaxserve", description="A JAX/XLA inference server for LLMs.")
+    gin_parent = _gin_parent()
+    ap = argparse.ArgumentParser(prog="jaxserve", description="A JAX/XLA inference server for LLMs.",
+                                 epilog=GIN_HELP)
     sub = ap.add_subparsers(dest="command", metavar="COMMAND")
-    p = sub.add_parser("serve", help="serve a model over gRPC")
+    p = sub.add_parser("serve", help="serve a model over gRPC", parents=[gin_parent],
+                       description="Load a model, compile every shape, serve gRPC (Generate, Abort, GetModelInfo, "
+                       "health, reflection). Prints 'jaxserve: serving on HOST:PORT' once listening.",
+                       epilog=GIN_HELP + " Without --gin_file: configs/default.gin.")
     _add_engine_flags(p)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=50051, help="0 picks a free port (printed at start)")
-    p.add_argument("--metrics-port", type=int, default=None, help="Prometheus endpoint port")
-    p.add_argument("--token", default=None, help="require this bearer token")
-    p.add_argument("--token-file", default=None)
-    p.add_argument("--tls-cert", default=None)
-    p.add_argument("--tls-key", default=None)
-    p.add_argument("--max-waiting", type=int, default=256)
-    p.add_argument("--grace", type=float, default=30.0, help="seconds SIGTERM waits for in-flight requests")
+    _add_flags(p, SERVER_FLAGS, "server")
+    p.add_argument("--token", default=None, help="require this bearer token (prefer --token-file)")
     p.set_defaults(fn=cmd_serve)
-    p = sub.add_parser("generate", help="generate offline, no server")
+    p = sub.add_parser("generate", help="generate offline, no server", parents=[gin_parent],
+                       description="Load a model and complete each PROMPT on stdout.",
+                       epilog=GIN_HELP + " Without --gin_file: configs/default.gin.")
     _add_engine_flags(p)
     p.add_argument("prompt", nargs="+")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--seed", type=int, default=None, help="sampling seed")
     p.set_defaults(fn=cmd_generate)
-    p = sub.add_parser("client", help="stream a generation from a running server")
+    p = sub.add_parser("client", help="stream a generation from a running server", parents=[gin_parent],
+                       description="Stream one generation from a running server.",
+                       epilog=GIN_HELP + " With gin flags, the target is the configuration's host:port and the "
+                       "token is read from its token_file.")
     p.add_argument("prompt")
-    p.add_argument("--target", default="127.0.0.1:50051")
+    p.add_argument("--target", default=None, help="HOST:PORT (default 127.0.0.1:50051, or gin's host:port)")
     p.add_argument("--token", default=None)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -160,8 +350,9 @@ def build_parser() -> argparse.ArgumentParser:
                    add_help=False)
     sub.add_parser("bench", help="run a benchmark: jaxserve bench {offline,prefix,serving,...} [args]",
                    add_help=False)
-    p = sub.add_parser("convert", help="convert a Hugging Face checkpoint into the converted-weight cache")
-    p.add_argument("--model", required=True)
+    p = sub.add_parser("convert", help="convert a Hugging Face checkpoint into the converted-weight cache",
+                       parents=[gin_parent], epilog=GIN_HELP + " Without --gin_file: configs/default.gin.")
+    p.add_argument("--model", default=None, help="checkpoint directory (default: gin's ServeConfig.model)")
     p.add_argument("--dtype", default=None)
     p.add_argument("--cache-dir", default=None)
     p.set_defaults(fn=cmd_convert)
@@ -176,7 +367,10 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "bench":
         return cmd_bench(argv[1:])
     ap = build_parser()
-    args = ap.parse_args(argv)
+    args, extra = ap.parse_known_args(argv)
+    if extra:  # name the command in the message: "jaxserve serve: error: unrecognized arguments"
+        sub = next(a for a in ap._actions if isinstance(a, argparse._SubParsersAction))  # noqa: SLF001
+        (sub.choices[args.command] if args.command else ap).error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command is None:
         ap.print_help(sys.stderr)
         return 2

@@ -134,8 +134,28 @@ class DecodeResult:
     top_logprobs: np.ndarray | None
 
 
+class _Weights:
+    """One model on the device: its parameters, its KV page pool and its jitted steps.
+    The target and a speculative draft each have one; both use the same page ids."""
+
+    def __init__(self, module: LlamaForCausalLM, cfg: ModelConfig, num_pages: int, page_size: int, dtype,
+                 attention_impl: str, interpret: bool):
+        self.cfg = cfg
+        self.graphdef, self.params = nnx.split(module)
+        shape = (num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
+        self.kv = tuple((jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.num_layers))
+        self.attn = {m: _attention_fn(attention_impl, interpret, m) for m in ("prefill", "context", "decode")}
+        step = lambda fn, mode: jax.jit(functools.partial(fn, self.graphdef, self.attn[mode]),  # noqa: E731
+                                        donate_argnums=(1,))
+        self.prefill = step(_prefill_step, "prefill")
+        self.prefill_ctx = step(_prefill_step, "context")
+        self.decode = step(_decode_step, "decode")
+        self.copy = jax.jit(_copy_pages, donate_argnums=(0,))
+
+
 class Engine:
-    def __init__(self, model: LlamaForCausalLM, model_cfg: ModelConfig, cfg: EngineConfig):
+    def __init__(self, model: LlamaForCausalLM, model_cfg: ModelConfig, cfg: EngineConfig,
+                 draft: LlamaForCausalLM | None = None, draft_cfg: ModelConfig | None = None):
         self.model_cfg = model_cfg
         self.cfg = cfg
         backend = jax.default_backend()
@@ -145,39 +165,50 @@ class Engine:
         self.max_model_len = min(cfg.max_model_len or min(model_cfg.max_context, 2048), model_cfg.max_context)
         ps = cfg.page_size
         self.max_pages_per_seq = -(-self.max_model_len // ps)
-        # Decode block tables have one fixed width: the attention loop's trip count follows
-        # the longest live context, so no per-length buckets (and compiles) are needed.
+        # Block tables have one fixed width: the attention loop's trip count follows the
+        # longest live context, so no per-length buckets (and compiles) are needed.
         self.table_width = -(-self.max_pages_per_seq // 2) * 2
         fits = [b for b in cfg.prefill_buckets if b < self.max_model_len]
         bigger = [b for b in cfg.prefill_buckets if b >= self.max_model_len]
         self.prefill_buckets = tuple(fits + bigger[:1])
-        graphdef, params = nnx.split(model)
-        self.params = params
-        weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
-        self.kv_bytes_per_token = kv_math.kv_bytes_per_token(
-            kv_math.ModelShape.from_hf_config(_shape_dict(model_cfg)), kv_dtype=_KV_DTYPE[self.dtype.name])
+        weight_bytes = sum(x.size * x.dtype.itemsize for m in (model, draft) if m is not None
+                           for x in jax.tree.leaves(nnx.state(m)))
+        kv_dtype = _KV_DTYPE[self.dtype.name]
+        self.kv_bytes_per_token = sum(
+            kv_math.kv_bytes_per_token(kv_math.ModelShape.from_hf_config(_shape_dict(c)), kv_dtype=kv_dtype)
+            for c in (model_cfg, draft_cfg) if c is not None)
         self.num_pages = cfg.num_pages or self._size_pool(weight_bytes)
-        need = self.max_pages_per_seq + 1
-        if self.num_pages < need:
+        if self.num_pages < self.max_pages_per_seq + 1:
             raise ValueError(
                 f"KV cache too small: one request of max_model_len={self.max_model_len} needs "
                 f"{self.max_pages_per_seq} pages of {ps} tokens ({self.max_pages_per_seq * ps * self.kv_bytes_per_token / 2**20:.1f} MiB "
                 f"at {self.kv_bytes_per_token} bytes/token) plus the reserved page, but the pool has {self.num_pages} "
                 f"pages; raise num_pages / kv_cache_memory_bytes or lower max_model_len")
-        c = model_cfg
-        shape = (self.num_pages, ps, c.num_kv_heads, c.head_dim)
-        self.kv = tuple((jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype)) for _ in range(c.num_layers))
+        build = lambda m, c: _Weights(m, c, self.num_pages, ps, self.dtype, self.attention_impl,  # noqa: E731
+                                      self.interpret)
+        self.target = build(model, model_cfg)
+        self.draft = build(draft, draft_cfg) if draft is not None else None
+        self.models = [w for w in (self.target, self.draft) if w is not None]
         log.info("KV cache: %d pages x %d tokens (%.1f MiB), %d slots, max_model_len %d, attention %s",
                  self.num_pages, ps, self.num_pages * ps * self.kv_bytes_per_token / 2**20,
                  cfg.max_slots, self.max_model_len, self.attention_impl)
-        step = lambda fn, mode: jax.jit(functools.partial(fn, graphdef, _attention_fn(self.attention_impl, self.interpret, mode)),
-                                        donate_argnums=(1,))
-        self._prefill = step(_prefill_step, "prefill")
-        self._prefill_ctx = step(_prefill_step, "context")
-        self._decode = step(_decode_step, "decode")
         self._sample = jax.jit(sample, static_argnames=("do_sample", "num_logprobs"))
-        self._copy = jax.jit(_copy_pages, donate_argnums=(0,))
         self.copy_batch = max(8, cfg.max_slots)
+        self.spec_k = cfg.num_speculative_tokens if cfg.speculative_model else 0
+        if self.spec_k:
+            from jaxserve import speculative
+
+            t = self.target
+            self._verify = jax.jit(functools.partial(speculative.verify, t.graphdef, t.attn["context"]),
+                                   donate_argnums=(1,), static_argnames=("page_size", "do_sample"))
+            if self.draft is not None:
+                d = self.draft
+                self._propose = jax.jit(functools.partial(speculative.draft_propose, d.graphdef, d.attn["decode"]),
+                                        donate_argnums=(1,), static_argnames=("k", "page_size", "do_sample"))
+
+    @property
+    def kv(self):
+        return self.target.kv
 
     def _size_pool(self, weight_bytes: int) -> int:
         per_page = self.cfg.page_size * self.kv_bytes_per_token
@@ -192,7 +223,7 @@ class Engine:
 
     # -- steps -------------------------------------------------------------------------
     def prefill(self, chunks: list[tuple[list[int], int, list[int]]]) -> None:
-        """Fill KV for chunks of (tokens, start position, the sequence's pages).
+        """Fill KV (of the target and the draft) for chunks of (tokens, start, the sequence's pages).
 
         Fresh prompts (start 0) are packed into one row of a bucket, each its own segment,
         so short prompts share one call and padding stays below one bucket step. A chunk that
@@ -200,19 +231,19 @@ class Engine:
         fresh = [c for c in chunks if c[1] == 0]
         for tokens, start, pages in chunks:
             if start:
-                self._run_prefill([(tokens, start, pages)], self._prefill_ctx, self.table_width)
+                self._run_prefill([(tokens, start, pages)], "prefill_ctx", self.table_width)
         cap = self.prefill_buckets[-1]
         pack, used = [], 0
         for c in fresh:
             if used + len(c[0]) > cap:
-                self._run_prefill(pack, self._prefill, 1)
+                self._run_prefill(pack, "prefill", 1)
                 pack, used = [], 0
             pack.append(c)
             used += len(c[0])
         if pack:
-            self._run_prefill(pack, self._prefill, 1)
+            self._run_prefill(pack, "prefill", 1)
 
-    def _run_prefill(self, chunks, fn, table_width: int) -> None:
+    def _run_prefill(self, chunks, fn_name: str, table_width: int) -> None:
         ps = self.cfg.page_size
         n = sum(len(c[0]) for c in chunks)
         t = bucket_for(self.prefill_buckets, n)
@@ -235,29 +266,63 @@ class Engine:
             pages = chunks[0][2]
             bt[0, :min(table_width, len(pages))] = pages[:table_width]
         ctx = np.asarray([chunks[0][1] + len(chunks[0][0])], np.int32)
-        self.kv = fn(self.params, self.kv, tok, pos, slots, bt, ctx, seg)
+        for w in self.models:
+            w.kv = getattr(w, fn_name)(w.params, w.kv, tok, pos, slots, bt, ctx, seg)
+
+    def _tables(self, block_tables: list[list[int]], active: np.ndarray) -> np.ndarray:
+        bt = np.zeros((self.cfg.max_slots, self.table_width), np.int32)
+        for i, (pages, a) in enumerate(zip(block_tables, active)):
+            if a:
+                bt[i, : len(pages)] = pages[: self.table_width]
+        return bt
 
     def decode(self, tokens: np.ndarray, positions: np.ndarray, block_tables: list[list[int]], active: np.ndarray,
                temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray, seeds: np.ndarray,
                counters: np.ndarray, num_logprobs: int) -> DecodeResult:
-        """One step over all max_slots slots; inactive slots write into the dummy page."""
-        s = self.cfg.max_slots
+        """One step of the target over all max_slots slots; inactive slots write into the dummy page."""
         ps = self.cfg.page_size
-        bt = np.zeros((s, self.table_width), np.int32)
-        slots = np.zeros((s,), np.int32)
-        for i, (pages, a) in enumerate(zip(block_tables, active)):
-            if a:
-                bt[i, : len(pages)] = pages
-                slots[i] = pages[positions[i] // ps] * ps + positions[i] % ps
+        bt = self._tables(block_tables, active)
+        slots = np.where(active, bt[np.arange(len(bt)), positions // ps] * ps + positions % ps, 0).astype(np.int32)
         ctx = np.where(active, positions + 1, 0).astype(np.int32)
-        logits, self.kv = self._decode(self.params, self.kv, tokens.astype(np.int32), positions.astype(np.int32),
-                                       slots, bt, ctx)
+        t = self.target
+        logits, t.kv = t.decode(t.params, t.kv, tokens.astype(np.int32), positions.astype(np.int32), slots, bt, ctx)
         do_sample = bool(np.any(active & (temperature > 0)))
-        n = MAX_LOGPROBS if num_logprobs > 0 else 0
+        n = min(MAX_LOGPROBS, self.model_cfg.vocab_size) if num_logprobs > 0 else 0
         out = self._sample(logits, temperature.astype(np.float32), top_k.astype(np.int32), top_p.astype(np.float32),
                            seeds, counters.astype(np.int32), do_sample=do_sample, num_logprobs=n)
-        out = jax.device_get(out)
-        return DecodeResult(*out)
+        return DecodeResult(*jax.device_get(out))
+
+    def speculate(self, tokens: np.ndarray, positions: np.ndarray, block_tables: list[list[int]], active: np.ndarray,
+                  proposals: list[list[int]] | None, temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray,
+                  seeds: np.ndarray, counters: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """One speculative step: propose k tokens per slot (the draft model on the device, or
+        host `proposals`), verify all k+1 positions with the target in one pass. Returns
+        (tokens [S, k+1], n_out [S], num_drafts [S]): slot i emits tokens[i, :n_out[i]]."""
+        k, s = self.spec_k, self.cfg.max_slots
+        bt = self._tables(block_tables, active)
+        do_sample = bool(np.any(active & (temperature > 0)))
+        args = (temperature.astype(np.float32), top_k.astype(np.int32), top_p.astype(np.float32), seeds,
+                counters.astype(np.int32))
+        if self.draft is not None:
+            d = self.draft
+            d.kv, drafts, q = self._propose(d.params, d.kv, tokens.astype(np.int32), positions.astype(np.int32), bt,
+                                           active, *args, k=k, page_size=self.cfg.page_size, do_sample=do_sample)
+            num_drafts = np.where(active, k, 0).astype(np.int32)
+        else:
+            drafts = np.zeros((s, k), np.int32)
+            num_drafts = np.zeros((s,), np.int32)
+            for i, prop in enumerate(proposals or []):
+                if active[i] and prop:
+                    drafts[i, : len(prop)] = prop[:k]
+                    num_drafts[i] = min(len(prop), k)
+            q = None
+        toks = jnp.concatenate([jnp.asarray(tokens, jnp.int32)[:, None], jnp.asarray(drafts, jnp.int32)], axis=1)
+        pos = positions.astype(np.int32)[:, None] + np.arange(k + 1, dtype=np.int32)[None, :]
+        t = self.target
+        t.kv, out, n_out = self._verify(t.params, t.kv, toks, pos, bt, active, num_drafts, q, *args,
+                                        page_size=self.cfg.page_size, do_sample=do_sample)
+        out, n_out = jax.device_get((out, n_out))
+        return out, n_out, num_drafts
 
     def copy_pages(self, pairs: list[tuple[int, int]]) -> None:
         for i in range(0, len(pairs), self.copy_batch):
@@ -266,34 +331,35 @@ class Engine:
             dst = np.zeros((self.copy_batch,), np.int32)
             src[: len(chunk)] = [a for a, _ in chunk]
             dst[: len(chunk)] = [b for _, b in chunk]
-            self.kv = self._copy(self.kv, src, dst)
+            for w in self.models:
+                w.kv = w.copy(w.kv, src, dst)
 
     # -- warm-up -----------------------------------------------------------------------
     def warmup(self, progress: Callable[[str], None] | None = None) -> float:
         """Compile every shape serving can produce; all writes go to the dummy page."""
         t0 = time.perf_counter()
         s, ps = self.cfg.max_slots, self.cfg.page_size
-        jobs = []
-        for t in self.prefill_buckets:
-            for start in (0, ps):
-                jobs.append(("prefill", t, start))
-        jobs.append(("decode", self.max_pages_per_seq, None))
+        jobs = [("prefill", t, start) for t in self.prefill_buckets for start in (0, ps)]
+        jobs += [("decode", do_sample, nlp) for do_sample in (False, True) for nlp in (0, 1)]
+        if self.spec_k:
+            jobs += [("speculate", do_sample, None) for do_sample in (False, True)]
+        z = np.zeros((s,), np.int32)
+        active = np.zeros((s,), bool)
+        active[0] = True
+        tables = [[DUMMY_PAGE] * self.max_pages_per_seq] + [[]] * (s - 1)
         for i, (kind, a, b) in enumerate(jobs):
             if progress:
-                progress(f"compiling {kind} {a} ({i + 1}/{len(jobs)})")
+                progress(f"compiling {kind} {a} {b if b is not None else ''} ({i + 1}/{len(jobs)})")
+            temp = np.full((s,), 1.0 if a is True else 0.0, np.float32)
             if kind == "prefill":
                 self.prefill([([0] * a, b, [DUMMY_PAGE] * (self.max_pages_per_seq + a // ps + 2))])
+            elif kind == "decode":
+                self.decode(z, z, tables, active, temp, z, np.ones((s,), np.float32), np.zeros((s, 2), np.uint32), z, b)
             else:
-                z = np.zeros((s,), np.int32)
-                active = np.zeros((s,), bool)
-                active[0] = True
-                for do_sample in (False, True):
-                    for nlp in (0, 1):
-                        self.decode(z, z, [[DUMMY_PAGE] * a] + [[]] * (s - 1), active,
-                                    np.full((s,), 1.0 if do_sample else 0.0, np.float32), z, np.ones((s,), np.float32),
-                                    np.zeros((s, 2), np.uint32), z, nlp)
+                self.speculate(z, z, tables, active, [[0] * self.spec_k] + [[]] * (s - 1), temp, z,
+                               np.ones((s,), np.float32), np.zeros((s, 2), np.uint32), z)
         self.copy_pages([(DUMMY_PAGE, DUMMY_PAGE)])
-        jax.block_until_ready(self.kv)
+        jax.block_until_ready([w.kv for w in self.models])
         return time.perf_counter() - t0
 
 

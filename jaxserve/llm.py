@@ -66,14 +66,23 @@ class LLM:
         module, self.model_cfg = load_model(path, dtype=self.cfg.dtype)
         self.model_path = path
         self.tokenizer = load_tokenizer(path)
-        self.engine = Engine(module, self.model_cfg, self.cfg)
+        draft, draft_cfg = self._load_draft()
+        self.engine = Engine(module, self.model_cfg, self.cfg, draft, draft_cfg)
+        self.spec_k = self.engine.spec_k
+        self.speculative_name = None
+        self.spec_stats = None
+        if self.spec_k:
+            from jaxserve.speculative import SpecStats
+
+            self.speculative_name = "ngram" if draft is None else Path(self.cfg.speculative_model).name
+            self.spec_stats = SpecStats(self.spec_k)
         self.max_model_len = self.engine.max_model_len
         self.allocator = PageAllocator(self.engine.num_pages, self.cfg.page_size)
         self.prefix_cache = RadixCache(self.allocator) if self.cfg.enable_prefix_caching else None
         self.scheduler = Scheduler(
             self.allocator, self.cfg.max_slots, self.max_model_len,
             max_prefill_tokens=self.cfg.max_prefill_tokens, max_prefill_chunk=self.engine.prefill_buckets[-1],
-            eos_token_ids=self._eos_ids(), prefix_cache=self.prefix_cache)
+            eos_token_ids=self._eos_ids(), prefix_cache=self.prefix_cache, lookahead=self.spec_k)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._seqs: dict[str, Sequence] = {}
         self._detok: dict[str, _Detok] = {}
@@ -85,6 +94,20 @@ class LLM:
             secs = self.engine.warmup(say)
             log.info("warm-up compiled every bucket in %.1fs", secs)
         self._compiles_at_warmup = compile_count()
+
+    def _load_draft(self):
+        spec = self.cfg.speculative_model
+        if spec is None or spec == "ngram":
+            return None, None
+        if self.cfg.num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1, got {self.cfg.num_speculative_tokens}")
+        from jaxserve.models.loader import load_model
+
+        draft, dcfg = load_model(DEFAULT_DRAFT if spec == "default" else spec, dtype=self.cfg.dtype)
+        if dcfg.vocab_size != self.model_cfg.vocab_size:
+            raise ValueError(f"speculative_model: the draft's vocabulary ({dcfg.vocab_size}) differs from the "
+                             f"target's ({self.model_cfg.vocab_size})")
+        return draft, dcfg
 
     def _eos_ids(self) -> tuple[int, ...]:
         ids = set(self.model_cfg.eos_token_ids)
@@ -154,6 +177,7 @@ class LLM:
             "prefix_cache_queried_tokens": pc.queried_tokens if pc else 0,
             "prefix_cache_hit_rate": pc.hit_rate if pc else 0.0,
             "prefix_cache_pages": pc.num_cached_pages if pc else 0,
+            **(self.spec_stats.as_dict() if self.spec_stats else {}),
         }
 
     def has_unfinished(self) -> bool:
@@ -183,7 +207,12 @@ class LLM:
             self.engine.copy_pages(plan.copies)
         if plan.prefills:
             self.engine.prefill([(c.seq.all_ids[c.start:c.end], c.start, c.seq.pages) for c in plan.prefills])
-        sampled = self._decode(plan.decodes) if plan.decodes else {}
+        if not plan.decodes:
+            sampled = {}
+        elif self.spec_k and not any(s.params.logprobs is not None for s in plan.decodes):
+            sampled = self._speculate(plan.decodes)
+        else:  # logprobs come from the plain decode step
+            sampled = self._decode(plan.decodes)
         touched = self.scheduler.update(plan, sampled)
         outputs = []
         for seq in touched + finished_now:
@@ -192,7 +221,7 @@ class LLM:
                 outputs.append(out)
         return outputs
 
-    def _decode(self, seqs: list[Sequence]) -> dict[str, tuple[int, dict[int, float] | None]]:
+    def _slot_arrays(self, seqs: list[Sequence]):
         s = self.cfg.max_slots
         tokens = np.zeros(s, np.int32)
         positions = np.zeros(s, np.int32)
@@ -215,7 +244,10 @@ class LLM:
             tables[i] = seq.pages
             if p.logprobs is not None:
                 want_lp = max(want_lp, p.logprobs + 1)
-        r = self.engine.decode(tokens, positions, tables, active, temperature, top_k, top_p, seeds, counters, want_lp)
+        return tokens, positions, tables, active, temperature, top_k, top_p, seeds, counters, want_lp
+
+    def _decode(self, seqs: list[Sequence]) -> dict[str, list[tuple[int, dict[int, float] | None]]]:
+        r = self.engine.decode(*self._slot_arrays(seqs))
         out = {}
         for seq in seqs:
             i, n = seq.slot, seq.params.logprobs
@@ -225,8 +257,26 @@ class LLM:
                 lp = {tok: float(r.logprobs[i])}
                 for j in range(n):
                     lp.setdefault(int(r.top_ids[i, j]), float(r.top_logprobs[i, j]))
-            out[seq.request_id] = (tok, lp)
+            out[seq.request_id] = [(tok, lp)]
         return out
+
+    def _speculate(self, seqs: list[Sequence]) -> dict[str, list[tuple[int, None]]]:
+        tokens, positions, tables, active, temperature, top_k, top_p, seeds, counters, _ = self._slot_arrays(seqs)
+        proposals = None
+        if self.engine.draft is None:
+            from jaxserve.speculative import ngram_propose
+
+            proposals = [[] for _ in range(self.cfg.max_slots)]
+            for seq in seqs:
+                proposals[seq.slot] = ngram_propose(seq.all_ids, self.spec_k)
+        out, n_out, num_drafts = self.engine.speculate(tokens, positions, tables, active, proposals, temperature,
+                                                       top_k, top_p, seeds, counters)
+        result = {}
+        for seq in seqs:
+            i = seq.slot
+            self.spec_stats.record(int(num_drafts[i]), int(n_out[i]))
+            result[seq.request_id] = [(int(t), None) for t in out[i, : n_out[i]]]
+        return result
 
     def _output(self, seq: Sequence) -> RequestOutput | None:
         d = self._detok.get(seq.request_id)

@@ -36,6 +36,20 @@ def _filter_top_k_top_p(logits, top_k, top_p):
     return jnp.where(logits >= threshold, logits, -jnp.inf)
 
 
+def probs(logits, temperature, top_k, top_p):
+    """The distribution a slot samples from: softmax of the temperature-scaled logits
+    restricted to its top-k/top-p set. Rows are [N, V]; params are [N]."""
+    t = jnp.where(temperature > 0, temperature, 1.0)
+    return jax.nn.softmax(_filter_top_k_top_p(logits / t[:, None], top_k, top_p), axis=-1)
+
+
+def slot_key(seed, counter, tag: int):
+    """The key of one draw: a function of the request's seed, its output position and what
+    the draw is for, never of the batch."""
+    key = jax.random.fold_in(jax.random.wrap_key_data(seed, impl="threefry2x32"), counter)
+    return jax.random.fold_in(key, tag)
+
+
 def sample(logits, temperature, top_k, top_p, seeds, counters, *, do_sample: bool, num_logprobs: int):
     """logits [S, V] float32; per-slot temperature/top_k/top_p [S]; seeds uint32 [S, 2] and
     counters int32 [S] make each slot's key. Returns (tokens [S], chosen logprob [S],

@@ -42,7 +42,7 @@ class StepPlan:
 class Scheduler:
     def __init__(self, allocator: PageAllocator, max_slots: int, max_model_len: int,
                  max_prefill_tokens: int, max_prefill_chunk: int, eos_token_ids: Iterable[int] = (),
-                 prefix_cache=None, watermark: float = 0.01):
+                 prefix_cache=None, watermark: float = 0.01, lookahead: int = 0):
         self.alloc = allocator
         self.max_slots = max_slots
         self.max_model_len = max_model_len
@@ -50,6 +50,7 @@ class Scheduler:
         self.max_prefill_chunk = max_prefill_chunk
         self.eos = frozenset(eos_token_ids)
         self.prefix_cache = prefix_cache
+        self.lookahead = lookahead  # speculative decoding writes k positions past the last token
         self.watermark_pages = int(watermark * allocator.capacity)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -84,7 +85,7 @@ class Scheduler:
         for seq in sorted(self.running, key=lambda s: s.arrival):
             if seq.status is not Status.RUNNING or seq.prefilling:
                 continue
-            while not self._reserve(seq, seq.length, copies):
+            while not self._reserve(seq, seq.length + self.lookahead, copies):
                 victim = max((s for s in self.running if s.status is Status.RUNNING), key=lambda s: s.arrival)
                 self._preempt(victim)
                 preempted.append(victim)
@@ -116,7 +117,8 @@ class Scheduler:
             return budget
         n = min(seq.length - 1 - seq.num_computed, self.max_prefill_chunk, budget)
         prefills.append(PrefillChunk(seq, seq.num_computed, seq.num_computed + n))
-        if seq.num_computed + n == seq.length - 1:
+        if seq.num_computed + n == seq.length - 1 and (
+                not self.lookahead or self._reserve(seq, seq.length + self.lookahead, [])):
             decodes.append(seq)  # its last token is fed by this very step's decode
         return budget - n
 
@@ -207,9 +209,10 @@ class Scheduler:
         if seq.status is not Status.FINISHED:
             self._finish(seq, reason)
 
-    def update(self, plan: StepPlan, sampled: dict[str, tuple[int, dict[int, float] | None]]) -> list[Sequence]:
-        """Apply a step's results. sampled: request_id -> (token, logprobs). Returns the
-        sequences that got a token this step (finished ones included)."""
+    def update(self, plan: StepPlan, sampled: dict[str, list[tuple[int, dict[int, float] | None]]]) -> list[Sequence]:
+        """Apply a step's results. sampled: request_id -> the new (token, logprobs) pairs, one
+        from a plain decode, up to k+1 from a speculative step. Returns the sequences that got
+        tokens this step (finished ones included)."""
         for chunk in plan.prefills:
             seq = chunk.seq
             if seq.status is Status.RUNNING:
@@ -220,15 +223,21 @@ class Scheduler:
         for seq in plan.decodes:
             if seq.status is not Status.RUNNING or seq.request_id not in sampled:
                 continue
-            token, lp = sampled[seq.request_id]
-            seq.num_computed = seq.length
-            seq.output_ids.append(token)
-            if lp is not None:
-                seq.logprobs.append(lp)
             touched.append(seq)
             p = seq.params
-            if (token in self.eos and not p.ignore_eos) or token in p.stop_token_ids:
-                self._finish(seq, "stop")
-            elif len(seq.output_ids) >= p.max_tokens or seq.length >= self.max_model_len:
-                self._finish(seq, "length")
+            for token, lp in sampled[seq.request_id]:
+                seq.output_ids.append(token)
+                if lp is not None:
+                    seq.logprobs.append(lp)
+                seq.num_computed = seq.length - 1
+                if (token in self.eos and not p.ignore_eos) or token in p.stop_token_ids:
+                    self._finish(seq, "stop")
+                elif len(seq.output_ids) >= p.max_tokens or seq.length >= self.max_model_len:
+                    self._finish(seq, "length")
+                if seq.status is Status.FINISHED:
+                    break
+            # Roll back speculative lookahead: pages past the new length go back to the pool.
+            keep = self.alloc.pages_for(seq.length)
+            while seq.status is Status.RUNNING and len(seq.pages) > keep:
+                self.alloc.release(seq.pages.pop())
         return touched

@@ -63,41 +63,44 @@ def write_pages(pages, new, slot_mapping):
     return flat.reshape(n, ps, kvh, d)
 
 
-def paged_decode_attention(q, k_pages, v_pages, block_tables, context_lens, scale: float, pages_per_chunk: int = 2):
-    """Decode attention (one query per slot) as a loop over chunks of pages with an online
-    softmax: flash-decoding in plain XLA. On the CPU this is several times faster than
-    gathering every slot's whole context (XLA's gather of a large [B, S] context is slow,
-    and the loop's working set stays in cache), and the trip count follows the longest live
-    context, so one compiled step serves every length.
+def paged_attention_chunked(q, k_pages, v_pages, block_tables, context_lens, positions, scale: float,
+                            pages_per_chunk: int = 2):
+    """Paged attention as a loop over chunks of pages with an online softmax: flash-decoding
+    in plain XLA. Same semantics as paged_attention (key j visible iff j < context_lens[b]
+    and j <= positions[b, t]) but it never materialises a slot's whole context: on the CPU
+    that is several times faster (XLA's gather of a large [B, S] context is slow, and the
+    loop's working set stays in cache), and the trip count follows the longest live context,
+    so one compiled step serves every length.
 
-    q [B, H, D]; block_tables [B, P] with P a multiple of pages_per_chunk; -> [B, H, D].
+    q [B, T, H, D]; block_tables [B, P] with P a multiple of pages_per_chunk; -> [B, T, H, D].
     """
-    b, h, d = q.shape
+    b, t, h, d = q.shape
     _, ps, kvh, _ = k_pages.shape
     g = h // kvh
     c = pages_per_chunk
     span = c * ps
-    qg = (q.astype(jnp.float32) * scale).reshape(b, kvh, g, d)
+    qg = (q.astype(jnp.float32) * scale).reshape(b, t, kvh, g, d)
     n_chunks = (jnp.max(context_lens) + span - 1) // span
+    limit = jnp.minimum(context_lens[:, None], positions + 1)  # [B, T]: keys j < limit are visible
 
     def body(i, carry):
         m, l, acc = carry
         pages = jax.lax.dynamic_slice_in_dim(block_tables, i * c, c, axis=1)
         k = k_pages[pages].reshape(b, span, kvh, d).astype(jnp.float32)
         v = v_pages[pages].reshape(b, span, kvh, d).astype(jnp.float32)
-        s = jnp.einsum("bkgd,bskd->bkgs", qg, k)
+        s = jnp.einsum("btkgd,bskd->btkgs", qg, k)
         pos = i * span + jnp.arange(span)
-        s = jnp.where(pos[None, None, None, :] < context_lens[:, None, None, None], s, _NEG)
+        s = jnp.where(pos[None, None, None, None, :] < limit[:, :, None, None, None], s, _NEG)
         m_new = jnp.maximum(m, s.max(-1))
         p = jnp.exp(s - m_new[..., None])
         corr = jnp.exp(m - m_new)
-        return m_new, l * corr + p.sum(-1), acc * corr[..., None] + jnp.einsum("bkgs,bskd->bkgd", p, v)
+        return m_new, l * corr + p.sum(-1), acc * corr[..., None] + jnp.einsum("btkgs,bskd->btkgd", p, v)
 
-    init = (jnp.full((b, kvh, g), _NEG, jnp.float32), jnp.zeros((b, kvh, g), jnp.float32),
-            jnp.zeros((b, kvh, g, d), jnp.float32))
+    init = (jnp.full((b, t, kvh, g), _NEG, jnp.float32), jnp.zeros((b, t, kvh, g), jnp.float32),
+            jnp.zeros((b, t, kvh, g, d), jnp.float32))
     _, l, acc = jax.lax.fori_loop(0, n_chunks, body, init)
     out = acc / jnp.where(l > 0, l, 1.0)[..., None]
-    return out.reshape(b, h, d).astype(q.dtype)
+    return out.reshape(b, t, h, d).astype(q.dtype)
 
 
 def attention(q, k, v, k_pages, v_pages, block_tables, context_lens, positions, segment_ids, scale: float, *,
@@ -105,10 +108,12 @@ def attention(q, k, v, k_pages, v_pages, block_tables, context_lens, positions, 
     """The XLA serving path, by step kind (static):
     - "prefill": fresh prompts (packed, one segment each) attend only to themselves, so use
       the new K/V directly (no gather);
-    - "context": a chunk that continues a sequence (chunked prefill, prefix-cache hit) gathers its pages;
-    - "decode": one query per slot, the chunked online-softmax loop over pages."""
+    - "context" (a chunk continuing a sequence: chunked prefill, prefix-cache hit, speculative
+      verification) and "decode" (one query per slot): the chunked online-softmax loop over
+      the slot's pages. (paged_attention, which gathers the whole context, is the oracle.)"""
     if mode == "prefill":
         return causal_attention(q, k, v, scale, segment_ids)
-    if mode == "decode":
-        return paged_decode_attention(q[:, 0], k_pages, v_pages, block_tables, context_lens, scale)[:, None]
-    return paged_attention(q, k_pages, v_pages, block_tables, context_lens, positions, scale)
+    pad = (-block_tables.shape[1]) % 2
+    if pad:
+        block_tables = jnp.pad(block_tables, ((0, 0), (0, pad)))
+    return paged_attention_chunked(q, k_pages, v_pages, block_tables, context_lens, positions, scale)

@@ -34,25 +34,26 @@ def _fake_step(s: Scheduler, rng: random.Random) -> None:
     """What the engine would do: fill prefills, sample one token per decoding sequence."""
     plan = s.schedule()
     for seq in plan.decodes:
-        assert len(seq.pages) >= s.alloc.pages_for(seq.length), "decode without a page for its token"
+        assert len(seq.pages) >= s.alloc.pages_for(seq.length + s.lookahead), "decode without pages for its tokens"
         assert seq.status is Status.RUNNING
     for c in plan.prefills:
         assert c.seq.num_computed == c.start < c.end <= c.seq.length - 1
         assert c.end - c.start <= s.max_prefill_chunk
     assert sum(c.end - c.start for c in plan.prefills) <= s.max_prefill_tokens
-    s.update(plan, {seq.request_id: (rng.randrange(3, 50), None) for seq in plan.decodes})
+    s.update(plan, {seq.request_id: [(rng.randrange(3, 50), None) for _ in range(rng.randint(1, 1 + s.lookahead))]
+                    for seq in plan.decodes})
 
 
 @settings(max_examples=60, deadline=None)
 @given(seed=st.integers(0, 10**6), num_pages=st.integers(12, 40), slots=st.integers(1, 6),
        ops=st.lists(st.sampled_from(["add", "step", "step", "step", "abort"]), min_size=1, max_size=120),
-       prefix_caching=st.booleans())
-def test_random_workloads_keep_invariants_and_finish(seed, num_pages, slots, ops, prefix_caching):
+       prefix_caching=st.booleans(), lookahead=st.sampled_from([0, 0, 3]))
+def test_random_workloads_keep_invariants_and_finish(seed, num_pages, slots, ops, prefix_caching, lookahead):
     rng = random.Random(seed)
     page_size, max_len = 4, 40
     alloc = PageAllocator(num_pages, page_size)
     s = Scheduler(alloc, slots, max_len, max_prefill_tokens=24, max_prefill_chunk=16, eos_token_ids=[1],
-                  prefix_cache=RadixCache(alloc) if prefix_caching else None)
+                  prefix_cache=RadixCache(alloc) if prefix_caching else None, lookahead=lookahead)
     seqs: list[Sequence] = []
     for op in ops:
         if op == "add":
@@ -94,7 +95,7 @@ def test_preempts_newest_and_requeues_it_first():
     for _ in range(6):
         plan = s.schedule()
         preempted += [p.request_id for p in plan.preempted]
-        s.update(plan, {q.request_id: (7, None) for q in plan.decodes})
+        s.update(plan, {q.request_id: [(7, None)] for q in plan.decodes})
         _check_ownership(s)
     assert preempted and preempted[0] == "c"
     assert s.waiting[0].request_id in preempted

@@ -1,0 +1,160 @@
+"""Speculative decoding: a proposer guesses k tokens per slot, the target scores all k+1
+positions of every slot in one jitted pass, and the rejection rule keeps the output
+distribution exactly the target's.
+
+Proposers:
+- a draft model with its own paged KV cache (same page ids as the target's, its own
+  arrays), run k+1 steps inside one jitted scan: k proposals, then one more step that only
+  writes the last proposal's KV so the draft cache always covers what the target accepts;
+- prompt lookup (n-gram), host-side: match the last n tokens earlier in the context and
+  propose what followed. It has no q: it is verified as a deterministic proposal (q = 1 at
+  the proposed token), which is the same rule.
+
+Acceptance (Leviathan et al.; Chen et al.): accept draft x with probability min(1, p(x)/q(x));
+at the first rejection sample from normalize(max(0, p - q)); when all k are accepted sample a
+bonus token from p. Greedy slots accept while the draft equals the target's argmax.
+Rejected positions need no device rollback: their KV lies beyond the sequence length,
+is masked, and is overwritten; the scheduler returns pages past the new length.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence as Seq
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxserve.models.llama import AttentionMetadata
+from jaxserve.sampling import argmax, probs, slot_key
+
+TAG_DRAFT, TAG_ACCEPT, TAG_RESIDUAL = 11, 12, 13
+
+
+def ngram_propose(tokens: Seq[int], k: int, max_n: int = 3, min_n: int = 1) -> list[int]:
+    """Prompt lookup: the tokens that followed the most recent earlier occurrence of the
+    longest suffix (n from max_n down to min_n) of `tokens`."""
+    n_tok = len(tokens)
+    for n in range(min(max_n, n_tok - 1), min_n - 1, -1):
+        suffix = list(tokens[n_tok - n:])
+        for start in range(n_tok - n - 1, -1, -1):
+            if list(tokens[start:start + n]) == suffix:
+                follow = list(tokens[start + n: start + n + k])
+                if follow:
+                    return follow
+    return []
+
+
+def slot_mapping(block_tables, positions, valid, page_size: int):
+    """Flat page slots of positions [S, T] through block tables [S, W]; invalid -> dummy page 0."""
+    width = block_tables.shape[1]
+    idx = jnp.clip(positions // page_size, 0, width - 1)
+    page = jnp.take_along_axis(block_tables, idx, axis=1)
+    ok = valid & (positions < width * page_size)
+    return jnp.where(ok, page * page_size + positions % page_size, 0).astype(jnp.int32)
+
+
+def residual(p, q, rejected):
+    """What to sample after the accepted drafts: normalize(max(0, p - q)) at a rejection,
+    p itself when every draft was accepted (the bonus token)."""
+    r = jnp.where(rejected[:, None], jnp.maximum(p - q, 0.0), p)
+    return r / jnp.maximum(r.sum(-1, keepdims=True), 1e-30)
+
+
+def draft_propose(graphdef, attn_fn, params, kv, last_tokens, positions, block_tables, active, temperature, top_k,
+                  top_p, seeds, counters, *, k: int, page_size: int, do_sample: bool):
+    """k+1 draft decode steps in one scan. Returns (kv, drafts [S, k], q [S, k, V] or None)."""
+    model = nnx.merge(graphdef, params)
+
+    def step(carry, i):
+        kv, tok = carry
+        pos = positions + i
+        slots = slot_mapping(block_tables, pos[:, None], active[:, None], page_size)
+        meta = AttentionMetadata(slots, block_tables, jnp.where(active, pos + 1, 0), jnp.zeros_like(slots))
+        logits, kv = model(tok[:, None], pos[:, None], kv, meta, attn_fn,
+                           logits_index=jnp.zeros_like(tok))
+        if do_sample:
+            q = probs(logits, temperature, top_k, top_p)
+            keys = jax.vmap(lambda s, c: slot_key(s, c, TAG_DRAFT))(seeds, counters + i)
+            drawn = jax.vmap(lambda key, row: jax.random.categorical(key, jnp.log(row)))(keys, q).astype(jnp.int32)
+            nxt = jnp.where(temperature > 0, drawn, argmax(logits))
+        else:
+            q = jnp.zeros((tok.shape[0], 0), jnp.float32)
+            nxt = argmax(logits)
+        return (kv, nxt), (nxt, q)
+
+    (kv, _), (drafts, qs) = jax.lax.scan(step, (kv, last_tokens), jnp.arange(k + 1))
+    q = jnp.swapaxes(qs[:k], 0, 1) if do_sample else None
+    return kv, jnp.swapaxes(drafts[:k], 0, 1), q
+
+
+def verify(graphdef, attn_fn, params, kv, tokens, positions, block_tables, active, num_drafts, draft_q, temperature,
+           top_k, top_p, seeds, counters, *, page_size: int, do_sample: bool):
+    """Score [last, d1..dk] at positions L-1..L-1+k for every slot and apply the acceptance
+    rule. Returns (kv, out_tokens [S, k+1], n_out [S]): the first n_out tokens are emitted
+    (the accepted drafts, then the corrected or bonus token)."""
+    s, t = tokens.shape
+    k = t - 1
+    model = nnx.merge(graphdef, params)
+    slots = slot_mapping(block_tables, positions, active[:, None], page_size)
+    meta = AttentionMetadata(slots, block_tables, jnp.where(active, positions[:, -1] + 1, 0), jnp.zeros_like(slots))
+    idx = jnp.broadcast_to(jnp.arange(t), (s, t))
+    logits, kv = model(tokens, positions, kv, meta, attn_fn)  # [S, T, V]
+    drafts = tokens[:, 1:]
+    has_draft = jnp.arange(k)[None, :] < num_drafts[:, None]
+    target_argmax = argmax(logits.reshape(s * t, -1)).reshape(s, t)
+    greedy_ok = drafts == target_argmax[:, :k]
+    if do_sample:
+        rep = lambda x: jnp.repeat(x, t)  # noqa: E731  per-slot params for each position
+        p = probs(logits.reshape(s * t, -1), rep(temperature), rep(top_k), rep(top_p)).reshape(s, t, -1)
+        pd = jnp.take_along_axis(p[:, :k], drafts[..., None], axis=-1)[..., 0]
+        if draft_q is None:  # deterministic proposal: q is one-hot at the draft
+            q_full = jax.nn.one_hot(drafts, p.shape[-1], dtype=p.dtype)
+        else:
+            q_full = draft_q
+        qd = jnp.take_along_axis(q_full, drafts[..., None], axis=-1)[..., 0]
+        keys = jax.vmap(lambda sd, c: jax.vmap(lambda j: slot_key(sd, c + j, TAG_ACCEPT))(jnp.arange(k)))(seeds, counters)
+        u = jax.vmap(jax.vmap(jax.random.uniform))(keys)
+        sample_ok = u * qd < pd  # u < p/q, safe when q = 0
+        ok = jnp.where(temperature[:, None] > 0, sample_ok, greedy_ok) & has_draft
+    else:
+        ok = greedy_ok & has_draft
+    n_acc = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)  # leading accepts
+    # The token after the accepted drafts: the target's own choice at position n_acc.
+    fix_greedy = jnp.take_along_axis(target_argmax, n_acc[:, None], axis=1)[:, 0]
+    if do_sample:
+        p_n = jnp.take_along_axis(p, n_acc[:, None, None], axis=1)[:, 0]
+        q_pad = jnp.concatenate([q_full, jnp.zeros_like(q_full[:, :1])], axis=1)
+        q_n = jnp.take_along_axis(q_pad, n_acc[:, None, None], axis=1)[:, 0]
+        resid = residual(p_n, q_n, n_acc < num_drafts)
+        rkeys = jax.vmap(lambda sd, c: slot_key(sd, c, TAG_RESIDUAL))(seeds, counters + n_acc)
+        drawn = jax.vmap(lambda key, row: jax.random.categorical(key, jnp.log(row)))(rkeys, resid).astype(jnp.int32)
+        fix = jnp.where(temperature > 0, drawn, fix_greedy)
+    else:
+        fix = fix_greedy
+    padded = jnp.concatenate([drafts, jnp.zeros_like(drafts[:, :1])], axis=1)
+    out = jnp.where(idx < n_acc[:, None], padded, jnp.where(idx == n_acc[:, None], fix[:, None], 0))
+    return kv, out.astype(jnp.int32), (n_acc + 1).astype(jnp.int32)
+
+
+class SpecStats:
+    """Mean accepted tokens per target step and acceptance rate by draft position."""
+
+    def __init__(self, k: int):
+        self.k = k
+        self.steps = 0  # slot-steps: one per slot per verification
+        self.emitted = 0
+        self.proposed = np.zeros(k, np.int64)
+        self.accepted = np.zeros(k, np.int64)
+
+    def record(self, num_drafts: int, n_out: int) -> None:
+        self.steps += 1
+        self.emitted += n_out
+        self.proposed[:num_drafts] += 1
+        self.accepted[: n_out - 1] += 1
+
+    def as_dict(self) -> dict:
+        return {"spec_mean_accepted": self.emitted / self.steps if self.steps else 0.0,
+                "spec_acceptance_by_position": [float(a / p) if p else 0.0 for a, p in zip(self.accepted, self.proposed)],
+                "spec_target_steps": self.steps}

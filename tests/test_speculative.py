@@ -1,0 +1,162 @@
+"""Speculative decoding: greedy outputs identical to plain decoding (draft model and prompt
+lookup, with preemption), and sampling that is lossless under a chi-square test that also
+rejects a deliberately wrong acceptance rule."""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+from conftest import make_hf_model
+from jaxserve import LLM, SamplingParams
+from jaxserve import speculative
+from jaxserve.engine import compile_count
+
+OPTS = dict(max_slots=6, page_size=8, max_model_len=160, prefill_buckets=(16, 32, 64))
+
+
+def test_ngram_propose():
+    assert speculative.ngram_propose([1, 2, 3, 9, 1, 2, 3], 3) == [9, 1, 2]
+    assert speculative.ngram_propose([5, 6, 7, 5, 6, 8, 5, 6], 2) == [8, 5]  # most recent match wins
+    assert speculative.ngram_propose([1, 2, 3, 4], 3) == []
+
+
+@pytest.fixture(scope="module")
+def draft_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("draft")
+    make_hf_model("llama", d, seed=7, hidden_size=32, intermediate_size=64, num_hidden_layers=1)
+    return d
+
+
+def _workload(seed, n=10, repetitive=False):
+    rng = np.random.default_rng(seed)
+    prompts = []
+    for _ in range(n):
+        base = [int(x) for x in rng.integers(3, 500, int(rng.integers(3, 30)))]
+        prompts.append(base * 3 if repetitive else base)
+    outs = [int(x) for x in rng.integers(5, 40, n)]
+    return prompts, [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in outs]
+
+
+@pytest.fixture(scope="module")
+def plain(tok_model):
+    return LLM(tok_model[0], num_pages=200, **OPTS)
+
+
+@pytest.mark.parametrize("spec", ["draft", "self", "ngram"])
+def test_greedy_equals_plain_decoding(tok_model, draft_dir, plain, spec):
+    model = {"draft": str(draft_dir), "self": str(tok_model[0]), "ngram": "ngram"}[spec]
+    llm = LLM(tok_model[0], speculative_model=model, num_speculative_tokens=3, num_pages=200, **OPTS)
+    for repetitive in (False, True):
+        prompts, params = _workload(1, repetitive=repetitive)
+        before = compile_count()
+        got = [o.token_ids for o in llm.generate(prompts, params)]
+        assert compile_count() == before
+        assert got == [o.token_ids for o in plain.generate(prompts, params)]
+    st = llm.stats()
+    assert st["spec_target_steps"] > 0
+    if spec == "self":  # a draft equal to the target is always right: k+1 tokens per step
+        assert st["spec_mean_accepted"] > 3.0
+    llm.flush_prefix_cache()
+    assert llm.allocator.num_free == llm.allocator.capacity
+
+
+def test_greedy_with_preemption(tok_model, draft_dir, plain):
+    llm = LLM(tok_model[0], speculative_model=str(draft_dir), num_speculative_tokens=4, num_pages=30, **OPTS)
+    prompts, params = _workload(2, n=12)
+    got = [o.token_ids for o in llm.generate(prompts, params)]
+    assert llm.scheduler.num_preemptions > 0
+    assert got == [o.token_ids for o in plain.generate(prompts, params)]
+    llm.flush_prefix_cache()
+    assert llm.allocator.num_free == llm.allocator.capacity
+
+
+def test_seeded_sampling_reproducible_with_speculation(tok_model, draft_dir):
+    llm = LLM(tok_model[0], speculative_model=str(draft_dir), num_speculative_tokens=3, num_pages=200, **OPTS)
+    p = SamplingParams(max_tokens=20, temperature=0.8, seed=5, ignore_eos=True)
+    alone = llm.generate([[9, 8, 7]], p)[0].token_ids
+    crowd = llm.generate([[1, 2], [9, 8, 7], [4, 4, 4, 4]], [SamplingParams(max_tokens=30, temperature=1.0), p,
+                                                             SamplingParams(max_tokens=9, temperature=0)])
+    assert crowd[1].token_ids == alone
+
+
+# -- lossless sampling --------------------------------------------------------------------
+
+V = 12
+N = 3000
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    t = tmp_path_factory.mktemp("tiny_target")
+    d = tmp_path_factory.mktemp("tiny_draft")
+    common = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                  num_key_value_heads=1, initializer_range=0.6, eos_token_id=None, bos_token_id=None)
+    hf = make_hf_model("llama", t, seed=3, **common)
+    make_hf_model("llama", d, seed=4, **common)
+    return t, d, hf
+
+
+def _exact_two_token_probs(hf, prompt, temperature):
+    """P(t1, t2) of plain sampling, from transformers."""
+    with torch.no_grad():
+        p1 = torch.softmax(hf(torch.tensor([prompt])).logits[0, -1] / temperature, -1).numpy().astype(np.float64)
+        ctx = torch.tensor([prompt + [t] for t in range(V)])
+        p2 = torch.softmax(hf(ctx).logits[:, -1] / temperature, -1).numpy().astype(np.float64)
+    return p1[:, None] * p2
+
+
+def _sampled_pairs(llm, prompt, temperature):
+    params = [SamplingParams(max_tokens=2, temperature=temperature, seed=i, ignore_eos=True) for i in range(N)]
+    outs = llm.generate([prompt] * N, params)
+    return collections.Counter(tuple(o.token_ids) for o in outs)
+
+
+def _chi2_pvalue(counts, probs):
+    obs = np.array([counts.get((a, b), 0) for a in range(V) for b in range(V)], float)
+    exp = probs.reshape(-1) * obs.sum()
+    order = np.argsort(exp)  # merge the rarest cells until each expected count is >= 5
+    merged_o, merged_e, acc_o, acc_e = [], [], 0.0, 0.0
+    for i in order:
+        acc_o += obs[i]
+        acc_e += exp[i]
+        if acc_e >= 5:
+            merged_o.append(acc_o)
+            merged_e.append(acc_e)
+            acc_o = acc_e = 0.0
+    merged_o[-1] += acc_o
+    merged_e[-1] += acc_e
+    merged_e = np.array(merged_e) * (sum(merged_o) / sum(merged_e))  # exact totals for scipy
+    return stats.chisquare(merged_o, merged_e).pvalue
+
+
+@pytest.mark.parametrize("spec", ["draft", "ngram"])
+def test_sampling_is_lossless(tiny, spec):
+    t, d, hf = tiny
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]  # repeats, so the n-gram proposer proposes too
+    llm = LLM(t, speculative_model=str(d) if spec == "draft" else "ngram", num_speculative_tokens=2,
+              max_slots=64, page_size=8, max_model_len=32, num_pages=300, prefill_buckets=(16,),
+              enable_prefix_caching=False)
+    counts = _sampled_pairs(llm, prompt, 1.0)
+    assert llm.spec_stats.proposed[0] > N // 2  # drafts were really proposed and judged
+    assert 0 < llm.spec_stats.accepted[0] < llm.spec_stats.proposed[0]  # both outcomes of the rule occur
+    pvalue = _chi2_pvalue(counts, _exact_two_token_probs(hf, prompt, 1.0))
+    print(f"{spec}: chi-square p = {pvalue:.3g}")
+    assert pvalue > 1e-3
+
+
+def test_chi_square_rejects_a_wrong_acceptance_rule(tiny, monkeypatch):
+    t, d, hf = tiny
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]
+    # Wrong: after a rejection, resample from p instead of normalize(max(0, p - q)).
+    monkeypatch.setattr(speculative, "residual", lambda p, q, rejected: p)
+    llm = LLM(t, speculative_model=str(d), num_speculative_tokens=2, max_slots=64, page_size=8, max_model_len=32,
+              num_pages=300, prefill_buckets=(16,), enable_prefix_caching=False)
+    counts = _sampled_pairs(llm, prompt, 1.0)
+    pvalue = _chi2_pvalue(counts, _exact_two_token_probs(hf, prompt, 1.0))
+    print(f"wrong rule: chi-square p = {pvalue:.3g}")
+    assert pvalue < 1e-3
