@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
 
-.PHONY: demo test install bench clean
+.PHONY: demo test install install-shellcheck bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -16,7 +16,12 @@ $(STAMP): $(BIN)/python pyproject.toml
 
 install: $(STAMP)
 
-test: $(STAMP)
+# tests/test_launch_scripts.py runs shellcheck on scripts/*.sh (and fails without it).
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+install-shellcheck:
+	@command -v shellcheck >/dev/null || ($(SUDO) apt-get install -y shellcheck || ($(SUDO) apt-get update && $(SUDO) apt-get install -y shellcheck))
+
+test: $(STAMP) install-shellcheck
 	JAX_PLATFORMS=cpu $(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 demo: $(STAMP)

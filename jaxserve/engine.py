@@ -134,23 +134,50 @@ class DecodeResult:
     top_logprobs: np.ndarray | None
 
 
+def pin_kv(fn: Callable, sharding, kv_out: int | None) -> Callable:
+    """Wrap a step so the KV cache it returns keeps `sharding` (tensor parallelism): the next
+    call then sees the same input sharding, so donation holds and nothing recompiles."""
+    if sharding is None:
+        return fn
+
+    def wrapped(*args, **kw):
+        out = fn(*args, **kw)
+        if kv_out is None:
+            return jax.lax.with_sharding_constraint(out, sharding)
+        out = list(out)
+        out[kv_out] = jax.lax.with_sharding_constraint(out[kv_out], sharding)
+        return tuple(out)
+
+    return wrapped
+
+
 class _Weights:
     """One model on the device: its parameters, its KV page pool and its jitted steps.
     The target and a speculative draft each have one; both use the same page ids."""
 
     def __init__(self, module: LlamaForCausalLM, cfg: ModelConfig, num_pages: int, page_size: int, dtype,
-                 attention_impl: str, interpret: bool):
+                 attention_impl: str, interpret: bool, mesh=None):
         self.cfg = cfg
         self.graphdef, self.params = nnx.split(module)
         shape = (num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
-        self.kv = tuple((jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.num_layers))
+        self.kv_sharding = None
+        if mesh is not None:
+            from jax.sharding import NamedSharding
+
+            from jaxserve import sharding as shd
+
+            self.params = shd.shard_params(self.params, cfg, mesh)
+            self.kv_sharding = NamedSharding(mesh, shd.kv_spec(cfg, mesh.shape[shd.AXIS]))
+        zeros = jax.jit(lambda: tuple((jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.num_layers)),
+                        out_shardings=self.kv_sharding)
+        self.kv = zeros()
         self.attn = {m: _attention_fn(attention_impl, interpret, m) for m in ("prefill", "context", "decode")}
-        step = lambda fn, mode: jax.jit(functools.partial(fn, self.graphdef, self.attn[mode]),  # noqa: E731
-                                        donate_argnums=(1,))
-        self.prefill = step(_prefill_step, "prefill")
-        self.prefill_ctx = step(_prefill_step, "context")
-        self.decode = step(_decode_step, "decode")
-        self.copy = jax.jit(_copy_pages, donate_argnums=(0,))
+        step = lambda fn, mode, kv_out: jax.jit(  # noqa: E731
+            pin_kv(functools.partial(fn, self.graphdef, self.attn[mode]), self.kv_sharding, kv_out), donate_argnums=(1,))
+        self.prefill = step(_prefill_step, "prefill", None)
+        self.prefill_ctx = step(_prefill_step, "context", None)
+        self.decode = step(_decode_step, "decode", 1)
+        self.copy = jax.jit(pin_kv(_copy_pages, self.kv_sharding, None), donate_argnums=(0,))
 
 
 class Engine:
@@ -184,8 +211,16 @@ class Engine:
                 f"{self.max_pages_per_seq} pages of {ps} tokens ({self.max_pages_per_seq * ps * self.kv_bytes_per_token / 2**20:.1f} MiB "
                 f"at {self.kv_bytes_per_token} bytes/token) plus the reserved page, but the pool has {self.num_pages} "
                 f"pages; raise num_pages / kv_cache_memory_bytes or lower max_model_len")
+        self.mesh = None
+        if cfg.tensor_parallel_size > 1:
+            from jaxserve import sharding as shd
+
+            for c in (model_cfg, draft_cfg):
+                if c is not None:
+                    shd.check_divisible(c, cfg.tensor_parallel_size)
+            self.mesh = shd.make_mesh(cfg.tensor_parallel_size)
         build = lambda m, c: _Weights(m, c, self.num_pages, ps, self.dtype, self.attention_impl,  # noqa: E731
-                                      self.interpret)
+                                      self.interpret, self.mesh)
         self.target = build(model, model_cfg)
         self.draft = build(draft, draft_cfg) if draft is not None else None
         self.models = [w for w in (self.target, self.draft) if w is not None]
@@ -199,12 +234,14 @@ class Engine:
             from jaxserve import speculative
 
             t = self.target
-            self._verify = jax.jit(functools.partial(speculative.verify, t.graphdef, t.attn["context"]),
+            self._verify = jax.jit(pin_kv(functools.partial(speculative.verify, t.graphdef, t.attn["context"]),
+                                          t.kv_sharding, 0),
                                    donate_argnums=(1,), static_argnames=("page_size", "do_sample"))
             if self.draft is not None:
                 d = self.draft
-                self._propose = jax.jit(functools.partial(speculative.draft_propose, d.graphdef, d.attn["decode"]),
-                                        donate_argnums=(1,), static_argnames=("k", "page_size", "do_sample"))
+                self._propose = jax.jit(
+                    pin_kv(functools.partial(speculative.draft_propose, d.graphdef, d.attn["decode"]), d.kv_sharding, 0),
+                    donate_argnums=(1,), static_argnames=("k", "page_size", "do_sample"))
 
     @property
     def kv(self):

@@ -139,8 +139,13 @@ def count_params(model) -> int:
 class Trainer:
     """Functional training over nnx.split state: jit(value_and_grad(loss)) + optax AdamW."""
 
-    def __init__(self, cfg: ModelConfig, seed: int, lr: float, warmup: int, steps: int, weight_decay: float):
+    def __init__(self, cfg: ModelConfig, seed: int, lr: float, warmup: int, steps: int, weight_decay: float,
+                 residual_scale: bool = True):
         model = LlamaForCausalLM(cfg, dtype=jnp.float32, rngs=nnx.Rngs(seed))
+        if residual_scale:  # GPT-2: residual-branch outputs start at std 0.02 / sqrt(2 * layers)
+            for layer in model.layers:
+                for lin in (layer.self_attn.o_proj, layer.mlp.down_proj):
+                    lin.kernel[...] = lin.kernel[...] / math.sqrt(2 * cfg.num_layers)
         self.cfg = cfg
         self.graphdef, self.params = nnx.split(model, nnx.Param)
         self.schedule = optax.warmup_cosine_decay_schedule(0.0, lr, warmup, steps, end_value=lr * 0.1)

@@ -1,0 +1,67 @@
+"""Tensor parallelism: parameters and KV page pools sharded over a mesh axis "tp".
+
+Megatron-style: q/k/v and gate/up projections split by columns (heads, MLP features), o and
+down projections by rows, so each layer needs one all-reduce after attention and one after
+the MLP, which XLA's SPMD partitioner inserts. KV pages are split by KV head; with fewer KV
+heads than chips, the K/V projections and pages are replicated instead. Everything else is
+replicated. The jitted steps are unchanged: shardings travel with the arrays, and the KV
+cache is pinned to its sharding on output so donation and the compile cache stay stable.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxserve.models.config import ModelConfig
+
+AXIS = "tp"
+
+
+def make_mesh(tp: int, devices=None) -> Mesh:
+    devices = list(devices if devices is not None else jax.devices())
+    if tp < 1 or tp > len(devices):
+        raise ValueError(f"tensor_parallel_size must be in [1, {len(devices)}] (devices available), got {tp}")
+    return Mesh(np.array(devices[:tp]), (AXIS,))
+
+
+def check_divisible(cfg: ModelConfig, tp: int) -> None:
+    for name, n in (("num_attention_heads", cfg.num_heads), ("intermediate_size", cfg.intermediate_size)):
+        if n % tp:
+            raise ValueError(f"tensor_parallel_size={tp} must divide the model's {name} ({n})")
+
+
+def kv_heads_sharded(cfg: ModelConfig, tp: int) -> bool:
+    return cfg.num_kv_heads % tp == 0
+
+
+def param_spec(path: tuple, ndim: int, cfg: ModelConfig, tp: int) -> P:
+    names = [str(p) for p in path]
+    leaf, owner = names[-1], names[-2] if len(names) > 1 else ""
+    kv_ok = kv_heads_sharded(cfg, tp)
+    if owner in ("q_proj", "gate_proj", "up_proj") or (owner in ("k_proj", "v_proj") and kv_ok):
+        return P(None, AXIS) if leaf == "kernel" else P(AXIS)
+    if owner in ("o_proj", "down_proj") and leaf == "kernel":
+        return P(AXIS, None)
+    if owner == "lm_head" and leaf == "kernel":
+        return P(None, AXIS) if cfg.vocab_size % tp == 0 else P()
+    return P(*([None] * ndim))
+
+
+def shard_params(state, cfg: ModelConfig, mesh: Mesh):
+    """Place an nnx State on the mesh by the rules above."""
+    from flax import nnx
+
+    tp = mesh.shape[AXIS]
+    flat = nnx.to_flat_state(state)
+    placed = []
+    for path, var in flat:
+        value = var.get_value()
+        spec = param_spec(path, value.ndim, cfg, tp)
+        placed.append((path, var.replace(jax.device_put(value, NamedSharding(mesh, spec)))))
+    return nnx.from_flat_state(placed)
+
+
+def kv_spec(cfg: ModelConfig, tp: int) -> P:
+    return P(None, None, AXIS, None) if kv_heads_sharded(cfg, tp) else P()

@@ -1,0 +1,253 @@
+#!/usr/bin/env bash
+# Launch jaxserve on a Cloud TPU VM (single host or a multi-host slice).
+#
+# Steps: create the TPU VM, install jax[tpu] and jaxserve on every worker, copy the gin config
+# (with the checkpoint path and port) to /etc/jaxserve, install and start a systemd service
+# running `jaxserve serve --gin_file /etc/jaxserve/deploy.gin` on every worker, wait until gRPC
+# health on worker 0 says SERVING, print the endpoint. --dry-run prints every command instead.
+#
+#   scripts/launch_tpu_vm.sh --name llama8b --zone us-east5-b --accelerator-type v6e-1 \
+#       --gin-file configs/llama-3.1-8b-instruct.gin --checkpoint gs://my-bucket/Llama-3.1-8B-Instruct
+set -euo pipefail
+
+usage() {
+  cat <<'EOF'
+usage: scripts/launch_tpu_vm.sh --name NAME --zone ZONE [options]
+
+Create a Cloud TPU VM and serve a gin-configured model on it with systemd.
+
+  --name NAME               TPU VM name (required)
+  --zone ZONE               zone, e.g. us-east5-b (required)
+  --project PROJECT         GCP project (default: gcloud's configured project)
+  --accelerator-type TYPE   e.g. v6e-1, v5litepod-8, v5litepod-16 (multi-host), v4-8 (default: v5litepod-8)
+  --runtime-version VER     TPU VM software version (default: v2-alpha-tpuv5-lite; v2-alpha-tpuv6e for v6e,
+                            tpu-ubuntu2204-base for v4/v5p)
+  --gin-file FILE           model preset, e.g. configs/llama-3.1-8b-instruct.gin (default: that one);
+                            base/tpu.gin is applied after it
+  --checkpoint PATH         checkpoint directory on the VM, or gs://... to copy onto /models/ (default: the
+                            preset's ServeConfig.model)
+  --port PORT               gRPC port (default: 50051)
+  --spot                    create a Spot TPU VM
+  --existing                the VM exists: skip creation
+  --wait-timeout SECONDS    how long to wait for SERVING (default: 1800; warm-up compiles every bucket)
+  --dry-run                 print every command (prefixed "+ ") instead of running it
+  -h, --help                this help
+
+Multi-host slices (e.g. v5litepod-16, v4-16): jax runs one process per worker, so installation and
+the service run on every worker (--worker=all); the endpoint is worker 0.
+EOF
+}
+
+die() { echo "launch_tpu_vm.sh: error: $*" >&2; exit 2; }
+
+NAME="" ZONE="" PROJECT="" ACCEL="v5litepod-8" RUNTIME="" GIN_FILE="configs/llama-3.1-8b-instruct.gin"
+CHECKPOINT="" PORT=50051 SPOT=0 EXISTING=0 WAIT_TIMEOUT=1800 DRY_RUN=0
+
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --name) NAME="${2:?--name needs a value}"; shift 2 ;;
+    --zone) ZONE="${2:?--zone needs a value}"; shift 2 ;;
+    --project) PROJECT="${2:?--project needs a value}"; shift 2 ;;
+    --accelerator-type) ACCEL="${2:?--accelerator-type needs a value}"; shift 2 ;;
+    --runtime-version) RUNTIME="${2:?--runtime-version needs a value}"; shift 2 ;;
+    --gin-file) GIN_FILE="${2:?--gin-file needs a value}"; shift 2 ;;
+    --checkpoint) CHECKPOINT="${2:?--checkpoint needs a value}"; shift 2 ;;
+    --port) PORT="${2:?--port needs a value}"; shift 2 ;;
+    --spot) SPOT=1; shift ;;
+    --existing) EXISTING=1; shift ;;
+    --wait-timeout) WAIT_TIMEOUT="${2:?--wait-timeout needs a value}"; shift 2 ;;
+    --dry-run) DRY_RUN=1; shift ;;
+    -h|--help) usage; exit 0 ;;
+    *) usage >&2; die "unknown argument: $1" ;;
+  esac
+done
+
+[[ -n "$NAME" ]] || die "--name is required"
+[[ -n "$ZONE" ]] || die "--zone is required"
+if ! [[ "$PORT" =~ ^[0-9]+$ ]] || (( PORT < 1 || PORT > 65535 )); then die "--port must be 1-65535, got $PORT"; fi
+[[ "$WAIT_TIMEOUT" =~ ^[0-9]+$ ]] || die "--wait-timeout must be a number of seconds"
+
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+for candidate in "$GIN_FILE" "$REPO/configs/$GIN_FILE" "$REPO/$GIN_FILE"; do  # as given, in configs/, in the repo
+  if [[ -f "$candidate" ]]; then GIN_FILE="$candidate"; break; fi
+done
+[[ -f "$GIN_FILE" ]] || die "--gin-file $GIN_FILE not found"
+
+if [[ -z "$RUNTIME" ]]; then
+  case "$ACCEL" in
+    v6e-*) RUNTIME="v2-alpha-tpuv6e" ;;
+    v5litepod-*|v5e-*) RUNTIME="v2-alpha-tpuv5-lite" ;;
+    *) RUNTIME="tpu-ubuntu2204-base" ;;
+  esac
+fi
+
+# Hosts in the slice: v2/v3/v4/v5p count TensorCores (8 per host up to a full host; v4/v5p have
+# 2 cores per chip, 4 chips per host); v5e/v6e count chips (up to 8 on one host, 4 per host above).
+tpu_hosts() {
+  local n="${1##*-}"
+  [[ "$n" =~ ^[0-9]+$ ]] || { echo 1; return; }
+  case "$1" in
+    v5litepod-*|v5e-*|v6e-*) if (( n <= 8 )); then echo 1; else echo $(( n / 4 )); fi ;;
+    *) if (( n <= 8 )); then echo 1; else echo $(( n / 8 )); fi ;;
+  esac
+}
+HOSTS="$(tpu_hosts "$ACCEL")"
+
+JAX_VERSION="$(sed -n 's/.*"jax==\([0-9.]*\)".*/\1/p' "$REPO/pyproject.toml" | head -n1)"
+[[ -n "$JAX_VERSION" ]] || die "cannot read the jax version from $REPO/pyproject.toml"
+
+GCLOUD_SCOPE=(--zone="$ZONE")
+if [[ -n "$PROJECT" ]]; then GCLOUD_SCOPE+=(--project="$PROJECT"); fi
+TARBALL="${TMPDIR:-/tmp}/jaxserve-src-$NAME.tar.gz"
+
+# Print (dry run) or run one command. Printed commands are exact and shell-quoted, one per line.
+run() {
+  if (( DRY_RUN )); then
+    local out="+" arg
+    for arg in "$@"; do out+=" $(printf '%q' "$arg")"; done
+    printf '%s\n' "$out"
+  else
+    "$@"
+  fi
+}
+# Run a command whose last argument is a multi-line remote script: FLAG is how the script is passed
+# ("--command=" for gcloud, "" for plain ssh). A dry run prints it as a quoted heredoc, still exact.
+run_remote() {  # run_remote FLAG SCRIPT CMD...
+  local flag="$1" script="$2"
+  shift 2
+  if (( DRY_RUN )); then
+    local out="+" arg
+    for arg in "$@"; do out+=" $(printf '%q' "$arg")"; done
+    # shellcheck disable=SC2016  # the $(cat ...) is printed, not run
+    printf '%s %s"$(cat <<'\''REMOTE'\''\n%s\nREMOTE\n)"\n' "$out" "$flag" "$script"
+  else
+    "$@" "$flag$script"
+  fi
+}
+step() { echo "# $*"; }
+tpu_ssh() {  # tpu_ssh WORKER SCRIPT
+  run_remote --command= "$2" gcloud compute tpus tpu-vm ssh "$NAME" "${GCLOUD_SCOPE[@]}" --worker="$1"
+}
+
+VENV=/opt/jaxserve/.venv
+MODEL_LINE=""
+CHECKPOINT_FETCH=""
+if [[ "$CHECKPOINT" == gs://* ]]; then
+  LOCAL_CKPT="/models/$(basename "$CHECKPOINT")"
+  CHECKPOINT_FETCH="sudo mkdir -p /models && sudo chown \"\$(id -u):\$(id -g)\" /models && gcloud storage cp -r '$CHECKPOINT' /models/"
+  MODEL_LINE="ServeConfig.model = '$LOCAL_CKPT'"
+elif [[ -n "$CHECKPOINT" ]]; then
+  MODEL_LINE="ServeConfig.model = '$CHECKPOINT'"
+fi
+
+INSTALL_SCRIPT="set -euo pipefail
+sudo mkdir -p /opt/jaxserve /etc/jaxserve /var/cache/jaxserve
+sudo chown \"\$(id -u):\$(id -g)\" /opt/jaxserve
+tar -xzf /tmp/jaxserve-src.tar.gz -C /opt/jaxserve
+# jaxserve needs Python >= 3.11; uv brings one on any image.
+command -v uv >/dev/null || curl -LsSf https://astral.sh/uv/install.sh | sh
+export PATH=\"\$HOME/.local/bin:\$PATH\"
+uv venv --allow-existing --python 3.11 $VENV
+uv pip install --python $VENV/bin/python 'jax[tpu]==$JAX_VERSION'
+uv pip install --python $VENV/bin/python -e /opt/jaxserve
+$VENV/bin/python -c 'import jax, jaxserve.config; print(jax.__version__)'"
+
+CONFIG_SCRIPT="set -euo pipefail
+${CHECKPOINT_FETCH:+$CHECKPOINT_FETCH
+}sudo install -m 0644 /tmp/jaxserve-model.gin /etc/jaxserve/model.gin
+sudo tee /etc/jaxserve/deploy.gin >/dev/null <<'GIN'
+# Written by launch_tpu_vm.sh: the preset, retargeted to TPU, with the checkpoint and port of this host.
+include '/etc/jaxserve/model.gin'
+include 'base/tpu.gin'
+${MODEL_LINE:+$MODEL_LINE
+}ServeConfig.host = '0.0.0.0'
+ServeConfig.port = $PORT
+ServeConfig.compilation_cache_dir = '/var/cache/jaxserve/xla'
+GIN
+$VENV/bin/python -c \"from jaxserve.config import load_config; load_config(['/etc/jaxserve/deploy.gin'])\""
+
+SERVICE_SCRIPT="set -euo pipefail
+sudo tee /etc/systemd/system/jaxserve.service >/dev/null <<'UNIT'
+[Unit]
+Description=jaxserve gRPC inference server
+After=network-online.target
+Wants=network-online.target
+
+[Service]
+Type=simple
+Environment=PYTHONUNBUFFERED=1
+Environment=JAXSERVE_CACHE_DIR=/var/cache/jaxserve
+ExecStart=$VENV/bin/jaxserve serve --gin_file /etc/jaxserve/deploy.gin
+Restart=on-failure
+RestartSec=5
+KillSignal=SIGTERM
+TimeoutStopSec=90
+LimitNOFILE=65536
+
+[Install]
+WantedBy=multi-user.target
+UNIT
+sudo systemctl daemon-reload
+sudo systemctl enable jaxserve
+sudo systemctl restart jaxserve"
+
+HEALTH_PY="import grpc, sys
+from grpc_health.v1 import health_pb2 as h, health_pb2_grpc as g
+try:
+    s = g.HealthStub(grpc.insecure_channel('127.0.0.1:$PORT')).Check(h.HealthCheckRequest(), timeout=5).status
+except grpc.RpcError:
+    sys.exit(1)
+sys.exit(0 if s == h.HealthCheckResponse.SERVING else 1)"
+HEALTH_SCRIPT="set -euo pipefail
+deadline=\$(( \$(date +%s) + $WAIT_TIMEOUT ))
+until $VENV/bin/python -c \"$HEALTH_PY\"; do
+  if (( \$(date +%s) > deadline )); then
+    echo 'jaxserve did not report SERVING in time; last log lines:' >&2
+    sudo journalctl -u jaxserve -n 50 --no-pager >&2
+    exit 1
+  fi
+  sleep 10
+done
+echo SERVING"
+
+echo "# jaxserve on TPU VM $NAME ($ACCEL, $HOSTS host(s), runtime $RUNTIME) in $ZONE; config $(basename "$GIN_FILE")"
+if (( HOSTS > 1 )); then
+  echo "# multi-host slice: every command below with --worker=all runs on all $HOSTS workers"
+fi
+
+step "1/6 create the TPU VM"
+if (( EXISTING )); then
+  echo "# --existing: using TPU VM $NAME as it is"
+else
+  CREATE=(gcloud compute tpus tpu-vm create "$NAME" "${GCLOUD_SCOPE[@]}" --accelerator-type="$ACCEL"
+          --version="$RUNTIME")
+  if (( SPOT )); then CREATE+=(--spot); fi
+  run "${CREATE[@]}"
+fi
+
+step "2/6 install jax[tpu]==$JAX_VERSION and jaxserve on every worker"
+run git -C "$REPO" archive --format=tar.gz -o "$TARBALL" HEAD
+run gcloud compute tpus tpu-vm scp "$TARBALL" "$NAME:/tmp/jaxserve-src.tar.gz" "${GCLOUD_SCOPE[@]}" --worker=all
+tpu_ssh all "$INSTALL_SCRIPT"
+
+step "3/6 copy the gin config and set the checkpoint path"
+run gcloud compute tpus tpu-vm scp "$GIN_FILE" "$NAME:/tmp/jaxserve-model.gin" "${GCLOUD_SCOPE[@]}" --worker=all
+tpu_ssh all "$CONFIG_SCRIPT"
+
+step "4/6 install and start the systemd service (the same command on every worker)"
+tpu_ssh all "$SERVICE_SCRIPT"
+
+step "5/6 wait until gRPC health on worker 0 says SERVING"
+tpu_ssh 0 "$HEALTH_SCRIPT"
+
+step "6/6 endpoint"
+if (( DRY_RUN )); then
+  run gcloud compute tpus tpu-vm describe "$NAME" "${GCLOUD_SCOPE[@]}" \
+    --format='value(networkEndpoints[0].accessConfig.externalIp)'
+  IP="EXTERNAL_IP"
+else
+  IP="$(gcloud compute tpus tpu-vm describe "$NAME" "${GCLOUD_SCOPE[@]}" \
+    --format='value(networkEndpoints[0].accessConfig.externalIp)')"
+fi
+echo "endpoint: $IP:$PORT"
+echo "# try: jaxserve client --target $IP:$PORT 'def fibonacci(n):'  (open tcp:$PORT in the VPC firewall first)"

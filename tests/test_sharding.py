@@ -1,0 +1,105 @@
+"""Tensor parallelism on 8 CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count=8,
+set by this module's subprocess so the rest of the suite keeps one device)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from conftest import make_hf_model
+
+SCRIPT = textwrap.dedent(r"""
+    import json, sys
+    import numpy as np, jax, jax.numpy as jnp
+    from jaxserve import LLM, SamplingParams
+    from jaxserve.engine import compile_count
+    assert len(jax.devices()) == 8, jax.devices()
+    path = sys.argv[1]
+    rng = np.random.default_rng(0)
+    prompts = [[int(x) for x in rng.integers(3, 512, int(rng.integers(2, 50)))] for _ in range(10)]
+    params = [SamplingParams(max_tokens=int(m), temperature=0, ignore_eos=True) for m in rng.integers(3, 25, 10)]
+    opts = dict(max_slots=4, page_size=8, max_model_len=128, num_pages=96, prefill_buckets=(16, 32, 64))
+    out = {}
+    ref = None
+    for tp in (1, 2, 4, 8):
+        llm = LLM(path, tensor_parallel_size=tp, **opts)
+        t = llm.engine.target
+        # logits of one decode step after a prefill, against tp=1
+        llm.engine.prefill([(prompts[0][:-1], 0, list(range(1, 8)))])
+        s = opts["max_slots"]
+        z = np.zeros(s, np.int32); act = np.zeros(s, bool); act[0] = True
+        pos = z.copy(); pos[0] = len(prompts[0]) - 1
+        tok = z.copy(); tok[0] = prompts[0][-1]
+        bt = llm.engine._tables([list(range(1, 8))] + [[]] * (s - 1), act)
+        slots = np.where(act, bt[np.arange(s), pos // 8] * 8 + pos % 8, 0).astype(np.int32)
+        logits, t.kv = t.decode(t.params, t.kv, tok, pos, slots, bt, np.where(act, pos + 1, 0).astype(np.int32))
+        logits = np.asarray(logits)[0]
+        if ref is None:
+            ref = logits
+        before = compile_count()
+        toks = [o.token_ids for o in llm.generate(prompts, params)]
+        shards = {
+            "q_proj": [tuple(sh.data.shape) for sh in t.params["layers"][0]["self_attn"]["q_proj"]["kernel"].get_value().addressable_shards][:1],
+            "down_proj": [tuple(sh.data.shape) for sh in t.params["layers"][0]["mlp"]["down_proj"]["kernel"].get_value().addressable_shards][:1],
+            "kv": [tuple(sh.data.shape) for sh in t.kv[0][0].addressable_shards][:1],
+            "n_devices": len(t.kv[0][0].sharding.device_set),
+        }
+        out[tp] = {"err": float(np.abs(logits - ref).max()), "tokens": toks, "shards": shards,
+                   "compiles": compile_count() - before}
+    # Fewer KV heads (2) than chips (4): K/V projections and pages are replicated.
+    few = {}
+    for tp in (1, 4):
+        llm = LLM(sys.argv[2], tensor_parallel_size=tp, **opts)
+        few[tp] = {"tokens": [o.token_ids for o in llm.generate(prompts[:4], params[:4])],
+                   "kv": [tuple(sh.data.shape) for sh in llm.engine.target.kv[0][0].addressable_shards][:1]}
+    out["few_kv_heads"] = few
+    print("RESULT" + json.dumps(out))
+""")
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tp_model")
+    # 8 heads and 8 KV heads: everything divides by 8; a second model below has fewer KV heads.
+    make_hf_model("llama", d, hidden_size=64, num_attention_heads=8, num_key_value_heads=8, intermediate_size=128)
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    few = tmp_path_factory.mktemp("tp_few_kv")
+    make_hf_model("llama", few, hidden_size=64, num_attention_heads=8, num_key_value_heads=2, intermediate_size=128)
+    r = subprocess.run([sys.executable, "-c", SCRIPT, str(d), str(few)], capture_output=True, text=True, env=env,
+                       timeout=900,
+                       cwd=Path(__file__).resolve().parents[1])
+    line = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT")]
+    assert line, r.stdout[-3000:] + r.stderr[-3000:]
+    return {(int(k) if k.isdigit() else k): v for k, v in json.loads(line[0][6:]).items()}
+
+
+@pytest.mark.parametrize("tp", [2, 4, 8])
+def test_logits_match_single_device(results, tp):
+    assert results[tp]["err"] < 1e-4
+
+
+@pytest.mark.parametrize("tp", [2, 4, 8])
+def test_greedy_outputs_identical(results, tp):
+    assert results[tp]["tokens"] == results[1]["tokens"]
+    assert results[tp]["compiles"] == 0
+
+
+@pytest.mark.parametrize("tp", [2, 4, 8])
+def test_parameters_and_pages_are_sharded(results, tp):
+    sh = results[tp]["shards"]
+    assert sh["q_proj"] == [[64, 64 // tp]]  # columns (heads) split
+    assert sh["down_proj"] == [[128 // tp, 64]]  # rows split
+    assert sh["kv"] == [[96, 8, 8 // tp, 8]]  # pages split by KV head
+    assert sh["n_devices"] == tp
+
+
+def test_fewer_kv_heads_than_chips_replicates_kv(results):
+    few = results["few_kv_heads"]
+    assert few["4"]["tokens"] == few["1"]["tokens"]
+    assert few["4"]["kv"] == [[96, 8, 2, 8]]  # every chip holds both KV heads
