@@ -582,7 +582,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--context", type=int, default=8192, help="tokens per request (prompt + output)")
     ap.add_argument("--memory-fraction", type=float, default=0.9, help="share of HBM the server may use")
     ap.add_argument("--activation-reserve-gb", type=float, default=None,
-                    help=f"per chip, in GB (default {DEFAULT_ACTIVATION_RESERVE_FRACTION:.0%%} of HBM)")
+                    help=f"per chip, in GB (default {DEFAULT_ACTIVATION_RESERVE_FRACTION:.0%}% of HBM)")
     ap.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE, help="tokens per KV page")
     ap.add_argument("--price-per-chip-hour", type=float, default=None, help="USD (default: rough on-demand price)")
     ap.add_argument("--mean-prompt", type=float, default=None)
