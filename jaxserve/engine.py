@@ -22,6 +22,7 @@ import numpy as np
 from flax import nnx
 
 from jaxserve import kv_math
+from jaxserve.multihost import to_host
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.llama import AttentionMetadata, LlamaForCausalLM
 from jaxserve.paged_cache import DUMMY_PAGE
@@ -134,6 +135,19 @@ class DecodeResult:
     top_logprobs: np.ndarray | None
 
 
+def replicated(method: Callable) -> Callable:
+    """An engine call every process must make: with several processes, the leader first
+    hands its host inputs to the others (multihost.StepBroadcaster)."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args):
+        if self.broadcaster is not None and self.broadcaster.leader:
+            self.broadcaster.send(method.__name__, args)
+        return method(self, *args)
+
+    return wrapper
+
+
 def pin_kv(fn: Callable, sharding, kv_out: int | None) -> Callable:
     """Wrap a step so the KV cache it returns keeps `sharding` (tensor parallelism): the next
     call then sees the same input sharding, so donation holds and nothing recompiles."""
@@ -212,6 +226,7 @@ class Engine:
                 f"at {self.kv_bytes_per_token} bytes/token) plus the reserved page, but the pool has {self.num_pages} "
                 f"pages; raise num_pages / kv_cache_memory_bytes or lower max_model_len")
         self.mesh = None
+        self.broadcaster = None
         if cfg.tensor_parallel_size > 1:
             from jaxserve import sharding as shd
 
@@ -219,6 +234,9 @@ class Engine:
                 if c is not None:
                     shd.check_divisible(c, cfg.tensor_parallel_size)
             self.mesh = shd.make_mesh(cfg.tensor_parallel_size)
+        from jaxserve import multihost
+
+        self.broadcaster = multihost.StepBroadcaster() if multihost.is_multiprocess() else None
         build = lambda m, c: _Weights(m, c, self.num_pages, ps, self.dtype, self.attention_impl,  # noqa: E731
                                       self.interpret, self.mesh)
         self.target = build(model, model_cfg)
@@ -227,7 +245,12 @@ class Engine:
         log.info("KV cache: %d pages x %d tokens (%.1f MiB), %d slots, max_model_len %d, attention %s",
                  self.num_pages, ps, self.num_pages * ps * self.kv_bytes_per_token / 2**20,
                  cfg.max_slots, self.max_model_len, self.attention_impl)
-        self._sample = jax.jit(sample, static_argnames=("do_sample", "num_logprobs"))
+        replicate = None
+        if self.mesh is not None:
+            from jax.sharding import NamedSharding, PartitionSpec
+
+            replicate = NamedSharding(self.mesh, PartitionSpec())
+        self._sample = jax.jit(sample, static_argnames=("do_sample", "num_logprobs"), out_shardings=replicate)
         self.copy_batch = max(8, cfg.max_slots)
         self.spec_k = cfg.num_speculative_tokens if cfg.speculative_model else 0
         if self.spec_k:
@@ -259,6 +282,7 @@ class Engine:
         return max(0, budget // per_page)
 
     # -- steps -------------------------------------------------------------------------
+    @replicated
     def prefill(self, chunks: list[tuple[list[int], int, list[int]]]) -> None:
         """Fill KV (of the target and the draft) for chunks of (tokens, start, the sequence's pages).
 
@@ -313,6 +337,7 @@ class Engine:
                 bt[i, : len(pages)] = pages[: self.table_width]
         return bt
 
+    @replicated
     def decode(self, tokens: np.ndarray, positions: np.ndarray, block_tables: list[list[int]], active: np.ndarray,
                temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray, seeds: np.ndarray,
                counters: np.ndarray, num_logprobs: int) -> DecodeResult:
@@ -327,8 +352,9 @@ class Engine:
         n = min(MAX_LOGPROBS, self.model_cfg.vocab_size) if num_logprobs > 0 else 0
         out = self._sample(logits, temperature.astype(np.float32), top_k.astype(np.int32), top_p.astype(np.float32),
                            seeds, counters.astype(np.int32), do_sample=do_sample, num_logprobs=n)
-        return DecodeResult(*jax.device_get(out))
+        return DecodeResult(*(to_host(x) for x in out))
 
+    @replicated
     def speculate(self, tokens: np.ndarray, positions: np.ndarray, block_tables: list[list[int]], active: np.ndarray,
                   proposals: list[list[int]] | None, temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray,
                   seeds: np.ndarray, counters: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -358,9 +384,9 @@ class Engine:
         t = self.target
         t.kv, out, n_out = self._verify(t.params, t.kv, toks, pos, bt, active, num_drafts, q, *args,
                                         page_size=self.cfg.page_size, do_sample=do_sample)
-        out, n_out = jax.device_get((out, n_out))
-        return out, n_out, num_drafts
+        return to_host(out), to_host(n_out), num_drafts
 
+    @replicated
     def copy_pages(self, pairs: list[tuple[int, int]]) -> None:
         for i in range(0, len(pairs), self.copy_batch):
             chunk = pairs[i: i + self.copy_batch]

@@ -89,6 +89,13 @@ class LLM:
         self._arrival = itertools.count()
         self._rng = np.random.default_rng(self.cfg.seed)
         self.compiles_after_warmup: int | None = None
+        bc = self.engine.broadcaster
+        if bc is not None and not bc.leader:
+            # Another host's process: replay the leader's engine calls (its warm-up included)
+            # until it shuts down. The scheduler and server run on process 0 only.
+            bc.follow(self.engine)
+            self._compiles_at_warmup = compile_count()
+            return
         if warmup:
             say = (lambda m: print(f"[jaxserve] {m}", file=sys.stderr, flush=True)) if log_progress else None
             secs = self.engine.warmup(say)
@@ -161,6 +168,12 @@ class LLM:
     def abort(self, request_id: str) -> None:
         """Takes effect at the start of the next step: the slot and pages are free within one step."""
         self._inbox.put(("abort", request_id))
+
+    def shutdown(self) -> None:
+        """With several processes, release the followers (they return from LLM())."""
+        bc = self.engine.broadcaster
+        if bc is not None and bc.leader:
+            bc.send("stop", ())
 
     def flush_prefix_cache(self) -> int:
         """Drop every cached prefix no running request uses; returns pages freed."""

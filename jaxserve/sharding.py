@@ -57,9 +57,10 @@ def shard_params(state, cfg: ModelConfig, mesh: Mesh):
     flat = nnx.to_flat_state(state)
     placed = []
     for path, var in flat:
-        value = var.get_value()
-        spec = param_spec(path, value.ndim, cfg, tp)
-        placed.append((path, var.replace(jax.device_put(value, NamedSharding(mesh, spec)))))
+        value = np.asarray(var.get_value())
+        sharding = NamedSharding(mesh, param_spec(path, value.ndim, cfg, tp))
+        # from a host copy, each process placing only its own shards (works across hosts)
+        placed.append((path, var.replace(jax.make_array_from_callback(value.shape, sharding, lambda i, v=value: v[i]))))
     return nnx.from_flat_state(placed)
 
 
