@@ -545,6 +545,45 @@ def measure_host(size_bytes: int = 512 * 1024 * 1024, repeats: int = 5) -> dict[
             "seconds": time.perf_counter() - start}
 
 
+def measure_engine_step(model: ModelShape, batch: int, context_len: int, repeats: int = 5) -> float:
+    """Median seconds of the real jaxserve decode step (float32, every slot active at
+    `context_len`) for a random-weight model of this shape: the number the roofline predicts."""
+    import time
+
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from jaxserve.engine import Engine, EngineConfig
+    from jaxserve.models.config import ModelConfig
+    from jaxserve.models.llama import LlamaForCausalLM
+
+    cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=model.vocab_size, hidden_size=model.hidden_size,
+                      intermediate_size=model.intermediate_size, num_layers=model.num_layers,
+                      num_heads=model.num_heads, num_kv_heads=model.num_kv_heads, head_dim=model.head_dim,
+                      rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=max(context_len + 1, 16),
+                      tie_word_embeddings=model.tie_word_embeddings)
+    ps = 16
+    pages = -(-(context_len + 1) // ps)
+    engine = Engine(LlamaForCausalLM(cfg, dtype="float32", rngs=nnx.Rngs(0)), cfg,
+                    EngineConfig(max_slots=batch, page_size=ps, max_model_len=pages * ps, num_pages=batch * pages + 1,
+                                 dtype="float32", attention_impl="xla", enable_prefix_caching=False))
+    tables = [list(range(1 + i * pages, 1 + (i + 1) * pages)) for i in range(batch)]
+    z = np.zeros(batch, np.int32)
+    pos = np.full(batch, context_len, np.int32)
+    act = np.ones(batch, bool)
+    args = (z, pos, tables, act, np.zeros(batch, np.float32), z, np.ones(batch, np.float32),
+            np.zeros((batch, 2), np.uint32), z, 0)
+    engine.decode(*args)  # compile
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        engine.decode(*args)
+        jax.block_until_ready(engine.kv)
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
 def _measure_host_report(model: ModelShape, context_len: int, as_json: bool) -> int:
     host = measure_host()
     rows = []
@@ -552,10 +591,8 @@ def _measure_host_report(model: ModelShape, context_len: int, as_json: bool) -> 
         mem, comp = decode_step_bounds(model, b, context_len, host["memory_bandwidth"], host["matmul_flops_fp32"],
                                        weight_dtype="fp32", kv_dtype="fp32")
         rows.append({"batch": b, "memory_bound_s": mem, "compute_bound_s": comp, "predicted_s": max(mem, comp),
-                     # ---- MEASURED ENGINE STEP GOES HERE -------------------------------------------
-                     # Filled in by the engine benchmark (its own measure_engine_step, not written here):
-                     # the measured jitted decode step at this batch and context, to set beside predicted_s.
-                     "measured_engine_s": None})
+                     "measured_engine_s": measure_engine_step(model, b, context_len)})
+        rows[-1]["measured_over_predicted"] = rows[-1]["measured_engine_s"] / rows[-1]["predicted_s"]
     if as_json:
         print(json.dumps({"host": host, "model": model.name, "context_len": context_len, "steps": rows}, indent=2))
         return 0
@@ -563,10 +600,10 @@ def _measure_host_report(model: ModelShape, context_len: int, as_json: bool) -> 
           f"{host['memory_bandwidth_numpy'] / GB:.1f}, jax sum {host['memory_bandwidth_jax'] / GB:.1f}), "
           f"fp32 matmul {host['matmul_flops_fp32'] / 1e9:.0f} GFLOP/s  [{host['seconds']:.1f} s]")
     print(f"predicted fp32 decode step, {model.name} ({model.num_params / 1e6:.1f}M params), context {context_len}:")
-    print(f"{'batch':>6} {'memory':>12} {'compute':>12} {'predicted':>12} {'engine':>12}")
+    print(f"{'batch':>6} {'memory':>12} {'compute':>12} {'predicted':>12} {'engine':>12} {'ratio':>7}")
     for r in rows:
         print(f"{r['batch']:>6} {_ms(r['memory_bound_s']):>12} {_ms(r['compute_bound_s']):>12} "
-              f"{_ms(r['predicted_s']):>12} {'(not run)':>12}")
+              f"{_ms(r['predicted_s']):>12} {_ms(r['measured_engine_s']):>12} {r['measured_over_predicted']:>6.1f}x")
     return 0
 
 

@@ -143,6 +143,10 @@ class SpecStats:
 
     def __init__(self, k: int):
         self.k = k
+        self.reset()
+
+    def reset(self) -> None:
+        k = self.k
         self.steps = 0  # slot-steps: one per slot per verification
         self.emitted = 0
         self.proposed = np.zeros(k, np.int64)

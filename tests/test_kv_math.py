@@ -272,3 +272,11 @@ def test_cli_plot_writes_png(tmp_path: Path) -> None:
 def test_measure_host_small() -> None:
     host = km.measure_host(size_bytes=8 * 1024 * 1024, repeats=1)
     assert host["memory_bandwidth"] > 0 and host["matmul_flops_fp32"] > 0
+
+
+def test_measure_engine_step_runs_the_real_decode_step():
+    shape = km.ModelShape(name="tiny", num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
+                          intermediate_size=128, vocab_size=256, tie_word_embeddings=False,
+                          max_position_embeddings=128)
+    secs = km.measure_engine_step(shape, batch=2, context_len=40, repeats=3)
+    assert 0 < secs < 5
