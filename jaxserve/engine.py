@@ -252,6 +252,9 @@ class Engine:
             replicate = NamedSharding(self.mesh, PartitionSpec())
         self._sample = jax.jit(sample, static_argnames=("do_sample", "num_logprobs"), out_shardings=replicate)
         self.copy_batch = max(8, cfg.max_slots)
+        # Decode runs over the live sequences only, padded to a power-of-two batch: the slot
+        # a request holds is host bookkeeping, the device addresses KV through pages.
+        self.batch_buckets = pow2_buckets(min(8, cfg.max_slots), cfg.max_slots)
         self.spec_k = cfg.num_speculative_tokens if cfg.speculative_model else 0
         if self.spec_k:
             from jaxserve import speculative
@@ -331,7 +334,7 @@ class Engine:
             w.kv = getattr(w, fn_name)(w.params, w.kv, tok, pos, slots, bt, ctx, seg)
 
     def _tables(self, block_tables: list[list[int]], active: np.ndarray) -> np.ndarray:
-        bt = np.zeros((self.cfg.max_slots, self.table_width), np.int32)
+        bt = np.zeros((len(active), self.table_width), np.int32)
         for i, (pages, a) in enumerate(zip(block_tables, active)):
             if a:
                 bt[i, : len(pages)] = pages[: self.table_width]
@@ -341,7 +344,8 @@ class Engine:
     def decode(self, tokens: np.ndarray, positions: np.ndarray, block_tables: list[list[int]], active: np.ndarray,
                temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray, seeds: np.ndarray,
                counters: np.ndarray, num_logprobs: int) -> DecodeResult:
-        """One step of the target over all max_slots slots; inactive slots write into the dummy page."""
+        """One step of the target over a batch of rows (a batch bucket); inactive rows write
+        into the dummy page. Rows sorted by context length, longest first, attend fastest."""
         ps = self.cfg.page_size
         bt = self._tables(block_tables, active)
         slots = np.where(active, bt[np.arange(len(bt)), positions // ps] * ps + positions % ps, 0).astype(np.int32)
@@ -361,7 +365,7 @@ class Engine:
         """One speculative step: propose k tokens per slot (the draft model on the device, or
         host `proposals`), verify all k+1 positions with the target in one pass. Returns
         (tokens [S, k+1], n_out [S], num_drafts [S]): slot i emits tokens[i, :n_out[i]]."""
-        k, s = self.spec_k, self.cfg.max_slots
+        k, s = self.spec_k, len(active)
         bt = self._tables(block_tables, active)
         do_sample = bool(np.any(active & (temperature > 0)))
         args = (temperature.astype(np.float32), top_k.astype(np.int32), top_p.astype(np.float32), seeds,
@@ -401,26 +405,28 @@ class Engine:
     def warmup(self, progress: Callable[[str], None] | None = None) -> float:
         """Compile every shape serving can produce; all writes go to the dummy page."""
         t0 = time.perf_counter()
-        s, ps = self.cfg.max_slots, self.cfg.page_size
+        ps = self.cfg.page_size
         jobs = [("prefill", t, start) for t in self.prefill_buckets for start in (0, ps)]
-        jobs += [("decode", do_sample, nlp) for do_sample in (False, True) for nlp in (0, 1)]
-        if self.spec_k:
-            jobs += [("speculate", do_sample, None) for do_sample in (False, True)]
-        z = np.zeros((s,), np.int32)
-        active = np.zeros((s,), bool)
-        active[0] = True
-        tables = [[DUMMY_PAGE] * self.max_pages_per_seq] + [[]] * (s - 1)
+        for b in self.batch_buckets:
+            jobs += [("decode", b, (do_sample, nlp)) for do_sample in (False, True) for nlp in (0, 1)]
+            if self.spec_k:
+                jobs += [("speculate", b, (do_sample, 0)) for do_sample in (False, True)]
         for i, (kind, a, b) in enumerate(jobs):
             if progress:
                 progress(f"compiling {kind} {a} {b if b is not None else ''} ({i + 1}/{len(jobs)})")
-            temp = np.full((s,), 1.0 if a is True else 0.0, np.float32)
             if kind == "prefill":
                 self.prefill([([0] * a, b, [DUMMY_PAGE] * (self.max_pages_per_seq + a // ps + 2))])
-            elif kind == "decode":
-                self.decode(z, z, tables, active, temp, z, np.ones((s,), np.float32), np.zeros((s, 2), np.uint32), z, b)
+                continue
+            z = np.zeros((a,), np.int32)
+            active = np.zeros((a,), bool)
+            active[0] = True
+            tables = [[DUMMY_PAGE] * self.max_pages_per_seq] + [[]] * (a - 1)
+            temp = np.full((a,), 1.0 if b[0] else 0.0, np.float32)
+            rest = (temp, z, np.ones((a,), np.float32), np.zeros((a, 2), np.uint32), z)
+            if kind == "decode":
+                self.decode(z, z, tables, active, *rest, b[1])
             else:
-                self.speculate(z, z, tables, active, [[0] * self.spec_k] + [[]] * (s - 1), temp, z,
-                               np.ones((s,), np.float32), np.zeros((s, 2), np.uint32), z)
+                self.speculate(z, z, tables, active, [[0] * self.spec_k] + [[]] * (a - 1), *rest)
         self.copy_pages([(DUMMY_PAGE, DUMMY_PAGE)])
         jax.block_until_ready([w.kv for w in self.models])
         return time.perf_counter() - t0

@@ -19,7 +19,7 @@ from typing import Iterable, Iterator, Sequence as Seq
 
 import numpy as np
 
-from jaxserve.engine import Engine, EngineConfig, compile_count
+from jaxserve.engine import Engine, EngineConfig, bucket_for, compile_count
 from jaxserve.paged_cache import PageAllocator
 from jaxserve.radix_cache import RadixCache
 from jaxserve.request import RequestOutput, SamplingParams, Sequence, Status
@@ -234,8 +234,11 @@ class LLM:
                 outputs.append(out)
         return outputs
 
-    def _slot_arrays(self, seqs: list[Sequence]):
-        s = self.cfg.max_slots
+    def _rows(self, seqs: list[Sequence]):
+        """Device inputs for a decode over `seqs`: one row each, longest context first (the
+        attention groups rows by length), padded to a batch bucket. Returns (rows, arrays)."""
+        rows = sorted(seqs, key=lambda s: -s.length)
+        s = bucket_for(self.engine.batch_buckets, len(rows))
         tokens = np.zeros(s, np.int32)
         positions = np.zeros(s, np.int32)
         active = np.zeros(s, bool)
@@ -245,9 +248,8 @@ class LLM:
         seeds = np.zeros((s, 2), np.uint32)
         counters = np.zeros(s, np.int32)
         tables: list[list[int]] = [[] for _ in range(s)]
-        want_lp = 0
-        for seq in seqs:
-            i, p = seq.slot, seq.params
+        for i, seq in enumerate(rows):
+            p = seq.params
             tokens[i] = seq.all_ids[-1]
             positions[i] = seq.length - 1
             active[i] = True
@@ -255,15 +257,15 @@ class LLM:
             seeds[i] = (seq.seed & 0xFFFFFFFF, seq.seed >> 32)
             counters[i] = len(seq.output_ids)
             tables[i] = seq.pages
-            if p.logprobs is not None:
-                want_lp = max(want_lp, p.logprobs + 1)
-        return tokens, positions, tables, active, temperature, top_k, top_p, seeds, counters, want_lp
+        return rows, (tokens, positions, tables, active, temperature, top_k, top_p, seeds, counters)
 
     def _decode(self, seqs: list[Sequence]) -> dict[str, list[tuple[int, dict[int, float] | None]]]:
-        r = self.engine.decode(*self._slot_arrays(seqs))
+        rows, arrays = self._rows(seqs)
+        want_lp = max((s.params.logprobs + 1 for s in seqs if s.params.logprobs is not None), default=0)
+        r = self.engine.decode(*arrays, want_lp)
         out = {}
-        for seq in seqs:
-            i, n = seq.slot, seq.params.logprobs
+        for i, seq in enumerate(rows):
+            n = seq.params.logprobs
             tok = int(r.tokens[i])
             lp = None
             if n is not None:
@@ -274,19 +276,16 @@ class LLM:
         return out
 
     def _speculate(self, seqs: list[Sequence]) -> dict[str, list[tuple[int, None]]]:
-        tokens, positions, tables, active, temperature, top_k, top_p, seeds, counters, _ = self._slot_arrays(seqs)
+        rows, (tokens, positions, tables, active, temperature, top_k, top_p, seeds, counters) = self._rows(seqs)
         proposals = None
         if self.engine.draft is None:
             from jaxserve.speculative import ngram_propose
 
-            proposals = [[] for _ in range(self.cfg.max_slots)]
-            for seq in seqs:
-                proposals[seq.slot] = ngram_propose(seq.all_ids, self.spec_k)
+            proposals = [ngram_propose(seq.all_ids, self.spec_k) for seq in rows] + [[]] * (len(active) - len(rows))
         out, n_out, num_drafts = self.engine.speculate(tokens, positions, tables, active, proposals, temperature,
                                                        top_k, top_p, seeds, counters)
         result = {}
-        for seq in seqs:
-            i = seq.slot
+        for i, seq in enumerate(rows):
             self.spec_stats.record(int(num_drafts[i]), int(n_out[i]))
             result[seq.request_id] = [(int(t), None) for t in out[i, : n_out[i]]]
         return result

@@ -116,4 +116,14 @@ def attention(q, k, v, k_pages, v_pages, block_tables, context_lens, positions, 
     pad = (-block_tables.shape[1]) % 2
     if pad:
         block_tables = jnp.pad(block_tables, ((0, 0), (0, pad)))
-    return paged_attention_chunked(q, k_pages, v_pages, block_tables, context_lens, positions, scale)
+    # Rows come sorted by context length (longest first): attending in groups lets each
+    # group's loop stop at its own longest context instead of the batch's.
+    b = q.shape[0]
+    groups = max(1, min(4, b // 8))
+    if b % groups:
+        groups = 1
+    n = b // groups
+    return jnp.concatenate([
+        paged_attention_chunked(q[i:i + n], k_pages, v_pages, block_tables[i:i + n], context_lens[i:i + n],
+                                positions[i:i + n], scale)
+        for i in range(0, b, n)], axis=0)
