@@ -9,6 +9,8 @@
 #   scripts/launch_tpu_vm.sh --name llama8b --zone us-east5-b --accelerator-type v6e-1 \
 #       --gin-file configs/llama-3.1-8b-instruct.gin --checkpoint gs://my-bucket/Llama-3.1-8B-Instruct
 set -euo pipefail
+# shellcheck source-path=SCRIPTDIR source=launch_common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/launch_common.sh"
 
 usage() {
   cat <<'EOF'
@@ -68,10 +70,7 @@ if ! [[ "$PORT" =~ ^[0-9]+$ ]] || (( PORT < 1 || PORT > 65535 )); then die "--po
 [[ "$WAIT_TIMEOUT" =~ ^[0-9]+$ ]] || die "--wait-timeout must be a number of seconds"
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-for candidate in "$GIN_FILE" "$REPO/configs/$GIN_FILE" "$REPO/$GIN_FILE"; do  # as given, in configs/, in the repo
-  if [[ -f "$candidate" ]]; then GIN_FILE="$candidate"; break; fi
-done
-[[ -f "$GIN_FILE" ]] || die "--gin-file $GIN_FILE not found"
+GIN_FILE="$(find_gin_file "$REPO" "$GIN_FILE")"  # as given, in configs/, in the repo
 
 if [[ -z "$RUNTIME" ]]; then
   case "$ACCEL" in
@@ -93,122 +92,19 @@ tpu_hosts() {
 }
 HOSTS="$(tpu_hosts "$ACCEL")"
 
-JAX_VERSION="$(sed -n 's/.*"jax==\([0-9.]*\)".*/\1/p' "$REPO/pyproject.toml" | head -n1)"
-[[ -n "$JAX_VERSION" ]] || die "cannot read the jax version from $REPO/pyproject.toml"
+JAX_VERSION="$(jax_version "$REPO")"
 
 GCLOUD_SCOPE=(--zone="$ZONE")
 if [[ -n "$PROJECT" ]]; then GCLOUD_SCOPE+=(--project="$PROJECT"); fi
 TARBALL="${TMPDIR:-/tmp}/jaxserve-src-$NAME.tar.gz"
 
-# Print (dry run) or run one command. Printed commands are exact and shell-quoted, one per line.
-run() {
-  if (( DRY_RUN )); then
-    local out="+" arg
-    for arg in "$@"; do out+=" $(printf '%q' "$arg")"; done
-    printf '%s\n' "$out"
-  else
-    "$@"
-  fi
-}
-# Run a command whose last argument is a multi-line remote script: FLAG is how the script is passed
-# ("--command=" for gcloud, "" for plain ssh). A dry run prints it as a quoted heredoc, still exact.
-run_remote() {  # run_remote FLAG SCRIPT CMD...
-  local flag="$1" script="$2"
-  shift 2
-  if (( DRY_RUN )); then
-    local out="+" arg
-    for arg in "$@"; do out+=" $(printf '%q' "$arg")"; done
-    # shellcheck disable=SC2016  # the $(cat ...) is printed, not run
-    printf '%s %s"$(cat <<'\''REMOTE'\''\n%s\nREMOTE\n)"\n' "$out" "$flag" "$script"
-  else
-    "$@" "$flag$script"
-  fi
-}
-step() { echo "# $*"; }
 tpu_ssh() {  # tpu_ssh WORKER SCRIPT
   run_remote --command= "$2" gcloud compute tpus tpu-vm ssh "$NAME" "${GCLOUD_SCOPE[@]}" --worker="$1"
 }
 
-VENV=/opt/jaxserve/.venv
-MODEL_LINE=""
-CHECKPOINT_FETCH=""
-if [[ "$CHECKPOINT" == gs://* ]]; then
-  LOCAL_CKPT="/models/$(basename "$CHECKPOINT")"
-  CHECKPOINT_FETCH="sudo mkdir -p /models && sudo chown \"\$(id -u):\$(id -g)\" /models && gcloud storage cp -r '$CHECKPOINT' /models/"
-  MODEL_LINE="ServeConfig.model = '$LOCAL_CKPT'"
-elif [[ -n "$CHECKPOINT" ]]; then
-  MODEL_LINE="ServeConfig.model = '$CHECKPOINT'"
-fi
-
-INSTALL_SCRIPT="set -euo pipefail
-sudo mkdir -p /opt/jaxserve /etc/jaxserve /var/cache/jaxserve
-sudo chown \"\$(id -u):\$(id -g)\" /opt/jaxserve
-tar -xzf /tmp/jaxserve-src.tar.gz -C /opt/jaxserve
-# jaxserve needs Python >= 3.11; uv brings one on any image.
-command -v uv >/dev/null || curl -LsSf https://astral.sh/uv/install.sh | sh
-export PATH=\"\$HOME/.local/bin:\$PATH\"
-uv venv --allow-existing --python 3.11 $VENV
-uv pip install --python $VENV/bin/python 'jax[tpu]==$JAX_VERSION'
-uv pip install --python $VENV/bin/python -e /opt/jaxserve
-$VENV/bin/python -c 'import jax, jaxserve.config; print(jax.__version__)'"
-
-CONFIG_SCRIPT="set -euo pipefail
-${CHECKPOINT_FETCH:+$CHECKPOINT_FETCH
-}sudo install -m 0644 /tmp/jaxserve-model.gin /etc/jaxserve/model.gin
-sudo tee /etc/jaxserve/deploy.gin >/dev/null <<'GIN'
-# Written by launch_tpu_vm.sh: the preset, retargeted to TPU, with the checkpoint and port of this host.
-include '/etc/jaxserve/model.gin'
-include 'base/tpu.gin'
-${MODEL_LINE:+$MODEL_LINE
-}ServeConfig.host = '0.0.0.0'
-ServeConfig.port = $PORT
-ServeConfig.compilation_cache_dir = '/var/cache/jaxserve/xla'
-GIN
-$VENV/bin/python -c \"from jaxserve.config import load_config; load_config(['/etc/jaxserve/deploy.gin'])\""
-
-SERVICE_SCRIPT="set -euo pipefail
-sudo tee /etc/systemd/system/jaxserve.service >/dev/null <<'UNIT'
-[Unit]
-Description=jaxserve gRPC inference server
-After=network-online.target
-Wants=network-online.target
-
-[Service]
-Type=simple
-Environment=PYTHONUNBUFFERED=1
-Environment=JAXSERVE_CACHE_DIR=/var/cache/jaxserve
-ExecStart=$VENV/bin/jaxserve serve --gin_file /etc/jaxserve/deploy.gin
-Restart=on-failure
-RestartSec=5
-KillSignal=SIGTERM
-TimeoutStopSec=90
-LimitNOFILE=65536
-
-[Install]
-WantedBy=multi-user.target
-UNIT
-sudo systemctl daemon-reload
-sudo systemctl enable jaxserve
-sudo systemctl restart jaxserve"
-
-HEALTH_PY="import grpc, sys
-from grpc_health.v1 import health_pb2 as h, health_pb2_grpc as g
-try:
-    s = g.HealthStub(grpc.insecure_channel('127.0.0.1:$PORT')).Check(h.HealthCheckRequest(), timeout=5).status
-except grpc.RpcError:
-    sys.exit(1)
-sys.exit(0 if s == h.HealthCheckResponse.SERVING else 1)"
-HEALTH_SCRIPT="set -euo pipefail
-deadline=\$(( \$(date +%s) + $WAIT_TIMEOUT ))
-until $VENV/bin/python -c \"$HEALTH_PY\"; do
-  if (( \$(date +%s) > deadline )); then
-    echo 'jaxserve did not report SERVING in time; last log lines:' >&2
-    sudo journalctl -u jaxserve -n 50 --no-pager >&2
-    exit 1
-  fi
-  sleep 10
-done
-echo SERVING"
+build_remote_scripts tpu "" "import jax, jaxserve.config; print(jax.__version__)" \
+  "launch_tpu_vm.sh: the preset, retargeted to TPU" "include 'base/tpu.gin'" \
+  "$JAX_VERSION" "$CHECKPOINT" "$PORT" "$WAIT_TIMEOUT"
 
 echo "# jaxserve on TPU VM $NAME ($ACCEL, $HOSTS host(s), runtime $RUNTIME) in $ZONE; config $(basename "$GIN_FILE")"
 if (( HOSTS > 1 )); then
