@@ -88,7 +88,6 @@ class LLM:
         self._detok: dict[str, _Detok] = {}
         self._arrival = itertools.count()
         self._rng = np.random.default_rng(self.cfg.seed)
-        self.compiles_after_warmup: int | None = None
         bc = self.engine.broadcaster
         if bc is not None and not bc.leader:
             # Another host's process: replay the leader's engine calls (its warm-up included)

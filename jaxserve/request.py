@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Sequence as Seq
 
 MAX_LOGPROBS = 20  # top-n alternatives computed on the device: a static bound keeps one compile
 
@@ -99,7 +98,3 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
-
-
-def as_token_lists(prompts: Seq) -> bool:
-    return bool(prompts) and not isinstance(prompts[0], str)

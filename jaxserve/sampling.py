@@ -10,7 +10,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxserve.request import MAX_LOGPROBS
 
 
 def argmax(logits):
@@ -73,6 +72,3 @@ def sample(logits, temperature, top_k, top_p, seeds, counters, *, do_sample: boo
     chosen = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
     top_lp, top_ids = jax.lax.top_k(logp, num_logprobs)
     return tokens, chosen, top_ids.astype(jnp.int32), top_lp
-
-
-NUM_LOGPROBS = MAX_LOGPROBS
