@@ -535,7 +535,7 @@ def measure_host(size_bytes: int = 512 * 1024 * 1024, repeats: int = 5) -> dict[
     a = np.asarray(x)  # a zero-copy view on the CPU backend
     bw_numpy = a.nbytes / best(a.sum)
     jsum = jax.jit(jnp.sum)
-    bw_jax = x.nbytes / best(lambda: jsum(x).block_until_ready())
+    bw_jax = x.nbytes / best(lambda x=x: jsum(x).block_until_ready())
     del a, x
     lhs, rhs = jnp.ones((512, 4096), jnp.float32), jnp.ones((4096, 4096), jnp.float32)
     mm = jax.jit(jnp.matmul)

@@ -18,7 +18,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_WORKLOAD = REPO.parent / "shared" / "workloads" / "mixed-64.json"

@@ -5,9 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
-from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
