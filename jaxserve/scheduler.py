@@ -95,7 +95,7 @@ class Scheduler:
         prefills, decodes, budget = [], [], self.max_prefill_tokens
         for seq in sorted(self.running, key=lambda s: s.arrival):
             if seq.prefilling:
-                budget = self._plan_chunk(seq, budget, prefills, decodes)
+                budget = self._plan_chunk(seq, budget, prefills, decodes, copies)
             else:
                 decodes.append(seq)
         # 3. Admit from the waiting queue, oldest first, while a slot, its pages and prefill
@@ -107,18 +107,18 @@ class Scheduler:
                 break
             self.waiting.popleft()
             if seq.prefilling:
-                budget = self._plan_chunk(seq, budget, prefills, decodes)
+                budget = self._plan_chunk(seq, budget, prefills, decodes, copies)
             else:
                 decodes.append(seq)
         return StepPlan(prefills, decodes, copies, preempted)
 
-    def _plan_chunk(self, seq: Sequence, budget: int, prefills: list, decodes: list) -> int:
+    def _plan_chunk(self, seq: Sequence, budget: int, prefills: list, decodes: list, copies: list) -> int:
         if budget <= 0:
             return budget
         n = min(seq.length - 1 - seq.num_computed, self.max_prefill_chunk, budget)
         prefills.append(PrefillChunk(seq, seq.num_computed, seq.num_computed + n))
         if seq.num_computed + n == seq.length - 1 and (
-                not self.lookahead or self._reserve(seq, seq.length + self.lookahead, [])):
+                not self.lookahead or self._reserve(seq, seq.length + self.lookahead, copies)):
             decodes.append(seq)  # its last token is fed by this very step's decode
         return budget - n
 
@@ -153,21 +153,24 @@ class Scheduler:
     def _reserve(self, seq: Sequence, num_tokens: int, copies: list) -> bool:
         """Own enough pages for num_tokens, and make the pages about to be written private."""
         while len(seq.pages) < self.alloc.pages_for(num_tokens):
-            if self.alloc.num_free == 0:
-                if self.prefix_cache is None or not self.prefix_cache.evict(1):
-                    return False
+            if not self._ensure_free_page():
+                return False
             seq.pages.append(self.alloc.allocate())
         first = seq.num_computed // self.alloc.page_size
         for i in range(first, len(seq.pages)):
             page = seq.pages[i]
             if self.alloc.is_shared(page):
-                if self.alloc.num_free == 0 and (self.prefix_cache is None or not self.prefix_cache.evict(1)):
+                if not self._ensure_free_page():
                     return False
                 new = self.alloc.allocate()
                 copies.append((page, new))
                 self.alloc.release(page)
                 seq.pages[i] = new
         return True
+
+    def _ensure_free_page(self) -> bool:
+        """A page is free, evicting a cached prefix for it if the pool is dry."""
+        return self.alloc.num_free > 0 or (self.prefix_cache is not None and self.prefix_cache.evict(1) > 0)
 
     # -- state changes -----------------------------------------------------------------
     def _release_pages(self, seq: Sequence) -> None:
