@@ -322,7 +322,7 @@ class LLM:
                 d.prefix_offset, d.read_offset = d.read_offset, len(ids)
             else:
                 break
-        if seq.params.stop and seq.status is not Status.FINISHED or (seq.params.stop and seq.finish_reason != "abort"):
+        if seq.params.stop and seq.finish_reason != "abort":
             longest = max(map(len, seq.params.stop))
             window_start = max(0, d.sent_text - longest)
             hits = [i for i in (d.text.find(s, window_start) for s in seq.params.stop) if i >= 0]

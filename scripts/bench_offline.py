@@ -94,7 +94,7 @@ def run_jaxserve(llm, reqs, waste: KVWaste | None):
     params = [SamplingParams(max_tokens=r["output_len"], temperature=0, ignore_eos=True) for r in reqs]
     seqs = [llm.make_sequence(p, sp) for p, sp in zip(prompts, params)]
     for s in seqs:
-        llm._inbox.put(("add", s))
+        llm.submit(s)
     t0 = time.perf_counter()
     steps = 0
     while llm.has_unfinished():

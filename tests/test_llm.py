@@ -152,17 +152,18 @@ def test_text_prompt_stream_and_stop_strings(llm, tok_model):
     _assert_pool_whole(llm)
 
 
-def test_eos_finishes_unless_ignored(llm, tok_model):
+def test_eos_finishes_unless_ignored(llm, tok_model, monkeypatch):
     hf = tok_model[1]
     prompt = [9, 10, 11]
     ref = hf_greedy(hf, prompt, 40)
-    eos = ref[7]  # pretend this token is EOS via stop_token_ids-free path: use the model's eos id 1 if produced
+    eos = ref[7]  # make the 8th greedy token the end-of-sequence token (the random model rarely emits id 1)
+    first = ref.index(eos)
+    monkeypatch.setattr(llm.scheduler, "eos", frozenset({eos}))
     r = llm.generate([prompt], SamplingParams(max_tokens=40, temperature=0))[0]
-    if 1 in ref:
-        assert r.token_ids == ref[: ref.index(1) + 1] and r.finish_reason == "stop"
-    else:
-        assert r.token_ids == ref and r.finish_reason == "length"
-    assert eos in ref
+    assert r.token_ids == ref[: first + 1] and r.finish_reason == "stop"
+    r = llm.generate([prompt], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))[0]
+    assert r.token_ids == ref and r.finish_reason == "length"
+    _assert_pool_whole(llm)
 
 
 @pytest.mark.parametrize("kwargs, field", [
