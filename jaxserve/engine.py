@@ -383,10 +383,9 @@ class Engine:
                     drafts[i, : len(prop)] = prop[:k]
                     num_drafts[i] = min(len(prop), k)
             q = None
-        toks = jnp.concatenate([jnp.asarray(tokens, jnp.int32)[:, None], jnp.asarray(drafts, jnp.int32)], axis=1)
-        pos = positions.astype(np.int32)[:, None] + np.arange(k + 1, dtype=np.int32)[None, :]
         t = self.target
-        t.kv, out, n_out = self._verify(t.params, t.kv, toks, pos, bt, active, num_drafts, q, *args,
+        t.kv, out, n_out = self._verify(t.params, t.kv, tokens.astype(np.int32), drafts, positions.astype(np.int32), bt,
+                                        active, num_drafts, q, *args,
                                         page_size=self.cfg.page_size, do_sample=do_sample)
         return to_host(out), to_host(n_out), num_drafts
 

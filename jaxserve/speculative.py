@@ -89,19 +89,20 @@ def draft_propose(graphdef, attn_fn, params, kv, last_tokens, positions, block_t
     return kv, jnp.swapaxes(drafts[:k], 0, 1), q
 
 
-def verify(graphdef, attn_fn, params, kv, tokens, positions, block_tables, active, num_drafts, draft_q, temperature,
-           top_k, top_p, seeds, counters, *, page_size: int, do_sample: bool):
-    """Score [last, d1..dk] at positions L-1..L-1+k for every slot and apply the acceptance
-    rule. Returns (kv, out_tokens [S, k+1], n_out [S]): the first n_out tokens are emitted
-    (the accepted drafts, then the corrected or bonus token)."""
-    s, t = tokens.shape
-    k = t - 1
+def verify(graphdef, attn_fn, params, kv, last_tokens, drafts, positions, block_tables, active, num_drafts, draft_q,
+           temperature, top_k, top_p, seeds, counters, *, page_size: int, do_sample: bool):
+    """Score [last, d1..dk] at positions L-1..L-1+k (positions [S] holds L-1) for every slot
+    and apply the acceptance rule. Returns (kv, out_tokens [S, k+1], n_out [S]): the first n_out
+    tokens are emitted (the accepted drafts, then the corrected or bonus token)."""
+    s, k = drafts.shape
+    t = k + 1
+    tokens = jnp.concatenate([last_tokens[:, None], drafts], axis=1)
+    positions = positions[:, None] + jnp.arange(t, dtype=positions.dtype)[None, :]
     model = nnx.merge(graphdef, params)
     slots = slot_mapping(block_tables, positions, active[:, None], page_size)
     meta = AttentionMetadata(slots, block_tables, jnp.where(active, positions[:, -1] + 1, 0), jnp.zeros_like(slots))
     idx = jnp.broadcast_to(jnp.arange(t), (s, t))
     logits, kv = model(tokens, positions, kv, meta, attn_fn)  # [S, T, V]
-    drafts = tokens[:, 1:]
     has_draft = jnp.arange(k)[None, :] < num_drafts[:, None]
     target_argmax = argmax(logits.reshape(s * t, -1)).reshape(s, t)
     greedy_ok = drafts == target_argmax[:, :k]
