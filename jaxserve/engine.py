@@ -22,6 +22,7 @@ import numpy as np
 from flax import nnx
 
 from jaxserve import kv_math
+from jaxserve.executable_cache import ExecutableStore, Step
 from jaxserve.multihost import to_host
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.llama import AttentionMetadata, LlamaForCausalLM
@@ -32,15 +33,14 @@ from pallas_kernels import reference
 
 log = logging.getLogger("jaxserve.engine")
 
-_compiles = 0
-_compiles_lock = threading.Lock()
+_events = {"/jax/core/compile/backend_compile_duration": 0, "/jax/core/compile/jaxpr_trace_duration": 0}
+_events_lock = threading.Lock()
 
 
 def _on_event(name: str, *_args, **_kw) -> None:
-    global _compiles
-    if name == "/jax/core/compile/backend_compile_duration":
-        with _compiles_lock:
-            _compiles += 1
+    if name in _events:
+        with _events_lock:
+            _events[name] += 1
 
 
 jax.monitoring.register_event_duration_secs_listener(_on_event)
@@ -48,7 +48,13 @@ jax.monitoring.register_event_duration_secs_listener(_on_event)
 
 def compile_count() -> int:
     """XLA compilations in this process so far: the tripwire for compiles after warm-up."""
-    return _compiles
+    return _events["/jax/core/compile/backend_compile_duration"]
+
+
+def trace_count() -> int:
+    """Functions traced to jaxprs in this process so far: a restart that loads its compiled
+    steps from the executable store traces none of them."""
+    return _events["/jax/core/compile/jaxpr_trace_duration"]
 
 
 def pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
@@ -169,8 +175,8 @@ class _Weights:
     """One model on the device: its parameters, its KV page pool and its jitted steps.
     The target and a speculative draft each have one; both use the same page ids."""
 
-    def __init__(self, module: LlamaForCausalLM, cfg: ModelConfig, num_pages: int, page_size: int, dtype,
-                 attention_impl: str, interpret: bool, mesh=None):
+    def __init__(self, name: str, module: LlamaForCausalLM, cfg: ModelConfig, num_pages: int, page_size: int,
+                 dtype, attention_impl: str, interpret: bool, mesh=None, store: ExecutableStore | None = None):
         self.cfg = cfg
         self.graphdef, self.params = nnx.split(module)
         shape = (num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
@@ -186,12 +192,14 @@ class _Weights:
                         out_shardings=self.kv_sharding)
         self.kv = zeros()
         self.attn = {m: _attention_fn(attention_impl, interpret, m) for m in ("prefill", "context", "decode")}
-        step = lambda fn, mode, kv_out: jax.jit(  # noqa: E731
-            pin_kv(functools.partial(fn, self.graphdef, self.attn[mode]), self.kv_sharding, kv_out), donate_argnums=(1,))
+        step = lambda fn, mode, kv_out: Step(f"{name}-{fn.__name__.strip('_')}-{mode}", jax.jit(  # noqa: E731
+            pin_kv(functools.partial(fn, self.graphdef, self.attn[mode]), self.kv_sharding, kv_out),
+            donate_argnums=(1,)), store, fixed=2)
         self.prefill = step(_prefill_step, "prefill", None)
         self.prefill_ctx = step(_prefill_step, "context", None)
         self.decode = step(_decode_step, "decode", 1)
-        self.copy = jax.jit(pin_kv(_copy_pages, self.kv_sharding, None), donate_argnums=(0,))
+        self.copy = Step(f"{name}-copy", jax.jit(pin_kv(_copy_pages, self.kv_sharding, None), donate_argnums=(0,)),
+                         store, fixed=1)
 
 
 class Engine:
@@ -237,10 +245,19 @@ class Engine:
         from jaxserve import multihost
 
         self.broadcaster = multihost.StepBroadcaster() if multihost.is_multiprocess() else None
-        build = lambda m, c: _Weights(m, c, self.num_pages, ps, self.dtype, self.attention_impl,  # noqa: E731
-                                      self.interpret, self.mesh)
-        self.target = build(model, model_cfg)
-        self.draft = build(draft, draft_cfg) if draft is not None else None
+        self.store = None  # compiled steps kept across restarts; with several processes JAX's cache does it
+        if cfg.compilation_cache_dir and self.broadcaster is None:
+            context = (f"{dataclasses.replace(cfg, compilation_cache_dir=None)!r} {model_cfg!r} {draft_cfg!r} "
+                       f"{self.dtype} {self.attention_impl} {self.interpret} {self.num_pages}")
+            try:
+                devices = list(self.mesh.devices.flat) if self.mesh is not None else jax.devices()[:1]
+                self.store = ExecutableStore(cfg.compilation_cache_dir, context, devices)
+            except OSError as e:
+                log.warning("compiled steps are not kept across restarts: %s", e)
+        build = lambda n, m, c: _Weights(n, m, c, self.num_pages, ps, self.dtype, self.attention_impl,  # noqa: E731
+                                         self.interpret, self.mesh, self.store)
+        self.target = build("target", model, model_cfg)
+        self.draft = build("draft", draft, draft_cfg) if draft is not None else None
         self.models = [w for w in (self.target, self.draft) if w is not None]
         log.info("KV cache: %d pages x %d tokens (%.1f MiB), %d slots, max_model_len %d, attention %s",
                  self.num_pages, ps, self.num_pages * ps * self.kv_bytes_per_token / 2**20,
@@ -250,7 +267,8 @@ class Engine:
             from jax.sharding import NamedSharding, PartitionSpec
 
             replicate = NamedSharding(self.mesh, PartitionSpec())
-        self._sample = jax.jit(sample, static_argnames=("do_sample", "num_logprobs"), out_shardings=replicate)
+        self._sample = Step("sample", jax.jit(sample, static_argnames=("do_sample", "num_logprobs"),
+                                              out_shardings=replicate), self.store)
         self.copy_batch = max(8, cfg.max_slots)
         # Decode runs over the live sequences only, padded to a power-of-two batch: the slot
         # a request holds is host bookkeeping, the device addresses KV through pages.
@@ -260,14 +278,14 @@ class Engine:
             from jaxserve import speculative
 
             t = self.target
-            self._verify = jax.jit(pin_kv(functools.partial(speculative.verify, t.graphdef, t.attn["context"]),
-                                          t.kv_sharding, 0),
-                                   donate_argnums=(1,), static_argnames=("page_size", "do_sample"))
+            self._verify = Step("verify", jax.jit(
+                pin_kv(functools.partial(speculative.verify, t.graphdef, t.attn["context"]), t.kv_sharding, 0),
+                donate_argnums=(1,), static_argnames=("page_size", "do_sample")), self.store, fixed=2)
             if self.draft is not None:
                 d = self.draft
-                self._propose = jax.jit(
+                self._propose = Step("propose", jax.jit(
                     pin_kv(functools.partial(speculative.draft_propose, d.graphdef, d.attn["decode"]), d.kv_sharding, 0),
-                    donate_argnums=(1,), static_argnames=("k", "page_size", "do_sample"))
+                    donate_argnums=(1,), static_argnames=("k", "page_size", "do_sample")), self.store, fixed=2)
 
     @property
     def kv(self):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import logging
 import queue
 import sys
@@ -38,9 +39,25 @@ def load_tokenizer(path: Path):
     """The checkpoint's own tokenizer, or None: token-id prompts still work without one."""
     if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
         return None
+    if (path / "tokenizer.json").is_file() and _tokenizer_class(path) in _GENERIC_TOKENIZERS:
+        # The class AutoTokenizer would pick, without importing the auto machinery: that
+        # imports every model config and, where torch is installed, torch (about 1.5 s a start).
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+        return TokenizersBackend.from_pretrained(str(path))
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(path))
+
+
+_GENERIC_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def _tokenizer_class(path: Path) -> str | None:
+    try:
+        return json.loads((path / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 @dataclasses.dataclass
@@ -98,7 +115,10 @@ class LLM:
         if warmup:
             say = (lambda m: print(f"[jaxserve] {m}", file=sys.stderr, flush=True)) if log_progress else None
             secs = self.engine.warmup(say)
-            log.info("warm-up compiled every bucket in %.1fs", secs)
+            store = self.engine.store
+            log.info("warm-up compiled every bucket in %.1fs%s", secs,
+                     f" ({store.loaded} executables loaded from {store.dir}, {store.saved} compiled and saved)"
+                     if store is not None else "")
         self._compiles_at_warmup = compile_count()
 
     def _load_draft(self):

@@ -3,6 +3,9 @@ seeded sampling, page accounting, zero compiles after warm-up, and input validat
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -187,3 +190,29 @@ def test_bad_input_names_the_field(llm, kwargs, field):
 def test_refuses_a_pool_that_cannot_hold_one_request(tok_model):
     with pytest.raises(ValueError, match=r"KV cache too small.*max_model_len=160.*20 pages.*pool has 10"):
         LLM(tok_model[0], max_slots=2, page_size=8, max_model_len=160, num_pages=10, warmup=False)
+
+
+def test_direct_tokenizer_is_the_one_autotokenizer_builds(tok_model, tmp_path):
+    """load_tokenizer skips AutoTokenizer for generic fast tokenizers (start-up time): it must
+    build the same tokenizer, and any model-specific class must still go through AutoTokenizer."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from jaxserve.llm import DEFAULT_MODEL, load_tokenizer
+
+    texts = ["def f(x):\n    return x + 1\n", "héllo wörld ☃ 日本語 <s> </s>", "", "  spaces\ttabs\n\n"]
+    for path in (tok_model[0], DEFAULT_MODEL):
+        ours, auto = load_tokenizer(Path(path)), AutoTokenizer.from_pretrained(str(path))
+        assert type(ours) is type(auto)
+        assert (ours.bos_token_id, ours.eos_token_id, ours.pad_token_id, ours.all_special_ids) == \
+            (auto.bos_token_id, auto.eos_token_id, auto.pad_token_id, auto.all_special_ids)
+        for t in texts:
+            ids = ours.encode(t, add_special_tokens=True)
+            assert ids == auto.encode(t, add_special_tokens=True)
+            assert ours.decode(ids, skip_special_tokens=True) == auto.decode(ids, skip_special_tokens=True)
+    other = tmp_path / "gpt2-tok"
+    shutil.copytree(DEFAULT_MODEL, other)
+    cfg = json.loads((other / "tokenizer_config.json").read_text())
+    (other / "tokenizer_config.json").write_text(json.dumps({**cfg, "tokenizer_class": "GPT2Tokenizer"}))
+    assert type(load_tokenizer(other)).__name__ == "GPT2Tokenizer"

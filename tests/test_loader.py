@@ -130,3 +130,44 @@ def test_bfloat16_weights_cast_to_compute_dtype(tmp_path):
     emb = np.asarray(model.embed_tokens.embedding.get_value())
     assert emb.dtype == np.float32
     np.testing.assert_array_equal(emb, hf.model.embed_tokens.weight.float().detach().numpy())
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2"])
+def test_config_from_the_converted_cache_equals_transformers(kind, hf_models, tmp_path):
+    from jaxserve.models.config import ModelConfig
+
+    path = hf_models[kind][0]
+    _, cold = load_model(path, cache_dir=tmp_path / "cache")
+    _, warm = load_model(path, cache_dir=tmp_path / "cache")
+    assert cold == warm == ModelConfig.from_dir(path)
+    assert ModelConfig.from_json(json.loads((tmp_path / "cache" / "jaxserve_meta.json").read_text())["config"]) == cold
+
+
+def test_changed_config_json_is_not_taken_from_the_cache(tmp_path):
+    path = tmp_path / "m"
+    make_hf_model("llama", path)
+    cache = tmp_path / "cache"
+    _, before = load_model(path, cache_dir=cache)
+    raw = json.loads((path / "config.json").read_text())
+    raw["rms_norm_eps"] = 1e-3
+    (path / "config.json").write_text(json.dumps(raw))
+    _, after = load_model(path, cache_dir=cache)
+    assert after.rms_norm_eps == 1e-3 and before.rms_norm_eps == 1e-5
+
+
+def test_warm_start_imports_neither_torch_nor_transformers_auto_classes(tmp_path):
+    """A restart reads the model config from the converted-weight cache and loads a generic
+    fast tokenizer directly: transformers' auto classes import torch where it is installed
+    (about 1.5 s of every start). torch is installed here (the test oracle), so this can fail."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import sys; from pathlib import Path; from jaxserve.llm import DEFAULT_MODEL, load_tokenizer; "
+            "from jaxserve.models.loader import load_model; load_model(DEFAULT_MODEL); load_tokenizer(Path(DEFAULT_MODEL)); "
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('transformers.models.auto')))")
+    env = dict(os.environ, JAXSERVE_CACHE_DIR=str(tmp_path / "cache"), JAX_PLATFORMS="cpu")
+    run = lambda: subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,  # noqa: E731
+                                 check=True).stdout.strip().splitlines()[-1]
+    assert "transformers.models.auto.configuration_auto" in run()  # cold: transformers parses config.json
+    assert run() == "[]"

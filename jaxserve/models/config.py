@@ -135,8 +135,9 @@ class ModelConfig:
             name=name,
         )
 
-    @classmethod
-    def from_dir(cls, path: str | Path) -> "ModelConfig":
+    @staticmethod
+    def check_dir(path: str | Path) -> None:
+        """The errors a user can fix, before anything is read with transformers."""
         path = Path(path)
         if not path.is_dir():
             raise ValueError(f"model: checkpoint directory {str(path)!r} does not exist")
@@ -144,12 +145,27 @@ class ModelConfig:
         if not cfg_file.is_file():
             raise ValueError(f"model: {str(cfg_file)!r} is missing (a Hugging Face checkpoint needs config.json)")
         raw = json.loads(cfg_file.read_text())
-        from transformers import AutoConfig
-
         archs = raw.get("architectures") or []
         if not any(a in SUPPORTED_ARCHITECTURES for a in archs) and raw.get("model_type") not in ("llama", "mistral", "qwen2"):
             raise ValueError(
                 f"{cfg_file}: architecture {archs or raw.get('model_type')!r} is not implemented by jaxserve "
                 f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> "ModelConfig":
+        cls.check_dir(path)
+        from transformers import AutoConfig
+
         hf = AutoConfig.from_pretrained(str(path))
-        return cls.from_hf(hf, name=path.name)
+        return cls.from_hf(hf, name=Path(path).name)
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict) -> "ModelConfig":
+        """Inverse of to_json (JSON turns the tuples into lists)."""
+        d = dict(d)
+        d["rope_scaling"] = tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in d["rope_scaling"])
+        d["eos_token_ids"] = tuple(d["eos_token_ids"])
+        return cls(**d)

@@ -26,7 +26,7 @@ from jaxserve.models.llama import LlamaForCausalLM
 
 log = logging.getLogger("jaxserve.loader")
 
-_CACHE_FORMAT = 1
+_CACHE_FORMAT = 2  # 2: the meta file carries the ModelConfig
 
 
 def default_dtype() -> jnp.dtype:
@@ -140,7 +140,19 @@ def _restore_cache(cache: Path, fp: str, names: list[str]) -> dict[str, np.ndarr
         return None
 
 
-def _save_cache(cache: Path, fp: str, arrays: dict[str, np.ndarray]) -> None:
+def _cached_config(cache: Path, fp: str) -> ModelConfig | None:
+    """The ModelConfig stored beside converted weights of the same fingerprint (which covers
+    config.json): a restart then skips importing transformers' config machinery."""
+    try:
+        meta = json.loads((cache / "jaxserve_meta.json").read_text())
+        if meta.get("fingerprint") != fp:
+            return None
+        return ModelConfig.from_json(meta["config"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _save_cache(cache: Path, fp: str, arrays: dict[str, np.ndarray], cfg: ModelConfig) -> None:
     import orbax.checkpoint as ocp
 
     if cache.exists():
@@ -151,7 +163,7 @@ def _save_cache(cache: Path, fp: str, arrays: dict[str, np.ndarray]) -> None:
     ckptr.save((cache / "params").absolute(), {k: arrays[n] for k, n in keys.items()})
     ckptr.wait_until_finished()
     (cache / "jaxserve_meta.json").write_text(json.dumps(
-        {"fingerprint": fp, "keys": keys, "checksums": _checksums(arrays)}))
+        {"fingerprint": fp, "keys": keys, "checksums": _checksums(arrays), "config": cfg.to_json()}))
 
 
 def load_model(path: str | Path, dtype=None, cache_dir: str | Path | None = None, use_cache: bool = True
@@ -159,8 +171,15 @@ def load_model(path: str | Path, dtype=None, cache_dir: str | Path | None = None
     """Load a checkpoint directory. cache_dir: where converted weights live (default
     $JAXSERVE_CACHE_DIR/converted/<fingerprint>); use_cache=False converts every time."""
     path = Path(path)
-    cfg = ModelConfig.from_dir(path)
+    ModelConfig.check_dir(path)
     dtype = jnp.dtype(dtype or default_dtype())
+    cfg = None
+    if use_cache:
+        fp = fingerprint(path, dtype)
+        cache = Path(cache_dir) if cache_dir else default_cache_root() / f"{path.name}-{fp[:16]}"
+        cfg = _cached_config(cache, fp)  # parsed by transformers when the cache was written
+    if cfg is None:
+        cfg = ModelConfig.from_dir(path)
     abstract = nnx.eval_shape(lambda: LlamaForCausalLM(cfg, dtype=dtype))
     graphdef, abs_state = nnx.split(abstract)
     flat = nnx.to_flat_state(abs_state)
@@ -171,15 +190,13 @@ def load_model(path: str | Path, dtype=None, cache_dir: str | Path | None = None
 
     arrays = None
     if use_cache:
-        fp = fingerprint(path, dtype)
-        cache = Path(cache_dir) if cache_dir else default_cache_root() / f"{path.name}-{fp[:16]}"
         arrays = _restore_cache(cache, fp, list(wanted))
         if arrays is not None:
             log.info("restored converted weights from %s", cache)
     if arrays is None:
         arrays = _read_checkpoint(path, cfg, wanted, dtype)
         if use_cache:
-            _save_cache(cache, fp, arrays)
+            _save_cache(cache, fp, arrays, cfg)
     leaves = []
     for p, var in flat:
         leaves.append((p, var.replace(jnp.asarray(arrays[_hf_name(p)[0]]))))

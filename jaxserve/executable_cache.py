@@ -1,0 +1,162 @@
+"""Compiled steps kept on disk, so that a restart neither traces, lowers nor compiles.
+
+JAX's persistent compilation cache skips XLA compilation on a restart, but it still traces and
+lowers every warm-up variant to compute its key: 2.5 s of the default model's 31 variants on a
+2-core CPU, more than the compilation it saves on small models. This store keeps the executables
+themselves (`jax.experimental.serialize_executable`), named by everything that shapes them: the
+source of jaxserve and pallas_kernels, the jax/jaxlib/flax versions, the backend and its devices,
+JAX's flags and XLA_FLAGS, the engine's and model's configuration, and the argument shapes,
+dtypes and shardings of the variant. Any difference is a miss: the step is traced and compiled
+as usual and its executable written. A file that fails to load is ignored and rewritten.
+
+Unpickling an executable can run code: only point the store at a directory you own.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import pickle
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import numpy as np
+from jax.experimental import serialize_executable
+
+log = logging.getLogger("jaxserve.executable_cache")
+
+SUBDIR = "jaxserve-executables"
+_TRACED_PACKAGES = ("jaxserve", "pallas_kernels")
+
+
+@functools.cache
+def source_digest() -> str:
+    """Every traced line lives in these two packages: a code change must be a miss."""
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for pkg in _TRACED_PACKAGES:
+        for path in sorted((root / pkg).rglob("*.py")):
+            h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def environment_digest() -> str:
+    """What changes a trace or its executable besides our code and the arguments."""
+    import flax
+    import jaxlib
+
+    flags = sorted((k, repr(v)) for k, v in getattr(jax.config, "values", {}).items() if "cache" not in k)
+    devices = [(d.platform, d.device_kind, d.id, d.process_index) for d in jax.devices()]
+    parts = (sys.version, jax.__version__, jaxlib.__version__, flax.__version__, np.__version__,
+             jax.default_backend(), jax.devices()[0].client.platform_version, devices, jax.process_count(),
+             os.environ.get("XLA_FLAGS", ""), os.environ.get("LIBTPU_INIT_ARGS", ""), flags)
+    return hashlib.sha256(repr(parts).encode()).hexdigest()
+
+
+def describe(tree: Any) -> str:
+    """Structure, shapes, dtypes and shardings of an argument tree: what a compiled executable
+    accepts. Uncommitted host arrays have no sharding and land on the default device."""
+    leaves, treedef = jax.tree.flatten(tree)
+    rows = [str(treedef)]
+    for x in leaves:
+        sharding = getattr(x, "sharding", None) if isinstance(x, jax.Array) else None
+        weak = getattr(x, "weak_type", False)
+        rows.append(f"{np.shape(x)}:{_dtype(x)}:{weak}:{sharding}")
+    return "\n".join(rows)
+
+
+def _dtype(x) -> np.dtype:
+    return x.dtype if hasattr(x, "dtype") else np.result_type(x)
+
+
+class ExecutableStore:
+    """One directory of serialized executables; `context` names the engine and model
+    configuration they were compiled for."""
+
+    def __init__(self, root: str | Path, context: str, devices: list | None = None):
+        self.dir = Path(root).expanduser() / SUBDIR
+        # The devices every executable runs on, in order (deserialization binds them; by
+        # default it would take all of the backend's devices).
+        self.devices = list(devices) if devices is not None else jax.devices()[:1]
+        self.dir.mkdir(parents=True, exist_ok=True)
+        ids = [d.id for d in self.devices]
+        self._prefix = hashlib.sha256(f"{source_digest()}\n{environment_digest()}\n{context}\n{ids}".encode()).hexdigest()
+        self.loaded = 0
+        self.saved = 0
+
+    def path(self, name: str, signature: str) -> Path:
+        digest = hashlib.sha256(f"{self._prefix}\n{name}\n{signature}".encode()).hexdigest()
+        return self.dir / f"{name}-{digest[:40]}.jxe"
+
+    def load(self, name: str, signature: str) -> jax.stages.Compiled | None:
+        path = self.path(name, signature)
+        if not path.is_file():
+            return None
+        try:
+            payload, in_tree, out_tree = pickle.loads(path.read_bytes())
+            compiled = serialize_executable.deserialize_and_load(payload, in_tree, out_tree,
+                                                                 execution_devices=self.devices)
+        except Exception as e:  # a truncated or foreign file: compile instead, then overwrite it
+            log.warning("ignoring unreadable compiled step %s (%s: %s)", path, type(e).__name__, e)
+            return None
+        self.loaded += 1
+        return compiled
+
+    def save(self, name: str, signature: str, compiled: jax.stages.Compiled) -> None:
+        try:
+            blob = pickle.dumps(serialize_executable.serialize(compiled))
+        except (ValueError, NotImplementedError, TypeError, pickle.PicklingError, jax.errors.JaxRuntimeError) as e:
+            # e.g. XLA:CPU cannot serialize a sort it has already run, which happens when
+            # jax's in-process cache hands back an executable another engine executed.
+            log.info("%s: this executable cannot be serialized, a restart compiles it (%s)", name, e)
+            return
+        path = self.path(name, signature)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        try:
+            tmp.write_bytes(blob)
+            os.replace(tmp, path)  # atomic: a concurrent reader sees the old file or the new one
+        except OSError as e:
+            log.warning("cannot write compiled step %s (%s)", path, e)
+            tmp.unlink(missing_ok=True)
+            return
+        self.saved += 1
+
+
+class Step:
+    """A jitted step with one compiled executable per argument signature, compiled (or loaded
+    from the store) on first use. The first `fixed` arguments (parameters, KV cache) never
+    change shape, so the per-call lookup looks at the others only; the executable itself
+    checks every argument and raises on a mismatch."""
+
+    def __init__(self, name: str, jitted: Callable, store: ExecutableStore | None = None, fixed: int = 0):
+        self.name = name
+        self.jitted = jitted
+        self.store = store
+        self.fixed = fixed
+        self._compiled: dict[Any, jax.stages.Compiled] = {}
+
+    def __call__(self, *args, **static):
+        key = (tuple(sorted(static.items())),
+               tuple((np.shape(x), _dtype(x)) for x in jax.tree.leaves(args[self.fixed:])))
+        exe = self._compiled.get(key)
+        if exe is None:
+            exe = self._compiled[key] = self._get(args, static)
+        return exe(*args)
+
+    def _get(self, args: tuple, static: dict) -> jax.stages.Compiled:
+        signature = f"{sorted(static.items())}\n{describe(args)}"
+        if self.store is not None:
+            exe = self.store.load(self.name, signature)
+            if exe is not None:
+                return exe
+        exe = self.jitted.lower(*args, **static).compile()
+        if self.store is not None:
+            self.store.save(self.name, signature, exe)
+        return exe
+
+    def __len__(self) -> int:
+        return len(self._compiled)

@@ -1,0 +1,98 @@
+"""The executable store: a restart loads every compiled step instead of tracing and compiling
+it, produces the same tokens, and misses (compiles afresh) whenever anything that shapes an
+executable changes; unreadable files are recompiled and replaced."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+
+from conftest import hf_greedy
+from jaxserve import LLM, SamplingParams
+from jaxserve import executable_cache as xc
+from jaxserve.engine import compile_count, trace_count
+
+GREEDY = dict(temperature=0, ignore_eos=True)
+# 6 slots: one batch bucket of 6, a shape no other test compiles. XLA:CPU cannot serialize a sort
+# it has already executed, and jax's in-process cache returns the same executable to every
+# engine in the process that compiles the same computation (the sampler's sort).
+SMALL = dict(max_slots=6, page_size=8, max_model_len=128, num_pages=80, prefill_buckets=(16, 32))
+
+
+def _steps(llm: LLM) -> int:
+    e = llm.engine
+    steps = [e._sample] + [getattr(w, n) for w in e.models for n in ("prefill", "prefill_ctx", "decode", "copy")]
+    return sum(len(s) for s in steps)
+
+
+def _prompts(n=6, seed=0, vocab=512):
+    rng = np.random.default_rng(seed)
+    return [[int(x) for x in rng.integers(3, vocab, int(rng.integers(2, 40)))] for _ in range(n)]
+
+
+def test_restart_loads_every_step_without_tracing_and_matches(tok_model, tmp_path):
+    path, hf = tok_model[:2]
+    prompts = _prompts()
+    params = [SamplingParams(max_tokens=12, **GREEDY), SamplingParams(max_tokens=12, temperature=0.8, seed=3)]
+    first = LLM(path, compilation_cache_dir=str(tmp_path / "xla"), **SMALL)
+    n = _steps(first)
+    assert first.engine.store.saved == n > 0 and first.engine.store.loaded == 0
+    out1 = [r.token_ids for r in first.generate(prompts, params * 3)]
+
+    second = LLM(path, compilation_cache_dir=str(tmp_path / "xla"), warmup=False, **SMALL)
+    traces, compiles = trace_count(), compile_count()
+    second.engine.warmup()
+    assert trace_count() - traces == 0 and compile_count() - compiles == 0
+    store = second.engine.store
+    assert (store.loaded, store.saved) == (n, 0)
+    assert _steps(second) == n
+    out2 = [r.token_ids for r in second.generate(prompts, params * 3)]
+    assert out1 == out2
+    for p, o in zip(prompts[::2], out2[::2]):  # the greedy ones against transformers alone
+        assert o == hf_greedy(hf, p, 12)
+    assert compile_count() - compiles == 0
+
+
+@pytest.mark.parametrize("change", [dict(page_size=16), dict(max_slots=5), dict(dtype="bfloat16")])
+def test_a_different_configuration_misses(tok_model, tmp_path, change):
+    LLM(tok_model[0], compilation_cache_dir=str(tmp_path / "xla"), **SMALL)
+    other = LLM(tok_model[0], compilation_cache_dir=str(tmp_path / "xla"), **{**SMALL, **change})
+    assert other.engine.store.loaded == 0 and other.engine.store.saved > 0
+
+
+def test_unreadable_files_are_recompiled_and_replaced(tok_model, tmp_path, caplog):
+    first = LLM(tok_model[0], compilation_cache_dir=str(tmp_path / "xla"), **SMALL)
+    files = sorted(first.engine.store.dir.glob("*.jxe"))
+    assert len(files) == first.engine.store.saved
+    files = sorted(files, key=lambda f: not f.name.startswith("target-prefill"))  # no sort inside
+    files[0].write_bytes(files[0].read_bytes()[:100])  # truncated
+    files[1].write_bytes(b"not a pickle")
+    with caplog.at_level(logging.WARNING, logger="jaxserve.executable_cache"):
+        second = LLM(tok_model[0], compilation_cache_dir=str(tmp_path / "xla"), **SMALL)
+    assert (second.engine.store.loaded, second.engine.store.saved) == (len(files) - 2, 2)
+    assert sum("ignoring unreadable compiled step" in r.message for r in caplog.records) == 2
+    third = LLM(tok_model[0], compilation_cache_dir=str(tmp_path / "xla"), **SMALL)
+    assert (third.engine.store.loaded, third.engine.store.saved) == (len(files), 0)
+    prompt = _prompts(1, seed=5)[0]
+    assert third.generate([prompt], SamplingParams(max_tokens=8, **GREEDY))[0].token_ids == \
+        hf_greedy(tok_model[1], prompt, 8)
+
+
+def test_names_change_with_context_environment_and_signature(tmp_path, monkeypatch):
+    a = xc.ExecutableStore(tmp_path, "engine A")
+    assert a.path("decode", "sig") != xc.ExecutableStore(tmp_path, "engine B").path("decode", "sig")
+    assert a.path("decode", "sig") != a.path("decode", "sig2") != a.path("prefill", "sig")
+    assert a.path("decode", "sig") == xc.ExecutableStore(tmp_path, "engine A").path("decode", "sig")
+    before = xc.environment_digest()
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_enable_fast_math=true")
+    assert xc.environment_digest() != before
+    assert xc.ExecutableStore(tmp_path, "engine A").path("decode", "sig") != a.path("decode", "sig")
+
+
+def test_describe_distinguishes_shape_dtype_and_structure():
+    x = np.zeros((2, 3), np.int32)
+    rows = {xc.describe((x,)), xc.describe((x.astype(np.float32),)), xc.describe((np.zeros((3, 2), np.int32),)),
+            xc.describe(((x,),)), xc.describe((x, None))}
+    assert len(rows) == 5
