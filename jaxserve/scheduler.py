@@ -108,7 +108,7 @@ class Scheduler:
             self.waiting.popleft()
             if seq.prefilling:
                 budget = self._plan_chunk(seq, budget, prefills, decodes, copies)
-            else:
+            elif self._reserve_lookahead(seq, copies):  # the prefix cache held all of it
                 decodes.append(seq)
         return StepPlan(prefills, decodes, copies, preempted)
 
@@ -117,10 +117,15 @@ class Scheduler:
             return budget
         n = min(seq.length - 1 - seq.num_computed, self.max_prefill_chunk, budget)
         prefills.append(PrefillChunk(seq, seq.num_computed, seq.num_computed + n))
-        if seq.num_computed + n == seq.length - 1 and (
-                not self.lookahead or self._reserve(seq, seq.length + self.lookahead, copies)):
+        if seq.num_computed + n == seq.length - 1 and self._reserve_lookahead(seq, copies):
             decodes.append(seq)  # its last token is fed by this very step's decode
         return budget - n
+
+    def _reserve_lookahead(self, seq: Sequence, copies: list) -> bool:
+        """A sequence joining the decodes mid-step owns pages for the k positions a speculative
+        step writes past its last token (the running ones got theirs in step 1). Without them
+        it waits: the next step's step 1 reserves them or preempts."""
+        return not self.lookahead or self._reserve(seq, seq.length + self.lookahead, copies)
 
     def _admit(self, seq: Sequence, copies: list) -> bool:
         cache = self.prefix_cache

@@ -6,7 +6,7 @@ from __future__ import annotations
 import collections
 import random
 
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 from jaxserve.paged_cache import PageAllocator
 from jaxserve.radix_cache import RadixCache
@@ -45,6 +45,9 @@ def _fake_step(s: Scheduler, rng: random.Random) -> None:
 
 
 @settings(max_examples=60, deadline=None)
+# Found by hypothesis: a request whose prompt is all in the prefix cache goes straight to
+# decoding and must still reserve its speculative lookahead pages.
+@example(seed=0, num_pages=12, slots=1, ops=["add"] * 5, prefix_caching=True, lookahead=3)
 @given(seed=st.integers(0, 10**6), num_pages=st.integers(12, 40), slots=st.integers(1, 6),
        ops=st.lists(st.sampled_from(["add", "step", "step", "step", "abort"]), min_size=1, max_size=120),
        prefix_caching=st.booleans(), lookahead=st.sampled_from([0, 0, 3]))

@@ -51,7 +51,9 @@ def plain(tok_model):
 def test_greedy_equals_plain_decoding(tok_model, draft_dir, plain, spec):
     model = {"draft": str(draft_dir), "self": str(tok_model[0]), "ngram": "ngram"}[spec]
     llm = LLM(tok_model[0], speculative_model=model, num_speculative_tokens=3, num_pages=200, **OPTS)
-    for repetitive in (False, True):
+    # The third round repeats the first: every prompt is a full prefix-cache hit and goes
+    # straight to decoding, which must still own pages for its k lookahead positions.
+    for repetitive in (False, True, False):
         prompts, params = _workload(1, repetitive=repetitive)
         before = compile_count()
         got = [o.token_ids for o in llm.generate(prompts, params)]
