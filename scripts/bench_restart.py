@@ -7,6 +7,7 @@ and reports the time from process start to the first generated token for each:
 
     .venv/bin/python scripts/bench_restart.py                  # the shipped default model
     .venv/bin/python scripts/bench_restart.py --model DIR --gin_file configs/default.gin
+    .venv/bin/python scripts/bench_restart.py --serve    # `jaxserve serve`, first token over gRPC
 
 The compilation cache directory holds JAX's persistent XLA cache and jaxserve's executable store
 (`jaxserve/executable_cache.py`): a warm restart loads every compiled step without tracing it.
@@ -81,6 +82,47 @@ def time_first_token(cmd: list[str], env: dict, prompt: str) -> dict:
             "output": out.decode(errors="replace").rstrip("\n")}
 
 
+def time_first_token_served(cmd: list[str], env: dict, prompt: str, target: str) -> dict:
+    """Seconds from spawning `jaxserve serve` to the first token streamed to a gRPC client that
+    polls health every 50 ms and sends its request as soon as the server says SERVING."""
+    import grpc
+
+    from jaxserve.client import Client
+
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+    client = None
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stderr.read().decode()[-3000:]}")
+            # A fresh channel per poll: a channel that failed to connect backs off for seconds.
+            client = Client(target)
+            try:
+                if client.health() == "SERVING":
+                    break
+            except grpc.RpcError:
+                pass
+            client.close()
+            time.sleep(0.05)
+        serving = time.perf_counter() - t0
+        stream = client.generate(prompt, max_tokens=1, temperature=0)
+        first = next(iter(stream))
+        first_s = time.perf_counter() - t0
+        text = first.text + "".join(r.text for r in stream)
+    finally:
+        if client is not None:
+            client.close()
+        proc.terminate()  # SIGTERM: drain and exit
+        err = proc.stderr.read().decode(errors="replace")
+        proc.wait(timeout=60)
+    m = re.search(r"warm-up compiled every bucket in ([\d.]+)s", err)
+    store = re.search(r"(\d+) executables loaded from .*, (\d+) compiled and saved", err)
+    return {"first_token_s": first_s, "serving_s": serving, "warmup_s": float(m.group(1)) if m else None,
+            "loaded": int(store.group(1)) if store else None, "compiled": int(store.group(2)) if store else None,
+            "output": prompt + text}
+
+
 def cache_stats(path: Path) -> tuple[int, int]:
     files = [p for p in path.rglob("*") if p.is_file()]
     return len(files), sum(p.stat().st_size for p in files)
@@ -93,6 +135,8 @@ def main(argv=None) -> int:
     ap.add_argument("--gin_param", action="append", default=[], help="passed to jaxserve generate")
     ap.add_argument("--prompt", default="def f():")
     ap.add_argument("--warm-runs", type=int, default=3, help="warm restarts (the median is reported)")
+    ap.add_argument("--serve", action="store_true",
+                    help="restart `jaxserve serve` and time the first token streamed to a gRPC client")
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args(argv)
 
@@ -114,15 +158,26 @@ def main(argv=None) -> int:
         subprocess.run(py + ["convert", "--model", str(model)] + gin, env=env, check=True,
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         xla = tmp / "xla"
-        cmd = py + ["generate", "--model", str(model), "--max-tokens", "1", "--compilation-cache-dir", str(xla)] + \
-            gin + [args.prompt]
+        if args.serve:
+            import socket
+
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            cmd = py + ["serve", "--model", str(model), "--compilation-cache-dir", str(xla), "--host", "127.0.0.1",
+                        "--port", str(port)] + gin
+            run = lambda: time_first_token_served(cmd, env, args.prompt, f"127.0.0.1:{port}")  # noqa: E731
+        else:
+            cmd = py + ["generate", "--model", str(model), "--max-tokens", "1", "--compilation-cache-dir", str(xla)] + \
+                gin + [args.prompt]
+            run = lambda: time_first_token(cmd, env, args.prompt)  # noqa: E731
         print("command:", " ".join(cmd), flush=True)
-        cold = time_first_token(cmd, env, args.prompt)
+        cold = run()
         entries, size = cache_stats(xla)
         print(f"cold (empty cache):  first token after {cold['first_token_s']:.2f}s "
               f"(warm-up {cold['warmup_s']:.2f}s, {cold['compiled']} steps compiled; "
               f"cache now {entries} files, {size / 2**20:.1f} MiB)", flush=True)
-        warm_runs = [time_first_token(cmd, env, args.prompt) for _ in range(max(1, args.warm_runs))]
+        warm_runs = [run() for _ in range(max(1, args.warm_runs))]
         warm = sorted(warm_runs, key=lambda r: r["first_token_s"])[len(warm_runs) // 2]  # the median run
         print(f"warm (filled cache): first token after {warm['first_token_s']:.2f}s (warm-up {warm['warmup_s']:.2f}s, "
               f"{warm['loaded']} steps loaded, {warm['compiled']} compiled; median of {len(warm_runs)}: "

@@ -96,3 +96,31 @@ def test_describe_distinguishes_shape_dtype_and_structure():
     rows = {xc.describe((x,)), xc.describe((x.astype(np.float32),)), xc.describe((np.zeros((3, 2), np.int32),)),
             xc.describe(((x,),)), xc.describe((x, None))}
     assert len(rows) == 5
+
+
+def test_cli_restart_loads_every_step(tmp_path):
+    """`jaxserve generate` run twice as fresh processes with one --compilation-cache-dir: the
+    first compiles and saves every step (and fills JAX's cache), the second loads them all."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    cache = tmp_path / "xla"
+    cmd = [sys.executable, "-m", "jaxserve.cli", "generate", "--max-tokens", "6", "--max-slots", "8",
+           "--gin_param", "ServeConfig.prefill_buckets = (16, 32)", "--max-model-len", "256",
+           "--compilation-cache-dir", str(cache), "def f():"]
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JAXSERVE_CACHE_DIR=str(tmp_path / "converted"))
+    runs = [subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600) for _ in range(2)]
+    counts = []
+    for r in runs:
+        assert r.returncode == 0, r.stderr[-3000:]
+        m = re.search(r"(\d+) executables loaded from (\S+), (\d+) compiled and saved", r.stderr)
+        assert m, r.stderr[-3000:]
+        counts.append((int(m.group(1)), int(m.group(3))))
+        assert m.group(2).rstrip(",") == str(cache / xc.SUBDIR)
+    n = counts[0][1]
+    assert n > 0 and counts == [(0, n), (n, 0)]
+    assert runs[0].stdout == runs[1].stdout and runs[0].stdout.startswith("def f():")
+    assert len(list((cache / xc.SUBDIR).glob("*.jxe"))) == n
+    assert list(cache.glob("jit_*")), "JAX's persistent compilation cache is on too"
