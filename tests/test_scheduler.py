@@ -44,7 +44,7 @@ def _fake_step(s: Scheduler, rng: random.Random) -> None:
                     for seq in plan.decodes})
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=500, deadline=None)
 # Found by hypothesis: a request whose prompt is all in the prefix cache goes straight to
 # decoding and must still reserve its speculative lookahead pages.
 @example(seed=0, num_pages=12, slots=1, ops=["add"] * 5, prefix_caching=True, lookahead=3)
