@@ -109,10 +109,11 @@ class ExecutableStore:
     def save(self, name: str, signature: str, compiled: jax.stages.Compiled) -> None:
         try:
             blob = pickle.dumps(serialize_executable.serialize(compiled))
-        except (ValueError, NotImplementedError, TypeError, pickle.PicklingError, jax.errors.JaxRuntimeError) as e:
+        except Exception as e:  # a cache must never stop serving; the executable is still used
             # e.g. XLA:CPU cannot serialize a sort it has already run, which happens when
             # jax's in-process cache hands back an executable another engine executed.
-            log.info("%s: this executable cannot be serialized, a restart compiles it (%s)", name, e)
+            log.info("%s: this executable cannot be serialized, a restart compiles it (%s: %s)",
+                     name, type(e).__name__, e)
             return
         path = self.path(name, signature)
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")

@@ -124,3 +124,17 @@ def test_cli_restart_loads_every_step(tmp_path):
     assert runs[0].stdout == runs[1].stdout and runs[0].stdout.startswith("def f():")
     assert len(list((cache / xc.SUBDIR).glob("*.jxe"))) == n
     assert list(cache.glob("jit_*")), "JAX's persistent compilation cache is on too"
+
+
+def test_a_backend_that_cannot_serialize_still_serves(tok_model, tmp_path, monkeypatch, caplog):
+    def refuse(_compiled):
+        raise RuntimeError("this backend does not serialize executables")
+
+    monkeypatch.setattr(xc.serialize_executable, "serialize", refuse)
+    with caplog.at_level(logging.INFO, logger="jaxserve.executable_cache"):
+        llm = LLM(tok_model[0], compilation_cache_dir=str(tmp_path / "xla"), **{**SMALL, "max_slots": 7})
+    assert llm.engine.store.saved == 0 and not list(llm.engine.store.dir.glob("*"))
+    assert "cannot be serialized" in caplog.text
+    prompt = _prompts(1, seed=9)[0]
+    assert llm.generate([prompt], SamplingParams(max_tokens=8, **GREEDY))[0].token_ids == \
+        hf_greedy(tok_model[1], prompt, 8)
