@@ -192,6 +192,10 @@ class _Weights:
                         out_shardings=self.kv_sharding)
         self.kv = zeros()
         self.attn = {m: _attention_fn(attention_impl, interpret, m) for m in ("prefill", "context", "decode")}
+        if mesh is not None and attention_impl == "pallas":
+            from jaxserve import sharding as shd
+
+            self.attn = {m: shd.shard_attention(fn, cfg, mesh) for m, fn in self.attn.items()}
         step = lambda fn, mode, kv_out: Step(f"{name}-{fn.__name__.strip('_')}-{mode}", jax.jit(  # noqa: E731
             pin_kv(functools.partial(fn, self.graphdef, self.attn[mode]), self.kv_sharding, kv_out),
             donate_argnums=(1,)), store, fixed=2)

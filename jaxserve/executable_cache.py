@@ -161,3 +161,6 @@ class Step:
 
     def __len__(self) -> int:
         return len(self._compiled)
+
+    def executables(self) -> list[jax.stages.Compiled]:
+        return list(self._compiled.values())

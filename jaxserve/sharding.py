@@ -10,8 +10,11 @@ cache is pinned to its sharding on output so donation and the compile cache stay
 
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 import jax
+from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxserve.models.config import ModelConfig
@@ -66,3 +69,34 @@ def shard_params(state, cfg: ModelConfig, mesh: Mesh):
 
 def kv_spec(cfg: ModelConfig, tp: int) -> P:
     return P(None, None, AXIS, None) if kv_heads_sharded(cfg, tp) else P()
+
+
+def shard_attention(attn_fn: Callable, cfg: ModelConfig, mesh: Mesh) -> Callable:
+    """Run an attention kernel per chip on its own heads (shard_map), for Pallas kernels.
+
+    XLA's partitioner cannot split a Pallas custom call: left to it, every chip would gather
+    the whole page pool and all heads before each attention. Attention is independent per
+    head, so each chip runs the kernel on its query heads and their KV heads, and the result
+    stays split by heads for o_proj's row-parallel matmul. With fewer KV heads than chips (KV
+    replicated), each chip slices the one KV head its query heads share. Where a chip's query
+    heads would straddle two KV groups, the kernel is returned unwrapped (correct, not local)."""
+    tp = mesh.shape[AXIS]
+    heads = P(None, None, AXIS, None)
+    kv_sharded = kv_heads_sharded(cfg, tp)
+    local_heads, group = cfg.num_heads // tp, cfg.num_heads // cfg.num_kv_heads
+    if not kv_sharded and group % local_heads:
+        return attn_fn
+    kv = heads if kv_sharded else P()
+
+    def per_chip(q, k, v, k_pages, v_pages, block_tables, context_lens, positions, segment_ids, *, scale):
+        if not kv_sharded:
+            head = lax.axis_index(AXIS) * local_heads // group
+            k, v, k_pages, v_pages = (lax.dynamic_slice_in_dim(x, head, 1, axis=2) for x in (k, v, k_pages, v_pages))
+        return attn_fn(q, k, v, k_pages, v_pages, block_tables, context_lens, positions, segment_ids, scale)
+
+    def wrapped(q, k, v, k_pages, v_pages, block_tables, context_lens, positions, segment_ids, scale):
+        body = jax.shard_map(lambda *a: per_chip(*a, scale=scale), mesh=mesh, out_specs=heads, check_vma=False,
+                             in_specs=(heads, kv, kv, kv, kv, P(), P(), P(), P()))
+        return body(q, k, v, k_pages, v_pages, block_tables, context_lens, positions, segment_ids)
+
+    return wrapped

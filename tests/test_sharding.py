@@ -1,5 +1,6 @@
 """Tensor parallelism on 8 CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count=8,
-set by this module's subprocess so the rest of the suite keeps one device)."""
+set by this module's subprocess so the rest of the suite keeps one device): the XLA path and
+the Pallas kernels (interpreted, under shard_map)."""
 
 from __future__ import annotations
 
@@ -68,6 +69,41 @@ SCRIPT = textwrap.dedent(r"""
         few[tp] = {"tokens": [o.token_ids for o in llm.generate(prompts[:4], params[:4])],
                    "kv": [tuple(sh.data.shape) for sh in llm.engine.target.kv[0][0].addressable_shards][:1]}
     out["few_kv_heads"] = few
+    # Pallas kernels (interpreted here) run per chip under shard_map: same tokens as tp=1, and
+    # no step gathers the page pool (XLA cannot split a kernel's custom call on TPU/GPU).
+    for name, p, n in (("pallas", path, len(prompts)), ("pallas_few_kv_heads", sys.argv[2], 4)):
+        out[name] = {}
+        for tp in (2, 4):
+            llm = LLM(p, tensor_parallel_size=tp, attention_impl="pallas", interpret=True, **opts)
+            t = llm.engine.target
+            gathers = sum("all-gather" in exe.as_text() for step in (t.prefill, t.prefill_ctx, t.decode)
+                          for exe in step.executables())
+            out[name][tp] = {"tokens": [o.token_ids for o in llm.generate(prompts[:n], params[:n])],
+                             "steps": sum(len(step) for step in (t.prefill, t.prefill_ctx, t.decode)),
+                             "gathers": gathers}
+    # The real kernels (Mosaic for TPU, Triton for GPU) under shard_map, exported for a 4-chip
+    # mesh: each chip's program holds the kernel and nothing gathers the pool.
+    import functools
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jaxserve import sharding as shd
+    from jaxserve.models.config import ModelConfig
+    from pallas_kernels import paged_attention as pk
+    cfg = ModelConfig("LlamaForCausalLM", 512, 512, 1024, 1, 8, 8, 64, 1e-5, 1e4, 2048)
+    mesh = shd.make_mesh(4)
+    H = P(None, None, shd.AXIS, None)
+    sd = lambda shape, dt, spec: jax.ShapeDtypeStruct(shape, dt, sharding=NamedSharding(mesh, spec))
+    bf, i32 = jnp.bfloat16, jnp.int32
+    args = (sd((8, 1, 8, 64), bf, H), sd((8, 1, 8, 64), bf, H), sd((8, 1, 8, 64), bf, H), sd((64, 16, 8, 64), bf, H),
+            sd((64, 16, 8, 64), bf, H), sd((8, 16), i32, P()), sd((8,), i32, P()), sd((8, 1), i32, P()),
+            sd((8, 1), i32, P()))
+    out["export"] = {}
+    for platform, backend, marker in (("tpu", "tpu", "tpu_custom_call"), ("cuda", "gpu", "triton")):
+        fn = shd.shard_attention(functools.partial(pk.attention, mode="decode", interpret=False, backend=backend),
+                                 cfg, mesh)
+        skip = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+        exp = jax.export.export(jax.jit(lambda *a: fn(*a, 0.125)), platforms=[platform], disabled_checks=skip)(*args)
+        text = exp.mlir_module()
+        out["export"][platform] = {"devices": exp.nr_devices, "kernel": marker in text, "gather": "all_gather" in text}
     print("RESULT" + json.dumps(out))
 """)
 
@@ -119,3 +155,16 @@ def test_restart_loads_sharded_executables(results):
     assert first["saved"] > 0 and first["loaded"] == 0
     assert second["loaded"] == first["saved"] and second["saved"] == 0
     assert first["tokens"] == second["tokens"] == results[1]["tokens"]
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_pallas_kernels_run_per_chip(results, tp):
+    for name, ref in (("pallas", results[1]["tokens"]), ("pallas_few_kv_heads", results["few_kv_heads"]["1"]["tokens"])):
+        r = results[name][str(tp)]
+        assert r["tokens"] == ref
+        assert r["steps"] > 0 and r["gathers"] == 0, f"{name}: {r['gathers']} steps gather across chips"
+
+
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+def test_sharded_kernels_export_for_accelerators(results, platform):
+    assert results["export"][platform] == {"devices": 4, "kernel": True, "gather": False}
