@@ -127,7 +127,8 @@ def _log_effective_config(args, cfg, overrides: dict) -> None:
 
 def enable_compilation_cache(cache_dir: str | None) -> str | None:
     """Point JAX's persistent compilation cache at cache_dir (every entry is kept). Must run before
-    the first compile: the LLM's warm-up then loads executables instead of compiling them."""
+    the first compile. `serve` and `generate` use it only with several processes: in one process
+    the engine's executable store (jaxserve/executable_cache.py) keeps the compiled steps."""
     if not cache_dir:
         return None
     import jax
@@ -146,21 +147,41 @@ def enable_compilation_cache(cache_dir: str | None) -> str | None:
 
 
 def _build_llm(args, flags: dict):
+    """The LLM of `serve` and `generate`. With JAXSERVE_COORDINATOR set, this process first joins
+    the others (jax.distributed); only process 0 goes on to serve, the others replay its engine
+    calls inside LLM() and return when it shuts down (`_is_follower`)."""
     cfg = load_cli_config(args, flags)
     _log_effective_config(args, cfg, _overrides(args, flags))
-    enable_compilation_cache(cfg.compilation_cache_dir)
+    from jaxserve import multihost
+
+    if multihost.initialize():
+        # The engine's executable store is per process; across processes JAX's cache does it.
+        enable_compilation_cache(cfg.compilation_cache_dir)
+    # In one process JAX's persistent cache stays off: the executable store in the same
+    # directory holds every step, and must not be fed executables restored from JAX's cache
+    # (XLA:CPU re-serializes those without all their functions).
     from jaxserve.llm import LLM
 
     return cfg, LLM(cfg.model, log_progress=True, **cfg.engine_options())
+
+
+def _is_follower(llm) -> bool:
+    bc = llm.engine.broadcaster
+    return bc is not None and not bc.leader
 
 
 def cmd_serve(args) -> int:
     from jaxserve.server import serve
 
     cfg, llm = _build_llm(args, {**ENGINE_FLAGS, **SERVER_FLAGS})
+    if _is_follower(llm):
+        return 0
     tls = (Path(cfg.tls_cert).read_bytes(), Path(cfg.tls_key).read_bytes()) if cfg.tls_cert else (None, None)
     token = args.token or (Path(cfg.token_file).read_text().strip() if cfg.token_file else None)
-    serve(llm, token=token, tls_cert=tls[0], tls_key=tls[1], **cfg.server_options())
+    try:
+        serve(llm, token=token, tls_cert=tls[0], tls_key=tls[1], **cfg.server_options())
+    finally:
+        llm.shutdown()  # release the other processes
     return 0
 
 
@@ -168,13 +189,18 @@ def cmd_generate(args) -> int:
     from jaxserve.request import SamplingParams
 
     _, llm = _build_llm(args, ENGINE_FLAGS)
+    if _is_follower(llm):
+        return 0
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed)
-    for prompt in args.prompt:
-        print(prompt, end="", flush=True)
-        for out in llm.stream(prompt, params):
-            print(out.text, end="", flush=True)
-        print()
+    try:
+        for prompt in args.prompt:
+            print(prompt, end="", flush=True)
+            for out in llm.stream(prompt, params):
+                print(out.text, end="", flush=True)
+            print()
+    finally:
+        llm.shutdown()
     return 0
 
 

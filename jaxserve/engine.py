@@ -22,7 +22,7 @@ import numpy as np
 from flax import nnx
 
 from jaxserve import kv_math
-from jaxserve.executable_cache import ExecutableStore, Step
+from jaxserve.executable_cache import ExecutableStore, Step, compile_count, trace_count  # noqa: F401 (re-exported)
 from jaxserve.multihost import to_host
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.llama import AttentionMetadata, LlamaForCausalLM
@@ -32,30 +32,6 @@ from jaxserve.sampling import sample
 from pallas_kernels import reference
 
 log = logging.getLogger("jaxserve.engine")
-
-_events = {"/jax/core/compile/backend_compile_duration": 0, "/jax/core/compile/jaxpr_trace_duration": 0}
-_events_lock = threading.Lock()
-
-
-def _on_event(name: str, *_args, **_kw) -> None:
-    if name in _events:
-        with _events_lock:
-            _events[name] += 1
-
-
-jax.monitoring.register_event_duration_secs_listener(_on_event)
-
-
-def compile_count() -> int:
-    """XLA compilations in this process so far: the tripwire for compiles after warm-up."""
-    return _events["/jax/core/compile/backend_compile_duration"]
-
-
-def trace_count() -> int:
-    """Functions traced to jaxprs in this process so far: a restart that loads its compiled
-    steps from the executable store traces none of them."""
-    return _events["/jax/core/compile/jaxpr_trace_duration"]
-
 
 def pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
     out, b = [], lo
@@ -299,7 +275,7 @@ class Engine:
         per_page = self.cfg.page_size * self.kv_bytes_per_token
         budget = self.cfg.kv_cache_memory_bytes
         if budget is None:
-            stats = jax.devices()[0].memory_stats() or {}
+            stats = jax.local_devices()[0].memory_stats() or {}  # every process: its own chips
             if "bytes_limit" in stats:
                 budget = int(stats["bytes_limit"] * self.cfg.memory_fraction) - weight_bytes - stats.get("bytes_in_use", 0)
             else:  # CPU: enough for every slot at full length, at most 2 GiB

@@ -20,6 +20,7 @@ import logging
 import os
 import pickle
 import sys
+import threading
 from pathlib import Path
 from typing import Any, Callable
 
@@ -28,6 +29,41 @@ import numpy as np
 from jax.experimental import serialize_executable
 
 log = logging.getLogger("jaxserve.executable_cache")
+
+_events = {"/jax/core/compile/backend_compile_duration": 0, "/jax/core/compile/jaxpr_trace_duration": 0}
+_events_lock = threading.Lock()
+
+
+def _on_event(name: str, *_args, **_kw) -> None:
+    if name in _events:
+        with _events_lock:
+            _events[name] += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_on_event)
+_persistent_cache_hits = 0
+
+
+def _on_plain_event(name: str, **_kw) -> None:
+    global _persistent_cache_hits
+    if name == "/jax/compilation_cache/cache_hits":
+        with _events_lock:
+            _persistent_cache_hits += 1
+
+
+jax.monitoring.register_event_listener(_on_plain_event)
+
+
+def compile_count() -> int:
+    """XLA compilations in this process so far (executables restored from JAX's persistent
+    cache included): the tripwire for compiles after warm-up."""
+    return _events["/jax/core/compile/backend_compile_duration"]
+
+
+def trace_count() -> int:
+    """Functions traced to jaxprs in this process so far: a restart that loads its compiled
+    steps from the executable store traces none of them."""
+    return _events["/jax/core/compile/jaxpr_trace_duration"]
 
 SUBDIR = "jaxserve-executables"
 _TRACED_PACKAGES = ("jaxserve", "pallas_kernels")
@@ -154,9 +190,17 @@ class Step:
             exe = self.store.load(self.name, signature)
             if exe is not None:
                 return exe
+        compiles, hits = compile_count(), _persistent_cache_hits
         exe = self.jitted.lower(*args, **static).compile()
         if self.store is not None:
-            self.store.save(self.name, signature, exe)
+            if compile_count() > compiles and _persistent_cache_hits == hits:
+                self.store.save(self.name, signature, exe)
+            else:
+                # Handed back by a cache, not compiled here. Two reasons not to keep it: XLA:CPU
+                # re-serializes an executable restored from JAX's persistent cache without
+                # all of its functions ("Function ... not found" when it runs), and cannot
+                # serialize a sort that another engine in this process has already run.
+                log.info("%s: from a compilation cache, not written to the store", self.name)
         return exe
 
     def __len__(self) -> int:

@@ -22,10 +22,17 @@ log = logging.getLogger("jaxserve.multihost")
 def initialize(coordinator: str | None = None, num_processes: int | None = None, process_id: int | None = None,
                local_device_count: int | None = None) -> bool:
     """jax.distributed.initialize from arguments or JAXSERVE_COORDINATOR / JAXSERVE_NUM_PROCESSES /
-    JAXSERVE_PROCESS_ID. Returns False (single process) when no coordinator is given."""
+    JAXSERVE_PROCESS_ID (and JAXSERVE_LOCAL_DEVICE_COUNT, CPU only). Coordinator "auto": JAX
+    finds the slice's workers itself (Cloud TPU). Returns False (single process) when no
+    coordinator is given."""
     coordinator = coordinator or os.environ.get("JAXSERVE_COORDINATOR")
     if not coordinator:
         return False
+    if coordinator == "auto":
+        jax.distributed.initialize()
+        log.info("process %d of %d; %d global devices", jax.process_index(), jax.process_count(), jax.device_count())
+        return jax.process_count() > 1
+    local_device_count = local_device_count or int(os.environ.get("JAXSERVE_LOCAL_DEVICE_COUNT", 0)) or None
     num_processes = int(num_processes or os.environ["JAXSERVE_NUM_PROCESSES"])
     process_id = int(process_id if process_id is not None else os.environ["JAXSERVE_PROCESS_ID"])
     if jax.config.jax_platforms in (None, "", "cpu") and os.environ.get("JAX_PLATFORMS", "cpu") == "cpu":

@@ -107,7 +107,8 @@ Wants=network-online.target
 [Service]
 Type=simple
 Environment=PYTHONUNBUFFERED=1
-Environment=JAXSERVE_CACHE_DIR=/var/cache/jaxserve
+Environment=JAXSERVE_CACHE_DIR=/var/cache/jaxserve${SERVICE_ENV:+
+$SERVICE_ENV}
 ExecStart=$venv/bin/jaxserve serve --gin_file /etc/jaxserve/deploy.gin
 Restart=on-failure
 RestartSec=5

@@ -91,6 +91,10 @@ tpu_hosts() {
   esac
 }
 HOSTS="$(tpu_hosts "$ACCEL")"
+# A multi-host slice is one jax.distributed job: JAX finds the workers itself ("auto"); worker 0
+# serves, the others replay its steps (jaxserve/multihost.py).
+SERVICE_ENV=""
+if (( HOSTS > 1 )); then SERVICE_ENV="Environment=JAXSERVE_COORDINATOR=auto"; fi
 
 JAX_VERSION="$(jax_version "$REPO")"
 

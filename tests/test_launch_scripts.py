@@ -89,6 +89,7 @@ def test_tpu_single_host(fake_path, tmp_path):
                         "v6e-1", "--gin-file", "configs/llama-3.1-8b-instruct.gin", "--checkpoint",
                         "/mnt/disks/Llama-3.1-8B-Instruct", "--port", "8500", fake=fake_path)
     assert "1 host(s)" in out and "multi-host" not in out
+    assert "JAXSERVE_COORDINATOR" not in "\n".join(cmds)  # one host: one process, no jax.distributed
     assert_in_order(cmds, [
         ("create VM", [r"^gcloud compute tpus tpu-vm create llama8b --zone=us-east5-b --project=proj "
                        r"--accelerator-type=v6e-1 --version=v2-alpha-tpuv6e$"]),
@@ -127,7 +128,8 @@ def test_tpu_multi_host_runs_on_every_worker(fake_path):
         ("copy config", [r"--worker=all", r"llama-3.1-70b-instruct.gin"]),
         ("fetch checkpoint", [r"--worker=all", r"gcloud storage cp -r 'gs://bucket/Llama-3.1-70B-Instruct' /models/",
                               r"ServeConfig.model = '/models/Llama-3.1-70B-Instruct'"]),
-        ("start on every worker", [r"--worker=all", r"systemctl restart jaxserve"]),
+        ("start on every worker", [r"--worker=all", r"Environment=JAXSERVE_COORDINATOR=auto",
+                                   r"systemctl restart jaxserve"]),
         ("health wait", [r"--worker=0", r"SERVING"]),
         ("endpoint", [r"tpu-vm describe llama70b"]),
     ])

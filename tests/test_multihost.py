@@ -69,3 +69,30 @@ def test_two_processes_match_one(tmp_path):
     assert multi["devices"] == 4
     assert multi["kv_shard"] == [64, 8, 1, 8]  # 4 KV heads over 4 devices in 2 processes
     assert multi["tokens"] == single["tokens"]
+
+
+def test_the_cli_joins_processes_from_the_environment(tmp_path):
+    """`jaxserve generate` started the same way in two processes (as the launch scripts start
+    `serve` on every worker of a slice), told apart only by JAXSERVE_PROCESS_ID: process 0
+    prints the completion of a 4-chip mesh, process 1 replays its steps and exits 0, and the
+    text equals one process on one device."""
+    args = [sys.executable, "-m", "jaxserve.cli", "generate", "--max-tokens", "12", "--max-slots", "4",
+            "--max-model-len", "128", "--gin_param", "ServeConfig.prefill_buckets = (16, 32)",
+            "--compilation-cache-dir", str(tmp_path / "xla"), "def fibonacci(n):"]
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JAXSERVE_CACHE_DIR=str(tmp_path / "converted"))
+    env.pop("XLA_FLAGS", None)
+    single = subprocess.run(args, env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert single.returncode == 0, single.stderr[-3000:]
+    port = _free_port()
+    procs = [subprocess.Popen(args + ["--tensor-parallel-size", "4"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, cwd=REPO,
+                              env=dict(env, JAXSERVE_COORDINATOR=f"127.0.0.1:{port}", JAXSERVE_NUM_PROCESSES="2",
+                                       JAXSERVE_PROCESS_ID=str(i), JAXSERVE_LOCAL_DEVICE_COUNT="2"))
+             for i in range(2)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    for p, (o, e) in zip(procs, outs):
+        assert p.returncode == 0, o[-2000:] + e[-4000:]
+    text = ["".join(ln for ln in o.splitlines(keepends=True) if not ln.startswith("[Gloo]")) for o, _ in outs]
+    assert "process 0 of 2; 4 global devices" in outs[0][1] and "process 1 of 2" in outs[1][1]
+    assert text[0] == single.stdout and single.stdout.startswith("def fibonacci(n):")
+    assert text[1] == ""
