@@ -9,6 +9,11 @@ JAX's flags and XLA_FLAGS, the engine's and model's configuration, and the argum
 dtypes and shardings of the variant. Any difference is a miss: the step is traced and compiled
 as usual and its executable written. A file that fails to load is ignored and rewritten.
 
+Only executables compiled in this process are written: one handed back by JAX's persistent
+cache re-serializes incompletely on XLA:CPU (it loads, then fails when run), so in one process
+the CLI leaves JAX's cache off and this store does its job. The compile, trace and cache-hit
+counters below come from jax.monitoring; the engine re-exports compile_count as its tripwire.
+
 Unpickling an executable can run code: only point the store at a directory you own.
 """
 
@@ -41,7 +46,7 @@ def _on_event(name: str, *_args, **_kw) -> None:
 
 
 jax.monitoring.register_event_duration_secs_listener(_on_event)
-_persistent_cache_hits = 0
+_persistent_cache_hits = 0  # executables JAX restored from its persistent cache
 
 
 def _on_plain_event(name: str, **_kw) -> None:
