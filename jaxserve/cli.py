@@ -149,7 +149,7 @@ def enable_compilation_cache(cache_dir: str | None) -> str | None:
 def _build_llm(args, flags: dict):
     """The LLM of `serve` and `generate`. With JAXSERVE_COORDINATOR set, this process first joins
     the others (jax.distributed); only process 0 goes on to serve, the others replay its engine
-    calls inside LLM() and return when it shuts down (`_is_follower`)."""
+    calls inside LLM() and return when it shuts down (`LLM.is_follower`)."""
     cfg = load_cli_config(args, flags)
     _log_effective_config(args, cfg, _overrides(args, flags))
     from jaxserve import multihost
@@ -165,16 +165,11 @@ def _build_llm(args, flags: dict):
     return cfg, LLM(cfg.model, log_progress=True, **cfg.engine_options())
 
 
-def _is_follower(llm) -> bool:
-    bc = llm.engine.broadcaster
-    return bc is not None and not bc.leader
-
-
 def cmd_serve(args) -> int:
     from jaxserve.server import serve
 
     cfg, llm = _build_llm(args, {**ENGINE_FLAGS, **SERVER_FLAGS})
-    if _is_follower(llm):
+    if llm.is_follower:
         return 0
     tls = (Path(cfg.tls_cert).read_bytes(), Path(cfg.tls_key).read_bytes()) if cfg.tls_cert else (None, None)
     token = args.token or (Path(cfg.token_file).read_text().strip() if cfg.token_file else None)
@@ -189,7 +184,7 @@ def cmd_generate(args) -> int:
     from jaxserve.request import SamplingParams
 
     _, llm = _build_llm(args, ENGINE_FLAGS)
-    if _is_follower(llm):
+    if llm.is_follower:
         return 0
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed)

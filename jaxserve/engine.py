@@ -12,7 +12,6 @@ import bisect
 import dataclasses
 import functools
 import logging
-import threading
 import time
 from typing import Callable
 
@@ -230,7 +229,7 @@ class Engine:
             context = (f"{dataclasses.replace(cfg, compilation_cache_dir=None)!r} {model_cfg!r} {draft_cfg!r} "
                        f"{self.dtype} {self.attention_impl} {self.interpret} {self.num_pages}")
             try:
-                devices = list(self.mesh.devices.flat) if self.mesh is not None else jax.devices()[:1]
+                devices = list(self.mesh.devices.flat) if self.mesh is not None else None  # None: the default device
                 self.store = ExecutableStore(cfg.compilation_cache_dir, context, devices)
             except OSError as e:
                 log.warning("compiled steps are not kept across restarts: %s", e)

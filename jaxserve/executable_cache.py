@@ -35,40 +35,33 @@ from jax.experimental import serialize_executable
 
 log = logging.getLogger("jaxserve.executable_cache")
 
-_events = {"/jax/core/compile/backend_compile_duration": 0, "/jax/core/compile/jaxpr_trace_duration": 0}
+_BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
+_TRACE = "/jax/core/compile/jaxpr_trace_duration"
+_PERSISTENT_CACHE_HIT = "/jax/compilation_cache/cache_hits"  # restored from JAX's persistent cache
+_events = {_BACKEND_COMPILE: 0, _TRACE: 0, _PERSISTENT_CACHE_HIT: 0}
 _events_lock = threading.Lock()
 
 
-def _on_event(name: str, *_args, **_kw) -> None:
+def _count(name: str, *_args, **_kw) -> None:
     if name in _events:
         with _events_lock:
             _events[name] += 1
 
 
-jax.monitoring.register_event_duration_secs_listener(_on_event)
-_persistent_cache_hits = 0  # executables JAX restored from its persistent cache
-
-
-def _on_plain_event(name: str, **_kw) -> None:
-    global _persistent_cache_hits
-    if name == "/jax/compilation_cache/cache_hits":
-        with _events_lock:
-            _persistent_cache_hits += 1
-
-
-jax.monitoring.register_event_listener(_on_plain_event)
+jax.monitoring.register_event_duration_secs_listener(_count)  # compiles, traces
+jax.monitoring.register_event_listener(_count)  # persistent-cache hits
 
 
 def compile_count() -> int:
     """XLA compilations in this process so far (executables restored from JAX's persistent
     cache included): the tripwire for compiles after warm-up."""
-    return _events["/jax/core/compile/backend_compile_duration"]
+    return _events[_BACKEND_COMPILE]
 
 
 def trace_count() -> int:
     """Functions traced to jaxprs in this process so far: a restart that loads its compiled
     steps from the executable store traces none of them."""
-    return _events["/jax/core/compile/jaxpr_trace_duration"]
+    return _events[_TRACE]
 
 SUBDIR = "jaxserve-executables"
 _TRACED_PACKAGES = ("jaxserve", "pallas_kernels")
@@ -195,10 +188,10 @@ class Step:
             exe = self.store.load(self.name, signature)
             if exe is not None:
                 return exe
-        compiles, hits = compile_count(), _persistent_cache_hits
+        compiles, hits = compile_count(), _events[_PERSISTENT_CACHE_HIT]
         exe = self.jitted.lower(*args, **static).compile()
         if self.store is not None:
-            if compile_count() > compiles and _persistent_cache_hits == hits:
+            if compile_count() > compiles and _events[_PERSISTENT_CACHE_HIT] == hits:
                 self.store.save(self.name, signature, exe)
             else:
                 # Handed back by a cache, not compiled here. Two reasons not to keep it: XLA:CPU

@@ -105,11 +105,10 @@ class LLM:
         self._detok: dict[str, _Detok] = {}
         self._arrival = itertools.count()
         self._rng = np.random.default_rng(self.cfg.seed)
-        bc = self.engine.broadcaster
-        if bc is not None and not bc.leader:
+        if self.is_follower:
             # Another host's process: replay the leader's engine calls (its warm-up included)
             # until it shuts down. The scheduler and server run on process 0 only.
-            bc.follow(self.engine)
+            self.engine.broadcaster.follow(self.engine)
             self._compiles_at_warmup = compile_count()
             return
         if warmup:
@@ -187,6 +186,12 @@ class LLM:
     def abort(self, request_id: str) -> None:
         """Takes effect at the start of the next step: the slot and pages are free within one step."""
         self._inbox.put(("abort", request_id))
+
+    @property
+    def is_follower(self) -> bool:
+        """A process other than 0 of several: it only replays process 0's engine calls."""
+        bc = self.engine.broadcaster
+        return bc is not None and not bc.leader
 
     def shutdown(self) -> None:
         """With several processes, release the followers (they return from LLM())."""

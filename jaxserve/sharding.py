@@ -67,8 +67,11 @@ def shard_params(state, cfg: ModelConfig, mesh: Mesh):
     return nnx.from_flat_state(placed)
 
 
+HEADS = P(None, None, AXIS, None)  # [.., .., heads, head_dim] split by head: q, k, v, pages, outputs
+
+
 def kv_spec(cfg: ModelConfig, tp: int) -> P:
-    return P(None, None, AXIS, None) if kv_heads_sharded(cfg, tp) else P()
+    return HEADS if kv_heads_sharded(cfg, tp) else P()
 
 
 def shard_attention(attn_fn: Callable, cfg: ModelConfig, mesh: Mesh) -> Callable:
@@ -81,12 +84,11 @@ def shard_attention(attn_fn: Callable, cfg: ModelConfig, mesh: Mesh) -> Callable
     replicated), each chip slices the one KV head its query heads share. Where a chip's query
     heads would straddle two KV groups, the kernel is returned unwrapped (correct, not local)."""
     tp = mesh.shape[AXIS]
-    heads = P(None, None, AXIS, None)
     kv_sharded = kv_heads_sharded(cfg, tp)
     local_heads, group = cfg.num_heads // tp, cfg.num_heads // cfg.num_kv_heads
     if not kv_sharded and group % local_heads:
         return attn_fn
-    kv = heads if kv_sharded else P()
+    kv = kv_spec(cfg, tp)
 
     def per_chip(q, k, v, k_pages, v_pages, block_tables, context_lens, positions, segment_ids, *, scale):
         if not kv_sharded:
@@ -95,8 +97,8 @@ def shard_attention(attn_fn: Callable, cfg: ModelConfig, mesh: Mesh) -> Callable
         return attn_fn(q, k, v, k_pages, v_pages, block_tables, context_lens, positions, segment_ids, scale)
 
     def wrapped(q, k, v, k_pages, v_pages, block_tables, context_lens, positions, segment_ids, scale):
-        body = jax.shard_map(lambda *a: per_chip(*a, scale=scale), mesh=mesh, out_specs=heads, check_vma=False,
-                             in_specs=(heads, kv, kv, kv, kv, P(), P(), P(), P()))
+        body = jax.shard_map(lambda *a: per_chip(*a, scale=scale), mesh=mesh, out_specs=HEADS, check_vma=False,
+                             in_specs=(HEADS, kv, kv, kv, kv, P(), P(), P(), P()))
         return body(q, k, v, k_pages, v_pages, block_tables, context_lens, positions, segment_ids)
 
     return wrapped

@@ -55,6 +55,14 @@ def build_random_llama(path: Path, layers: int = 8, hidden: int = 256, seed: int
     tf.LlamaForCausalLM(cfg).eval().save_pretrained(str(path))
 
 
+def startup_log(err: str) -> dict:
+    """Warm-up seconds and executable-store counts from the start-up log (None where absent)."""
+    m = re.search(r"warm-up compiled every bucket in ([\d.]+)s", err)
+    store = re.search(r"(\d+) executables loaded from .*, (\d+) compiled and saved", err)
+    return {"warmup_s": float(m.group(1)) if m else None,
+            "loaded": int(store.group(1)) if store else None, "compiled": int(store.group(2)) if store else None}
+
+
 def time_first_token(cmd: list[str], env: dict, prompt: str) -> dict:
     """Seconds from spawning the process to the first generated token: `generate` prints the prompt,
     then streams the completion and ends it with a newline, so the first byte after the prompt is the
@@ -75,10 +83,7 @@ def time_first_token(cmd: list[str], env: dict, prompt: str) -> dict:
     total = time.perf_counter() - t0
     if code != 0 or first is None:
         raise RuntimeError(f"{' '.join(cmd)} exited {code}:\n{err[-3000:]}")
-    m = re.search(r"warm-up compiled every bucket in ([\d.]+)s", err)
-    store = re.search(r"(\d+) executables loaded from .*, (\d+) compiled and saved", err)
-    return {"first_token_s": first, "process_s": total, "warmup_s": float(m.group(1)) if m else None,
-            "loaded": int(store.group(1)) if store else None, "compiled": int(store.group(2)) if store else None,
+    return {"first_token_s": first, "process_s": total, **startup_log(err),
             "output": out.decode(errors="replace").rstrip("\n")}
 
 
@@ -116,11 +121,7 @@ def time_first_token_served(cmd: list[str], env: dict, prompt: str, target: str)
         proc.terminate()  # SIGTERM: drain and exit
         err = proc.stderr.read().decode(errors="replace")
         proc.wait(timeout=60)
-    m = re.search(r"warm-up compiled every bucket in ([\d.]+)s", err)
-    store = re.search(r"(\d+) executables loaded from .*, (\d+) compiled and saved", err)
-    return {"first_token_s": first_s, "serving_s": serving, "warmup_s": float(m.group(1)) if m else None,
-            "loaded": int(store.group(1)) if store else None, "compiled": int(store.group(2)) if store else None,
-            "output": prompt + text}
+    return {"first_token_s": first_s, "serving_s": serving, **startup_log(err), "output": prompt + text}
 
 
 def cache_stats(path: Path) -> tuple[int, int]:
