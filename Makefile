@@ -2,17 +2,24 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
+HASH := $(shell cat pyproject.toml setup.py 2>/dev/null | sha1sum | cut -c1-12)
+RUNTIME_STAMP := $(VENV)/.runtime-$(HASH)
+STAMP := $(VENV)/.installed-$(HASH)
 
-.PHONY: demo test install install-shellcheck bench clean
+.PHONY: demo test lint install install-shellcheck bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
+# `make demo` needs the runtime only; `make test` adds the test and train extras.
+$(RUNTIME_STAMP): $(BIN)/python pyproject.toml
+	$(BIN)/pip install -q -e .
+	@rm -f $(VENV)/.runtime-*; touch $(RUNTIME_STAMP)
+
 $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q -e ".[test,train]"
-	@rm -f $(VENV)/.installed-*; touch $(STAMP)
+	@rm -f $(VENV)/.installed-* $(VENV)/.runtime-*; touch $(STAMP) $(RUNTIME_STAMP)
 
 install: $(STAMP)
 
@@ -21,10 +28,16 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 install-shellcheck:
 	@command -v shellcheck >/dev/null || ($(SUDO) apt-get install -y shellcheck || ($(SUDO) apt-get update && $(SUDO) apt-get install -y shellcheck))
 
-test: $(STAMP) install-shellcheck
+# Habits first (seconds): lint, format, and the layers contract (no arrow back up, no cycle).
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports
+
+test: $(STAMP) install-shellcheck lint
 	JAX_PLATFORMS=cpu $(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
-demo: $(STAMP)
+demo: $(RUNTIME_STAMP)
 	JAX_PLATFORMS=cpu $(BIN)/python scripts/demo.py
 
 bench: $(STAMP)

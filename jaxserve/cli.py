@@ -19,9 +19,11 @@ from pathlib import Path
 
 log = logging.getLogger("jaxserve.cli")
 
-GIN_HELP = ("gin configuration: --gin_file FILE (repeatable; a path, or relative to configs/, e.g. "
-            "llama-3.1-8b-instruct.gin) and --gin_param 'ServeConfig.FIELD = VALUE' (repeatable). "
-            "Explicit flags override both.")
+GIN_HELP = (
+    "gin configuration: --gin_file FILE (repeatable; a path, or relative to configs/, e.g. "
+    "llama-3.1-8b-instruct.gin) and --gin_param 'ServeConfig.FIELD = VALUE' (repeatable). "
+    "Explicit flags override both."
+)
 
 
 def _csv_ints(text: str) -> tuple[int, ...]:
@@ -68,10 +70,24 @@ def _dest(flag: str) -> str:
 def _gin_parent() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(add_help=False)
     g = p.add_argument_group("gin configuration")
-    g.add_argument("--gin_file", "--gin-file", dest="gin_file", action="append", default=[], metavar="FILE",
-                   help="a gin file (repeatable, applied in order); a path, or relative to configs/")
-    g.add_argument("--gin_param", "--gin-param", dest="gin_param", action="append", default=[], metavar="BINDING",
-                   help="a gin binding, e.g. 'ServeConfig.max_slots = 32' (repeatable, after the files)")
+    g.add_argument(
+        "--gin_file",
+        "--gin-file",
+        dest="gin_file",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="a gin file (repeatable, applied in order); a path, or relative to configs/",
+    )
+    g.add_argument(
+        "--gin_param",
+        "--gin-param",
+        dest="gin_param",
+        action="append",
+        default=[],
+        metavar="BINDING",
+        help="a gin binding, e.g. 'ServeConfig.max_slots = 32' (repeatable, after the files)",
+    )
     return p
 
 
@@ -82,12 +98,20 @@ def _add_flags(p: argparse.ArgumentParser, flags: dict, title: str) -> None:
 
 
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="checkpoint directory (default: gin's ServeConfig.model; "
-                   "None there = the shipped model)")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="checkpoint directory (default: gin's ServeConfig.model; None there = the shipped model)",
+    )
     _add_flags(p, ENGINE_FLAGS, "engine")
     g = p.add_argument_group("engine switches")
-    g.add_argument("--prefix-caching", dest="prefix_caching", action=argparse.BooleanOptionalAction, default=None,
-                   help="reuse KV pages of shared prompt prefixes")
+    g.add_argument(
+        "--prefix-caching",
+        dest="prefix_caching",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="reuse KV pages of shared prompt prefixes",
+    )
     g.add_argument("--no-compilation-cache", action="store_true", help="do not use a persistent compilation cache")
 
 
@@ -105,24 +129,28 @@ def _overrides(args, flags: dict) -> dict:
 
 
 def _gin_files(args, default: bool = True) -> list[str]:
-    from jaxserve.config import DEFAULT_GIN_FILE
+    from jaxserve.serve_config import DEFAULT_GIN_FILE
 
     return list(args.gin_file) or ([str(DEFAULT_GIN_FILE)] if default else [])
 
 
 def load_cli_config(args, flags: dict | None = None, default_gin: bool = True):
     """The ServeConfig of a command: gin files, then --gin_param, then explicit flags."""
-    from jaxserve.config import load_config
+    from jaxserve.serve_config import load_config
 
     return load_config(_gin_files(args, default_gin), args.gin_param, _overrides(args, flags or {}))
 
 
 def _log_effective_config(args, cfg, overrides: dict) -> None:
-    from jaxserve.config import operative_config_str
+    from jaxserve.serve_config import operative_config_str
 
-    log.info("effective configuration (gin files: %s; gin params: %s; flags: %s):\n%s",
-             ", ".join(_gin_files(args)) or "none", "; ".join(args.gin_param) or "none",
-             ", ".join(f"{k}={v!r}" for k, v in overrides.items()) or "none", operative_config_str().rstrip())
+    log.info(
+        "effective configuration (gin files: %s; gin params: %s; flags: %s):\n%s",
+        ", ".join(_gin_files(args)) or "none",
+        "; ".join(args.gin_param) or "none",
+        ", ".join(f"{k}={v!r}" for k, v in overrides.items()) or "none",
+        operative_config_str().rstrip(),
+    )
 
 
 def enable_compilation_cache(cache_dir: str | None) -> str | None:
@@ -152,7 +180,7 @@ def _build_llm(args, flags: dict):
     calls inside LLM() and return when it shuts down (`LLM.is_follower`)."""
     cfg = load_cli_config(args, flags)
     _log_effective_config(args, cfg, _overrides(args, flags))
-    from jaxserve import multihost
+    from jaxserve.parallel import multihost
 
     if multihost.initialize():
         # The engine's executable store is per process; across processes JAX's cache does it.
@@ -166,7 +194,7 @@ def _build_llm(args, flags: dict):
 
 
 def cmd_serve(args) -> int:
-    from jaxserve.server import serve
+    from jaxserve.serving.grpc_server import serve
 
     cfg, llm = _build_llm(args, {**ENGINE_FLAGS, **SERVER_FLAGS})
     if llm.is_follower:
@@ -174,20 +202,21 @@ def cmd_serve(args) -> int:
     tls = (Path(cfg.tls_cert).read_bytes(), Path(cfg.tls_key).read_bytes()) if cfg.tls_cert else (None, None)
     token = args.token or (Path(cfg.token_file).read_text().strip() if cfg.token_file else None)
     try:
-        serve(llm, token=token, tls_cert=tls[0], tls_key=tls[1], **cfg.server_options())
+        serve(llm.core, token=token, tls_cert=tls[0], tls_key=tls[1], **cfg.server_options())
     finally:
         llm.shutdown()  # release the other processes
     return 0
 
 
 def cmd_generate(args) -> int:
-    from jaxserve.request import SamplingParams
+    from jaxserve.engine.request import SamplingParams
 
     _, llm = _build_llm(args, ENGINE_FLAGS)
     if llm.is_follower:
         return 0
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                            top_p=args.top_p, seed=args.seed)
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed
+    )
     try:
         for prompt in args.prompt:
             print(prompt, end="", flush=True)
@@ -205,7 +234,7 @@ def _client_target(host: str, port: int) -> str:
 
 
 def cmd_client(args) -> int:
-    from jaxserve.client import Client
+    from jaxserve.serving.client import Client
 
     target, token = args.target, args.token
     if args.gin_file or args.gin_param:  # gin gives the server's address and token file
@@ -226,9 +255,11 @@ def cmd_client(args) -> int:
     print()
     if last is not None and args.usage:
         u = last.usage
-        print(f"[{last.finish_reason and 'finish=' + ['', 'stop', 'length', 'abort'][last.finish_reason]}; "
-              f"prompt {u.prompt_tokens}, completion {u.completion_tokens}, cached {u.cached_prompt_tokens}]",
-              file=sys.stderr)
+        print(
+            f"[{last.finish_reason and 'finish=' + ['', 'stop', 'length', 'abort'][last.finish_reason]}; "
+            f"prompt {u.prompt_tokens}, completion {u.completion_tokens}, cached {u.cached_prompt_tokens}]",
+            file=sys.stderr,
+        )
     return 0
 
 
@@ -243,10 +274,20 @@ def kv_math_args_from_config(cfg) -> list[str]:
     elif cfg.kv_math_preset:
         model = cfg.kv_math_preset
     else:
-        raise ValueError(f"ServeConfig.model {str(cfg.model_path)!r} is not on this machine and "
-                         "ServeConfig.kv_math_preset is not set; pass --model")
-    out = ["--model", model, "--chips", str(cfg.tensor_parallel_size), "--page-size", str(cfg.page_size),
-           "--memory-fraction", str(cfg.memory_fraction)]
+        raise ValueError(
+            f"ServeConfig.model {str(cfg.model_path)!r} is not on this machine and "
+            "ServeConfig.kv_math_preset is not set; pass --model"
+        )
+    out = [
+        "--model",
+        model,
+        "--chips",
+        str(cfg.tensor_parallel_size),
+        "--page-size",
+        str(cfg.page_size),
+        "--memory-fraction",
+        str(cfg.memory_fraction),
+    ]
     if cfg.max_model_len is not None:
         out += ["--context", str(cfg.max_model_len)]
     if cfg.dtype in _KV_DTYPES:
@@ -260,7 +301,7 @@ def _split_gin(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 
 def cmd_kv_math(argv) -> int:
-    from jaxserve import kv_math
+    from jaxserve.tools import kv_math_cli as kv_math
 
     gin_args, rest = _split_gin(argv)
     if "-h" in rest or "--help" in rest:
@@ -269,9 +310,11 @@ def cmd_kv_math(argv) -> int:
             if action.help and "%" in action.help.replace("%(", ""):
                 action.help = action.help.replace("%", "%%").replace("%%(", "%(")
         parser.print_help()
-        print(f"\n{GIN_HELP}\nFrom gin: ServeConfig.model (or kv_math_preset when the checkpoint is not local) -> "
-              "--model, tensor_parallel_size -> --chips, page_size, max_model_len -> --context, dtype -> "
-              "--kv-dtype/--weight-dtype, memory_fraction.")
+        print(
+            f"\n{GIN_HELP}\nFrom gin: ServeConfig.model (or kv_math_preset when the checkpoint is not local) -> "
+            "--model, tensor_parallel_size -> --chips, page_size, max_model_len -> --context, dtype -> "
+            "--kv-dtype/--weight-dtype, memory_fraction."
+        )
         return 0
     if gin_args.gin_file or gin_args.gin_param:
         try:
@@ -306,11 +349,13 @@ def cmd_bench(argv) -> int:
     scripts = Path(__file__).resolve().parents[1] / "scripts"
     gin_args, argv = _split_gin(argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print(f"usage: jaxserve bench NAME [--gin_file FILE] [--gin_param BINDING] [ARGS...]\n\n"
-              f"Run scripts/bench_NAME.py with ARGS. Benchmarks: {', '.join(_benchmarks())}.\n"
-              "`jaxserve bench NAME --help` shows a benchmark's own flags. With gin flags, the configuration is\n"
-              "validated and its compilation cache is used; the benchmarks choose their own model sizes.",
-              file=sys.stdout if argv else sys.stderr)
+        print(
+            f"usage: jaxserve bench NAME [--gin_file FILE] [--gin_param BINDING] [ARGS...]\n\n"
+            f"Run scripts/bench_NAME.py with ARGS. Benchmarks: {', '.join(_benchmarks())}.\n"
+            "`jaxserve bench NAME --help` shows a benchmark's own flags. With gin flags, the configuration is\n"
+            "validated and its compilation cache is used; the benchmarks choose their own model sizes.",
+            file=sys.stdout if argv else sys.stderr,
+        )
         return 0 if argv else 2
     name = argv[0]
     path = scripts / f"bench_{name}.py"
@@ -331,20 +376,27 @@ def cmd_bench(argv) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     gin_parent = _gin_parent()
-    ap = argparse.ArgumentParser(prog="jaxserve", description="A JAX/XLA inference server for LLMs.",
-                                 epilog=GIN_HELP)
+    ap = argparse.ArgumentParser(prog="jaxserve", description="A JAX/XLA inference server for LLMs.", epilog=GIN_HELP)
     sub = ap.add_subparsers(dest="command", metavar="COMMAND")
-    p = sub.add_parser("serve", help="serve a model over gRPC", parents=[gin_parent],
-                       description="Load a model, compile every shape, serve gRPC (Generate, Abort, GetModelInfo, "
-                       "health, reflection). Prints 'jaxserve: serving on HOST:PORT' once listening.",
-                       epilog=GIN_HELP + " Without --gin_file: configs/default.gin.")
+    p = sub.add_parser(
+        "serve",
+        help="serve a model over gRPC",
+        parents=[gin_parent],
+        description="Load a model, compile every shape, serve gRPC (Generate, Abort, GetModelInfo, "
+        "health, reflection). Prints 'jaxserve: serving on HOST:PORT' once listening.",
+        epilog=GIN_HELP + " Without --gin_file: configs/default.gin.",
+    )
     _add_engine_flags(p)
     _add_flags(p, SERVER_FLAGS, "server")
     p.add_argument("--token", default=None, help="require this bearer token (prefer --token-file)")
     p.set_defaults(fn=cmd_serve)
-    p = sub.add_parser("generate", help="generate offline, no server", parents=[gin_parent],
-                       description="Load a model and complete each PROMPT on stdout.",
-                       epilog=GIN_HELP + " Without --gin_file: configs/default.gin.")
+    p = sub.add_parser(
+        "generate",
+        help="generate offline, no server",
+        parents=[gin_parent],
+        description="Load a model and complete each PROMPT on stdout.",
+        epilog=GIN_HELP + " Without --gin_file: configs/default.gin.",
+    )
     _add_engine_flags(p)
     p.add_argument("prompt", nargs="+")
     p.add_argument("--max-tokens", type=int, default=64)
@@ -353,10 +405,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None, help="sampling seed")
     p.set_defaults(fn=cmd_generate)
-    p = sub.add_parser("client", help="stream a generation from a running server", parents=[gin_parent],
-                       description="Stream one generation from a running server.",
-                       epilog=GIN_HELP + " With gin flags, the target is the configuration's host:port and the "
-                       "token is read from its token_file.")
+    p = sub.add_parser(
+        "client",
+        help="stream a generation from a running server",
+        parents=[gin_parent],
+        description="Stream one generation from a running server.",
+        epilog=GIN_HELP + " With gin flags, the target is the configuration's host:port and the "
+        "token is read from its token_file.",
+    )
     p.add_argument("prompt")
     p.add_argument("--target", default=None, help="HOST:PORT (default 127.0.0.1:50051, or gin's host:port)")
     p.add_argument("--token", default=None)
@@ -367,12 +423,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--echo", action="store_true", help="print the prompt first")
     p.add_argument("--usage", action="store_true", help="print token counts at the end")
     p.set_defaults(fn=cmd_client)
-    sub.add_parser("kv-math", help="KV-cache capacity and cost calculator (see jaxserve kv-math --help)",
-                   add_help=False)
-    sub.add_parser("bench", help="run a benchmark: jaxserve bench {offline,prefix,serving,...} [args]",
-                   add_help=False)
-    p = sub.add_parser("convert", help="convert a Hugging Face checkpoint into the converted-weight cache",
-                       parents=[gin_parent], epilog=GIN_HELP + " Without --gin_file: configs/default.gin.")
+    sub.add_parser(
+        "kv-math", help="KV-cache capacity and cost calculator (see jaxserve kv-math --help)", add_help=False
+    )
+    sub.add_parser("bench", help="run a benchmark: jaxserve bench {offline,prefix,serving,...} [args]", add_help=False)
+    p = sub.add_parser(
+        "convert",
+        help="convert a Hugging Face checkpoint into the converted-weight cache",
+        parents=[gin_parent],
+        epilog=GIN_HELP + " Without --gin_file: configs/default.gin.",
+    )
     p.add_argument("--model", default=None, help="checkpoint directory (default: gin's ServeConfig.model)")
     p.add_argument("--dtype", default=None)
     p.add_argument("--cache-dir", default=None)

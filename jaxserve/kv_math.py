@@ -1,4 +1,4 @@
-"""KV-cache capacity and cost calculator (``jaxserve kv-math``).
+"""KV-cache capacity and cost math: the library behind ``jaxserve kv-math``.
 
 Answers, before a machine is rented: for this model, this accelerator and this
 context length, how many requests fit at once, how fast can decode go, and what
@@ -8,15 +8,14 @@ the tokens/s printed here.
 
 Plain Python + numpy on purpose: the engine and the CLI call this at start-up to
 refuse configurations that cannot fit, and that check must not pay for a jax
-import.  Only :func:`measure_host` imports jax, lazily.
+import. It imports nothing of jaxserve: the command-line tool, its plot and the host
+measurements live in ``jaxserve/tools/kv_math_cli.py``.
 """
+
 from __future__ import annotations
 
-import argparse
 import json
 import math
-import sys
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -68,8 +67,16 @@ class ModelShape:
     name: str = "custom"
 
     def __post_init__(self) -> None:
-        for f in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
-                  "intermediate_size", "vocab_size", "max_position_embeddings"):
+        for f in (
+            "num_layers",
+            "hidden_size",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "intermediate_size",
+            "vocab_size",
+            "max_position_embeddings",
+        ):
             _positive_int(f, getattr(self, f))
 
     @classmethod
@@ -86,10 +93,14 @@ class ModelShape:
                 raise ValueError(f"model config: hidden_size {hidden} is not a multiple of num_attention_heads {heads}")
             head_dim = hidden // heads
         return cls(
-            num_layers=int(get("num_hidden_layers")), hidden_size=hidden, num_heads=heads,
+            num_layers=int(get("num_hidden_layers")),
+            hidden_size=hidden,
+            num_heads=heads,
             num_kv_heads=int(get("num_key_value_heads") or heads),  # absent in older MHA configs
-            head_dim=int(head_dim), intermediate_size=int(get("intermediate_size")),
-            vocab_size=int(get("vocab_size")), tie_word_embeddings=bool(get("tie_word_embeddings", False)),
+            head_dim=int(head_dim),
+            intermediate_size=int(get("intermediate_size")),
+            vocab_size=int(get("vocab_size")),
+            tie_word_embeddings=bool(get("tie_word_embeddings", False)),
             max_position_embeddings=int(get("max_position_embeddings") or 8192),
             name=name or get("_name_or_path") or get("name_or_path") or get("model_type") or "custom",
         )
@@ -128,20 +139,24 @@ class ModelShape:
         return self.num_params - (0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size)
 
 
-def _llama(name: str, layers: int, hidden: int, heads: int, kv: int, inter: int, vocab: int,
-           max_pos: int) -> ModelShape:
+def _llama(
+    name: str, layers: int, hidden: int, heads: int, kv: int, inter: int, vocab: int, max_pos: int
+) -> ModelShape:
     return ModelShape(layers, hidden, heads, kv, hidden // heads, inter, vocab, False, max_pos, name)
 
 
-PRESETS: dict[str, ModelShape] = {m.name: m for m in (
-    _llama("llama-2-7b", 32, 4096, 32, 32, 11008, 32000, 4096),
-    _llama("llama-3-8b", 32, 4096, 32, 8, 14336, 128256, 8192),
-    _llama("llama-3.1-8b", 32, 4096, 32, 8, 14336, 128256, 131072),
-    _llama("llama-3-70b", 80, 8192, 64, 8, 28672, 128256, 8192),
-    _llama("llama-3.1-70b", 80, 8192, 64, 8, 28672, 128256, 131072),
-    _llama("qwen2.5-7b", 28, 3584, 28, 4, 18944, 152064, 32768),
-    _llama("mistral-7b", 32, 4096, 32, 8, 14336, 32768, 32768),  # v0.3 vocabulary
-)}
+PRESETS: dict[str, ModelShape] = {
+    m.name: m
+    for m in (
+        _llama("llama-2-7b", 32, 4096, 32, 32, 11008, 32000, 4096),
+        _llama("llama-3-8b", 32, 4096, 32, 8, 14336, 128256, 8192),
+        _llama("llama-3.1-8b", 32, 4096, 32, 8, 14336, 128256, 131072),
+        _llama("llama-3-70b", 80, 8192, 64, 8, 28672, 128256, 8192),
+        _llama("llama-3.1-70b", 80, 8192, 64, 8, 28672, 128256, 131072),
+        _llama("qwen2.5-7b", 28, 3584, 28, 4, 18944, 152064, 32768),
+        _llama("mistral-7b", 32, 4096, 32, 8, 14336, 32768, 32768),  # v0.3 vocabulary
+    )
+}
 
 
 def resolve_model(spec: str | ModelShape) -> ModelShape:
@@ -152,8 +167,9 @@ def resolve_model(spec: str | ModelShape) -> ModelShape:
         return PRESETS[str(spec).lower()]
     if Path(spec).exists():
         return ModelShape.from_path(spec)
-    raise ValueError(f"model: {spec!r} is not a preset, checkpoint directory or config.json; "
-                     f"presets: {', '.join(PRESETS)}")
+    raise ValueError(
+        f"model: {spec!r} is not a preset, checkpoint directory or config.json; presets: {', '.join(PRESETS)}"
+    )
 
 
 # --------------------------------------------------------------------------- accelerators
@@ -175,16 +191,19 @@ class Accelerator:
 
 
 _NV = "https://www.nvidia.com/en-us/data-center/"
-ACCELERATORS: dict[str, Accelerator] = {a.name: a for a in (
-    Accelerator("tpu-v4", 32 * GiB, 1200e9, 275e12, 128, "https://cloud.google.com/tpu/docs/v4", 3.22),
-    Accelerator("tpu-v5e", 16 * GiB, 819e9, 197e12, 128, "https://cloud.google.com/tpu/docs/v5e", 1.20),
-    Accelerator("tpu-v5p", 95 * GiB, 2765e9, 459e12, 128, "https://cloud.google.com/tpu/docs/v5p", 4.20),
-    Accelerator("tpu-v6e", 32 * GiB, 1640e9, 918e12, 128, "https://cloud.google.com/tpu/docs/v6e", 2.70),
-    Accelerator("a100-80gb", 80 * GB, 2039e9, 312e12, None, _NV + "a100/ (A100 datasheet, SXM 80GB)", 3.00),
-    Accelerator("h100", 80 * GB, 3.35e12, 989e12, None, _NV + "h100/ (H100 datasheet, SXM)", 4.00),
-    Accelerator("h200", 141 * GB, 4.8e12, 989e12, None, _NV + "h200/ (H200 datasheet, SXM)", 5.00),
-    Accelerator("l4", 24 * GB, 300e9, 121e12, None, _NV + "l4/ (L4 datasheet)", 0.80),
-)}
+ACCELERATORS: dict[str, Accelerator] = {
+    a.name: a
+    for a in (
+        Accelerator("tpu-v4", 32 * GiB, 1200e9, 275e12, 128, "https://cloud.google.com/tpu/docs/v4", 3.22),
+        Accelerator("tpu-v5e", 16 * GiB, 819e9, 197e12, 128, "https://cloud.google.com/tpu/docs/v5e", 1.20),
+        Accelerator("tpu-v5p", 95 * GiB, 2765e9, 459e12, 128, "https://cloud.google.com/tpu/docs/v5p", 4.20),
+        Accelerator("tpu-v6e", 32 * GiB, 1640e9, 918e12, 128, "https://cloud.google.com/tpu/docs/v6e", 2.70),
+        Accelerator("a100-80gb", 80 * GB, 2039e9, 312e12, None, _NV + "a100/ (A100 datasheet, SXM 80GB)", 3.00),
+        Accelerator("h100", 80 * GB, 3.35e12, 989e12, None, _NV + "h100/ (H100 datasheet, SXM)", 4.00),
+        Accelerator("h200", 141 * GB, 4.8e12, 989e12, None, _NV + "h200/ (H200 datasheet, SXM)", 5.00),
+        Accelerator("l4", 24 * GB, 300e9, 121e12, None, _NV + "l4/ (L4 datasheet)", 0.80),
+    )
+}
 
 
 def resolve_accelerator(spec: str | Accelerator) -> Accelerator:
@@ -213,8 +232,9 @@ def stored_head_dim(model: ModelShape, pad_head_dim_to: int | None = None) -> in
     return math.ceil(model.head_dim / pad_head_dim_to) * pad_head_dim_to
 
 
-def kv_bytes_per_token_per_chip(model: ModelShape, num_chips: int = 1, kv_dtype: str = "bf16",
-                                pad_head_dim_to: int | None = None) -> int:
+def kv_bytes_per_token_per_chip(
+    model: ModelShape, num_chips: int = 1, kv_dtype: str = "bf16", pad_head_dim_to: int | None = None
+) -> int:
     per_elem = dtype_bytes(kv_dtype, "kv_dtype", weights=False)
     heads = kv_heads_per_chip(model, num_chips)
     return int(2 * model.num_layers * heads * stored_head_dim(model, pad_head_dim_to) * per_elem)
@@ -224,16 +244,31 @@ def weight_bytes(model: ModelShape, weight_dtype: str = "bf16") -> int:
     return math.ceil(model.num_params * dtype_bytes(weight_dtype, "weight_dtype"))
 
 
-def _roofline(weight_bytes_per_chip: float, kv_bytes_per_chip: float, flop_params: int, batch: int,
-              bandwidth: float, flops: float, num_chips: int) -> tuple[float, float]:
+def _roofline(
+    weight_bytes_per_chip: float,
+    kv_bytes_per_chip: float,
+    flop_params: int,
+    batch: int,
+    bandwidth: float,
+    flops: float,
+    num_chips: int,
+) -> tuple[float, float]:
     """The one formula every step time here comes from: (memory-bound s, compute-bound s)."""
-    return ((weight_bytes_per_chip + kv_bytes_per_chip) / bandwidth,
-            2.0 * flop_params * batch / (flops * num_chips))
+    return ((weight_bytes_per_chip + kv_bytes_per_chip) / bandwidth, 2.0 * flop_params * batch / (flops * num_chips))
 
 
-def decode_step_bounds(model: ModelShape, batch: int, kv_tokens_per_request: float, bandwidth: float,
-                       flops: float, *, num_chips: int = 1, weight_dtype: str = "bf16", kv_dtype: str = "bf16",
-                       pad_head_dim_to: int | None = None) -> tuple[float, float]:
+def decode_step_bounds(
+    model: ModelShape,
+    batch: int,
+    kv_tokens_per_request: float,
+    bandwidth: float,
+    flops: float,
+    *,
+    num_chips: int = 1,
+    weight_dtype: str = "bf16",
+    kv_dtype: str = "bf16",
+    pad_head_dim_to: int | None = None,
+) -> tuple[float, float]:
     """(memory-bound, compute-bound) seconds for one decode step, per chip under tensor parallelism.
 
     Memory: every streamed weight once plus each request's KV.  Compute: 2 FLOPs per
@@ -246,11 +281,19 @@ def decode_step_bounds(model: ModelShape, batch: int, kv_tokens_per_request: flo
     return _roofline(w, kv, model.streamed_params, batch, bandwidth, flops, num_chips)
 
 
-def predict_decode_step(model: ModelShape, batch: int, context_len: int, bandwidth: float, flops: float,
-                        weight_dtype: str = "fp32", kv_dtype: str = "fp32") -> float:
+def predict_decode_step(
+    model: ModelShape,
+    batch: int,
+    context_len: int,
+    bandwidth: float,
+    flops: float,
+    weight_dtype: str = "fp32",
+    kv_dtype: str = "fp32",
+) -> float:
     """Single-device lower bound, for comparing with a measured engine step on this host."""
-    return max(decode_step_bounds(model, batch, context_len, bandwidth, flops,
-                                  weight_dtype=weight_dtype, kv_dtype=kv_dtype))
+    return max(
+        decode_step_bounds(model, batch, context_len, bandwidth, flops, weight_dtype=weight_dtype, kv_dtype=kv_dtype)
+    )
 
 
 def load_workload(path: str | Path) -> tuple[float, float, int]:
@@ -315,8 +358,15 @@ class Plan:
     def bounds(self, batch: int, kv_tokens: float | None = None) -> tuple[float, float]:
         """(memory-bound s, compute-bound s) at any batch, each request holding kv_tokens (default context_len)."""
         kv = batch * (self.context_len if kv_tokens is None else kv_tokens) * self.kv_bytes_per_token_per_chip
-        return _roofline(self.streamed_weight_bytes_per_chip, kv, self.flop_params, batch, self.bandwidth,
-                         self.peak_flops, self.num_chips)
+        return _roofline(
+            self.streamed_weight_bytes_per_chip,
+            kv,
+            self.flop_params,
+            batch,
+            self.bandwidth,
+            self.peak_flops,
+            self.num_chips,
+        )
 
     def at_batch(self, batch: int, kv_tokens: float | None = None) -> tuple[float, float, float | None]:
         """(step s, tokens/s, USD per million output tokens) at any batch, e.g. for plots."""
@@ -331,23 +381,41 @@ class Plan:
         return format_plan(self)
 
 
-def plan(model: str | ModelShape = "llama-3.1-8b", accelerator: str | Accelerator = "h100", num_chips: int = 1,
-         kv_dtype: str = "bf16", weight_dtype: str = "bf16", context_len: int = 8192, memory_fraction: float = 0.9,
-         activation_reserve_bytes: float | None = None, page_size: int | None = DEFAULT_PAGE_SIZE,
-         price_per_chip_hour: float | None = None, mean_prompt: float | None = None,
-         mean_output: float | None = None, workload: str | Path | None = None) -> Plan:
+def plan(
+    model: str | ModelShape = "llama-3.1-8b",
+    accelerator: str | Accelerator = "h100",
+    num_chips: int = 1,
+    kv_dtype: str = "bf16",
+    weight_dtype: str = "bf16",
+    context_len: int = 8192,
+    memory_fraction: float = 0.9,
+    activation_reserve_bytes: float | None = None,
+    page_size: int | None = DEFAULT_PAGE_SIZE,
+    price_per_chip_hour: float | None = None,
+    mean_prompt: float | None = None,
+    mean_output: float | None = None,
+    workload: str | Path | None = None,
+) -> Plan:
     """Size one deployment. Weights that do not fit are a result (fits=False), not an exception."""
     m, acc = resolve_model(model), resolve_accelerator(accelerator)
     chips, ctx = _positive_int("num_chips", num_chips), _positive_int("context_len", context_len)
-    if isinstance(memory_fraction, bool) or not isinstance(memory_fraction, (int, float)) \
-            or not 0 < memory_fraction <= 1:
+    if (
+        isinstance(memory_fraction, bool)
+        or not isinstance(memory_fraction, (int, float))
+        or not 0 < memory_fraction <= 1
+    ):
         raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction!r}")
     page = None if page_size is None else _positive_int("page_size", page_size)
-    price = acc.price_per_chip_hour if price_per_chip_hour is None else _positive(
-        "price_per_chip_hour", price_per_chip_hour, allow_zero=True)
+    price = (
+        acc.price_per_chip_hour
+        if price_per_chip_hour is None
+        else _positive("price_per_chip_hour", price_per_chip_hour, allow_zero=True)
+    )
     if (mean_prompt is None) != (mean_output is None):
-        raise ValueError(f"{'mean_output' if mean_output is None else 'mean_prompt'} is missing: "
-                         "a traffic pattern needs both mean_prompt and mean_output")
+        raise ValueError(
+            f"{'mean_output' if mean_output is None else 'mean_prompt'} is missing: "
+            "a traffic pattern needs both mean_prompt and mean_output"
+        )
     w_total = weight_bytes(m, weight_dtype)
     w_chip = math.ceil(w_total / chips)  # assumes every weight shards evenly; embeddings may replicate in practice
     kv_chip = kv_bytes_per_token_per_chip(m, chips, kv_dtype, acc.pads_head_dim_to)
@@ -366,27 +434,51 @@ def plan(model: str | ModelShape = "llama-3.1-8b", accelerator: str | Accelerato
     req_chip = request_tokens(ctx) * kv_chip
     max_req = max(0, free) // req_chip
     if free <= 0:
-        reason = (f"weights do not fit: {_gb(w_chip)} of weights per chip + {_gb(reserve)} reserve "
-                  f"> {_gb(usable)} usable ({memory_fraction:g} of {_gb(acc.hbm_bytes)}) on {chips} x {acc.name}")
+        reason = (
+            f"weights do not fit: {_gb(w_chip)} of weights per chip + {_gb(reserve)} reserve "
+            f"> {_gb(usable)} usable ({memory_fraction:g} of {_gb(acc.hbm_bytes)}) on {chips} x {acc.name}"
+        )
     elif max_req == 0:
-        reason = (f"one {ctx}-token request does not fit: it needs {_gb(req_chip)} of KV per chip and "
-                  f"{_gb(free)} is left after the weights")
+        reason = (
+            f"one {ctx}-token request does not fit: it needs {_gb(req_chip)} of KV per chip and "
+            f"{_gb(free)} is left after the weights"
+        )
     else:
         reason = "ok"
     out = Plan(
-        model=m.name, accelerator=acc.name, num_chips=chips, kv_dtype=kv_dtype, weight_dtype=weight_dtype,
-        context_len=ctx, memory_fraction=float(memory_fraction), page_size=page, price_per_chip_hour=price,
-        bandwidth=acc.hbm_bandwidth, peak_flops=acc.bf16_flops, num_params=m.num_params,
-        flop_params=m.streamed_params, weight_bytes_total=w_total, weight_bytes_per_chip=w_chip,
+        model=m.name,
+        accelerator=acc.name,
+        num_chips=chips,
+        kv_dtype=kv_dtype,
+        weight_dtype=weight_dtype,
+        context_len=ctx,
+        memory_fraction=float(memory_fraction),
+        page_size=page,
+        price_per_chip_hour=price,
+        bandwidth=acc.hbm_bandwidth,
+        peak_flops=acc.bf16_flops,
+        num_params=m.num_params,
+        flop_params=m.streamed_params,
+        weight_bytes_total=w_total,
+        weight_bytes_per_chip=w_chip,
         streamed_weight_bytes_per_chip=math.ceil(m.streamed_params * dtype_bytes(weight_dtype) / chips),
-        hbm_bytes_per_chip=acc.hbm_bytes, usable_bytes_per_chip=usable, activation_reserve_bytes=reserve,
-        activation_reserve_note=reserve_note, kv_free_bytes_per_chip=free,
-        kv_heads_per_chip=kv_heads_per_chip(m, chips), head_dim_stored=stored_head_dim(m, acc.pads_head_dim_to),
-        kv_bytes_per_token=kv_bytes_per_token(m, kv_dtype), kv_bytes_per_token_per_chip=kv_chip,
-        kv_bytes_max_request=ctx * kv_bytes_per_token(m, kv_dtype), kv_bytes_max_request_per_chip=req_chip,
+        hbm_bytes_per_chip=acc.hbm_bytes,
+        usable_bytes_per_chip=usable,
+        activation_reserve_bytes=reserve,
+        activation_reserve_note=reserve_note,
+        kv_free_bytes_per_chip=free,
+        kv_heads_per_chip=kv_heads_per_chip(m, chips),
+        head_dim_stored=stored_head_dim(m, acc.pads_head_dim_to),
+        kv_bytes_per_token=kv_bytes_per_token(m, kv_dtype),
+        kv_bytes_per_token_per_chip=kv_chip,
+        kv_bytes_max_request=ctx * kv_bytes_per_token(m, kv_dtype),
+        kv_bytes_max_request_per_chip=req_chip,
         pages_per_request=request_tokens(ctx) // page if page else None,
         pages_per_chip=max(0, free) // (page * kv_chip) if page else None,
-        max_concurrent_requests=int(max_req), fits=max_req > 0, reason=reason)
+        max_concurrent_requests=int(max_req),
+        fits=max_req > 0,
+        reason=reason,
+    )
     out.step_time_batch1_s = out.at_batch(1)[0]
     batch = max(1, out.max_concurrent_requests)
     out.step_memory_bound_s, out.step_compute_bound_s = out.bounds(batch)
@@ -407,20 +499,43 @@ def plan(model: str | ModelShape = "llama-3.1-8b", accelerator: str | Accelerato
         held = p + o / 2  # a request holds its prompt plus, averaged over its decode, half its output
         conc = int(max(0, free) // (request_tokens(held) * kv_chip))
         step, tps, cost = out.at_batch(max(1, conc), kv_tokens=held)
-        out.traffic = {"source": source, "mean_prompt": p, "mean_output": o, "mean_kv_tokens": held,
-                       "mean_kv_bytes_per_request": held * out.kv_bytes_per_token, "concurrent_requests": conc,
-                       "step_time_s": step, "tokens_per_s": tps if conc else 0.0,
-                       "cost_per_million_output_tokens": cost if conc else None}
+        out.traffic = {
+            "source": source,
+            "mean_prompt": p,
+            "mean_output": o,
+            "mean_kv_tokens": held,
+            "mean_kv_bytes_per_request": held * out.kv_bytes_per_token,
+            "concurrent_requests": conc,
+            "step_time_s": step,
+            "tokens_per_s": tps if conc else 0.0,
+            "cost_per_million_output_tokens": cost if conc else None,
+        }
     return out
 
 
-def max_concurrent_requests(model: str | ModelShape, context_len: int, accelerator: str | Accelerator = "h100",
-                            num_chips: int = 1, kv_dtype: str = "bf16", weight_dtype: str = "bf16",
-                            memory_fraction: float = 0.9, activation_reserve_bytes: int | None = None,
-                            page_size: int | None = None) -> int:
+def max_concurrent_requests(
+    model: str | ModelShape,
+    context_len: int,
+    accelerator: str | Accelerator = "h100",
+    num_chips: int = 1,
+    kv_dtype: str = "bf16",
+    weight_dtype: str = "bf16",
+    memory_fraction: float = 0.9,
+    activation_reserve_bytes: int | None = None,
+    page_size: int | None = None,
+) -> int:
     """Requests of context_len tokens that fit at once; 0 when the weights (or one request) do not fit."""
-    return plan(model, accelerator, num_chips, kv_dtype, weight_dtype, context_len, memory_fraction,
-                activation_reserve_bytes, page_size).max_concurrent_requests
+    return plan(
+        model,
+        accelerator,
+        num_chips,
+        kv_dtype,
+        weight_dtype,
+        context_len,
+        memory_fraction,
+        activation_reserve_bytes,
+        page_size,
+    ).max_concurrent_requests
 
 
 # --------------------------------------------------------------------------- output
@@ -441,222 +556,64 @@ def format_plan(p: Plan) -> str:
     per = f" per chip (x{p.num_chips})" if p.num_chips > 1 else ""
     rows = [
         ("model", f"{p.model} ({p.num_params / 1e9:.2f}B params)"),
-        ("accelerator", f"{p.num_chips} x {p.accelerator}, {_gb(p.hbm_bytes_per_chip)} "
-                        f"({p.hbm_bytes_per_chip / GiB:.1f} GiB) HBM, "
-                        f"{p.bandwidth / 1e12:.3g} TB/s, {p.peak_flops / 1e12:.0f} TFLOP/s bf16 per chip"),
+        (
+            "accelerator",
+            f"{p.num_chips} x {p.accelerator}, {_gb(p.hbm_bytes_per_chip)} "
+            f"({p.hbm_bytes_per_chip / GiB:.1f} GiB) HBM, "
+            f"{p.bandwidth / 1e12:.3g} TB/s, {p.peak_flops / 1e12:.0f} TFLOP/s bf16 per chip",
+        ),
         ("dtypes", f"weights {p.weight_dtype}, KV {p.kv_dtype}"),
         ("context", f"{p.context_len:,} tokens, page size {p.page_size or 'none'}"),
         ("weights", f"{_gb(p.weight_bytes_total)} total, {_gb(p.weight_bytes_per_chip)} per chip"),
         ("usable HBM" + per, f"{_gb(p.usable_bytes_per_chip)} ({p.memory_fraction:g} of HBM)"),
         ("activation reserve" + per, f"{_gb(p.activation_reserve_bytes)} ({p.activation_reserve_note})"),
         ("left for KV" + per, _gb(p.kv_free_bytes_per_chip)),
-        ("KV per token", f"{p.kv_bytes_per_token:,} B ({p.kv_bytes_per_token_per_chip:,} B per chip: "
-                         f"{p.kv_heads_per_chip} KV head{'s' * (p.kv_heads_per_chip > 1)} "
-                         f"x head_dim {p.head_dim_stored})"),
-        ("KV per max-length request", f"{_gb(p.kv_bytes_max_request)} ({_gb(p.kv_bytes_max_request_per_chip)}"
-                                      " per chip, in pages)"),
-        ("pages", "n/a" if p.page_size is None else
-         f"{p.pages_per_request:,} per request, {p.pages_per_chip:,} per chip"),
+        (
+            "KV per token",
+            f"{p.kv_bytes_per_token:,} B ({p.kv_bytes_per_token_per_chip:,} B per chip: "
+            f"{p.kv_heads_per_chip} KV head{'s' * (p.kv_heads_per_chip > 1)} "
+            f"x head_dim {p.head_dim_stored})",
+        ),
+        (
+            "KV per max-length request",
+            f"{_gb(p.kv_bytes_max_request)} ({_gb(p.kv_bytes_max_request_per_chip)} per chip, in pages)",
+        ),
+        (
+            "pages",
+            "n/a" if p.page_size is None else f"{p.pages_per_request:,} per request, {p.pages_per_chip:,} per chip",
+        ),
         ("max concurrent requests", f"{p.max_concurrent_requests:,}" + ("" if p.fits else f"  ({p.reason})")),
         ("decode step, batch 1", f">= {_ms(p.step_time_batch1_s)}"),
     ]
     if p.fits:
-        rows.append((f"decode step, batch {p.max_concurrent_requests}", f">= {_ms(p.step_time_s)} (memory "
-                     f"{_ms(p.step_memory_bound_s)}, compute {_ms(p.step_compute_bound_s)})"))
+        rows.append(
+            (
+                f"decode step, batch {p.max_concurrent_requests}",
+                f">= {_ms(p.step_time_s)} (memory {_ms(p.step_memory_bound_s)}, compute {_ms(p.step_compute_bound_s)})",
+            )
+        )
     rows += [
-        ("compute-bound from batch", "never at this context (KV reads grow as fast as FLOPs)"
-         if p.compute_bound_from_batch is None else f"{p.compute_bound_from_batch:,.0f}"),
+        (
+            "compute-bound from batch",
+            "never at this context (KV reads grow as fast as FLOPs)"
+            if p.compute_bound_from_batch is None
+            else f"{p.compute_bound_from_batch:,.0f}",
+        ),
         ("tokens/s ceiling at max batch", f"{p.tokens_per_s:,.0f}"),
-        ("cost per 1M output tokens", f"{_usd(p.cost_per_million_output_tokens)} at "
-                                      f"${p.price_per_chip_hour:.2f}/chip-hour"),
+        (
+            "cost per 1M output tokens",
+            f"{_usd(p.cost_per_million_output_tokens)} at ${p.price_per_chip_hour:.2f}/chip-hour",
+        ),
     ]
     if p.traffic:
         t = p.traffic
-        rows += [("traffic", f"{t['source']}: mean prompt {t['mean_prompt']:.1f}, output {t['mean_output']:.1f}"),
-                 ("  mean KV held per request", f"{t['mean_kv_tokens']:,.1f} tokens, "
-                                                f"{_gb(t['mean_kv_bytes_per_request'])}"),
-                 ("  concurrent requests", f"{t['concurrent_requests']:,}"),
-                 ("  tokens/s ceiling", f"{t['tokens_per_s']:,.0f} (step >= {_ms(t['step_time_s'])})"),
-                 ("  cost per 1M output tokens", _usd(t["cost_per_million_output_tokens"]))]
+        rows += [
+            ("traffic", f"{t['source']}: mean prompt {t['mean_prompt']:.1f}, output {t['mean_output']:.1f}"),
+            ("  mean KV held per request", f"{t['mean_kv_tokens']:,.1f} tokens, {_gb(t['mean_kv_bytes_per_request'])}"),
+            ("  concurrent requests", f"{t['concurrent_requests']:,}"),
+            ("  tokens/s ceiling", f"{t['tokens_per_s']:,.0f} (step >= {_ms(t['step_time_s'])})"),
+            ("  cost per 1M output tokens", _usd(t["cost_per_million_output_tokens"])),
+        ]
     rows += [("note", n) for n in p.notes]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
-
-
-def write_plot(p: Plan, path: str | Path) -> None:
-    """Tokens/s and cost against batch size: shows where batching stops paying and where memory ends."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
-
-    top = max(2, p.max_concurrent_requests)
-    batches = np.unique(np.geomspace(1, top * 1.5, 60).astype(int))
-    stats = [p.at_batch(int(b)) for b in batches]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    ax1.plot(batches, [s[1] for s in stats])
-    ax1.set(xlabel="batch (concurrent requests)", ylabel="tokens/s ceiling", xscale="log")
-    ax2.plot(batches, [s[2] if s[2] is not None else np.nan for s in stats])
-    ax2.set(xlabel="batch (concurrent requests)", ylabel="USD per 1M output tokens", xscale="log", yscale="log")
-    for ax in (ax1, ax2):
-        ax.axvline(p.max_concurrent_requests, color="red", ls="--", label=f"max batch {p.max_concurrent_requests}")
-        ax.axvspan(p.max_concurrent_requests, batches[-1], color="grey", alpha=0.15, label="KV does not fit")
-        ax.grid(True, alpha=0.3)
-        ax.legend()
-    fig.suptitle(f"{p.model} on {p.num_chips} x {p.accelerator}, {p.context_len:,}-token context, "
-                 f"weights {p.weight_dtype}, KV {p.kv_dtype}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
-# --------------------------------------------------------------------------- host measurement
-def measure_host(size_bytes: int = 512 * 1024 * 1024, repeats: int = 5) -> dict[str, float]:
-    """Measure the bandwidth and FLOP/s that predict_decode_step needs, on this machine.
-
-    Bandwidth is the faster of a numpy sum (one core) and a jitted jax sum (all cores),
-    since the engine streams weights through XLA; best of ``repeats`` runs.
-    """
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
-    def best(fn: Any) -> float:
-        fn()  # warm-up: page faults, compilation
-        times = []
-        for _ in range(repeats):
-            t = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t)
-        return min(times)
-
-    start = time.perf_counter()
-    x = jnp.ones(size_bytes // 4, jnp.float32)  # allocating once: page faults cost seconds on a small VM
-    a = np.asarray(x)  # a zero-copy view on the CPU backend
-    bw_numpy = a.nbytes / best(a.sum)
-    jsum = jax.jit(jnp.sum)
-    bw_jax = x.nbytes / best(lambda x=x: jsum(x).block_until_ready())
-    del a, x
-    lhs, rhs = jnp.ones((512, 4096), jnp.float32), jnp.ones((4096, 4096), jnp.float32)
-    mm = jax.jit(jnp.matmul)
-    flops = 2 * 512 * 4096 * 4096 / best(lambda: mm(lhs, rhs).block_until_ready())
-    return {"memory_bandwidth": max(bw_numpy, bw_jax), "memory_bandwidth_numpy": bw_numpy,
-            "memory_bandwidth_jax": bw_jax, "matmul_flops_fp32": flops,
-            "seconds": time.perf_counter() - start}
-
-
-def measure_engine_step(model: ModelShape, batch: int, context_len: int, repeats: int = 5) -> float:
-    """Median seconds of the real jaxserve decode step (float32, every slot active at
-    `context_len`) for a random-weight model of this shape: the number the roofline predicts."""
-    import time
-
-    import jax
-    import numpy as np
-    from flax import nnx
-
-    from jaxserve.engine import Engine, EngineConfig
-    from jaxserve.models.config import ModelConfig
-    from jaxserve.models.llama import LlamaForCausalLM
-
-    cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=model.vocab_size, hidden_size=model.hidden_size,
-                      intermediate_size=model.intermediate_size, num_layers=model.num_layers,
-                      num_heads=model.num_heads, num_kv_heads=model.num_kv_heads, head_dim=model.head_dim,
-                      rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=max(context_len + 1, 16),
-                      tie_word_embeddings=model.tie_word_embeddings)
-    ps = 16
-    pages = -(-(context_len + 1) // ps)
-    engine = Engine(LlamaForCausalLM(cfg, dtype="float32", rngs=nnx.Rngs(0)), cfg,
-                    EngineConfig(max_slots=batch, page_size=ps, max_model_len=pages * ps, num_pages=batch * pages + 1,
-                                 dtype="float32", attention_impl="xla", enable_prefix_caching=False))
-    tables = [list(range(1 + i * pages, 1 + (i + 1) * pages)) for i in range(batch)]
-    z = np.zeros(batch, np.int32)
-    pos = np.full(batch, context_len, np.int32)
-    act = np.ones(batch, bool)
-    args = (z, pos, tables, act, np.zeros(batch, np.float32), z, np.ones(batch, np.float32),
-            np.zeros((batch, 2), np.uint32), z, 0)
-    engine.decode(*args)  # compile
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        engine.decode(*args)
-        jax.block_until_ready(engine.kv)
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
-
-
-def _measure_host_report(model: ModelShape, context_len: int, as_json: bool) -> int:
-    host = measure_host()
-    rows = []
-    for b in (1, 8, 32):
-        mem, comp = decode_step_bounds(model, b, context_len, host["memory_bandwidth"], host["matmul_flops_fp32"],
-                                       weight_dtype="fp32", kv_dtype="fp32")
-        rows.append({"batch": b, "memory_bound_s": mem, "compute_bound_s": comp, "predicted_s": max(mem, comp),
-                     "measured_engine_s": measure_engine_step(model, b, context_len)})
-        rows[-1]["measured_over_predicted"] = rows[-1]["measured_engine_s"] / rows[-1]["predicted_s"]
-    if as_json:
-        print(json.dumps({"host": host, "model": model.name, "context_len": context_len, "steps": rows}, indent=2))
-        return 0
-    print(f"host: memory bandwidth {host['memory_bandwidth'] / GB:.1f} GB/s (numpy sum "
-          f"{host['memory_bandwidth_numpy'] / GB:.1f}, jax sum {host['memory_bandwidth_jax'] / GB:.1f}), "
-          f"fp32 matmul {host['matmul_flops_fp32'] / 1e9:.0f} GFLOP/s  [{host['seconds']:.1f} s]")
-    print(f"predicted fp32 decode step, {model.name} ({model.num_params / 1e6:.1f}M params), context {context_len}:")
-    print(f"{'batch':>6} {'memory':>12} {'compute':>12} {'predicted':>12} {'engine':>12} {'ratio':>7}")
-    for r in rows:
-        print(f"{r['batch']:>6} {_ms(r['memory_bound_s']):>12} {_ms(r['compute_bound_s']):>12} "
-              f"{_ms(r['predicted_s']):>12} {_ms(r['measured_engine_s']):>12} {r['measured_over_predicted']:>6.1f}x")
-    return 0
-
-
-# --------------------------------------------------------------------------- CLI
-def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="jaxserve kv-math", description=__doc__.split("\n\n")[1])
-    ap.add_argument("--model", default="llama-3.1-8b", help=f"preset ({', '.join(PRESETS)}), checkpoint dir, "
-                    "config.json or workload JSON")
-    ap.add_argument("--accelerator", default="h100", help=", ".join(ACCELERATORS))
-    ap.add_argument("--chips", type=int, default=1, help="chips in the tensor-parallel group")
-    ap.add_argument("--kv-dtype", default="bf16", help=", ".join(d for d in DTYPE_BYTES if d not in WEIGHT_ONLY_DTYPES))
-    ap.add_argument("--weight-dtype", default="bf16", help=", ".join(DTYPE_BYTES))
-    ap.add_argument("--context", type=int, default=8192, help="tokens per request (prompt + output)")
-    ap.add_argument("--memory-fraction", type=float, default=0.9, help="share of HBM the server may use")
-    ap.add_argument("--activation-reserve-gb", type=float, default=None,
-                    help=f"per chip, in GB (default {DEFAULT_ACTIVATION_RESERVE_FRACTION:.0%}% of HBM)")
-    ap.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE, help="tokens per KV page")
-    ap.add_argument("--price-per-chip-hour", type=float, default=None, help="USD (default: rough on-demand price)")
-    ap.add_argument("--mean-prompt", type=float, default=None)
-    ap.add_argument("--mean-output", type=float, default=None)
-    ap.add_argument("--workload", metavar="FILE", default=None, help="workload JSON with a requests list")
-    ap.add_argument("--json", action="store_true", help="print the plan as JSON")
-    ap.add_argument("--plot", metavar="FILE.png", default=None, help="tokens/s and cost against batch size")
-    ap.add_argument("--measure-host", action="store_true",
-                    help="measure this machine and predict fp32 decode steps at batch 1, 8, 32")
-    return ap
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Exit codes: 0 ok, 1 the configuration does not fit, 2 bad usage."""
-    try:
-        args = _parser().parse_args(argv)
-    except SystemExit as e:  # argparse has printed its message; hand back its code instead of exiting
-        return int(e.code or 0)
-    try:
-        model = resolve_model(args.model)
-        if args.measure_host:
-            return _measure_host_report(model, _positive_int("context_len", args.context), args.json)
-        reserve = None if args.activation_reserve_gb is None else args.activation_reserve_gb * GB
-        p = plan(model, args.accelerator, args.chips, args.kv_dtype, args.weight_dtype, args.context,
-                 args.memory_fraction, reserve, args.page_size, args.price_per_chip_hour,
-                 args.mean_prompt, args.mean_output, args.workload)
-    except ValueError as e:
-        print(f"jaxserve kv-math: error: {e}", file=sys.stderr)
-        return 2
-    print(json.dumps(p.to_dict(), indent=2) if args.json else p.to_text())
-    if not p.fits:
-        print(f"jaxserve kv-math: {p.reason}", file=sys.stderr)
-        return 1
-    if args.plot:
-        write_plot(p, args.plot)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

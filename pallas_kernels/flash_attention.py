@@ -53,8 +53,9 @@ MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 # -- shared helpers -------------------------------------------------------------------------
 
+
 def default_backend() -> Backend:
-    """"gpu" on CUDA/ROCm, else "tpu" (also the choice on CPU, where both interpret)."""
+    """ "gpu" on CUDA/ROCm, else "tpu" (also the choice on CPU, where both interpret)."""
     return "gpu" if jax.default_backend() in ("gpu", "cuda", "rocm") else "tpu"
 
 
@@ -93,14 +94,12 @@ def _precision(a: jax.Array):
 def dot_nt(a: jax.Array, b: jax.Array) -> jax.Array:
     """a [M, K] @ b[N, K]^T in float32: the transposed operand is folded into the matmul
     (MXU / tensor cores) instead of materialising k.T."""
-    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=_precision(a),
-                           preferred_element_type=jnp.float32)
+    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=_precision(a), preferred_element_type=jnp.float32)
 
 
 def dot_nn(a: jax.Array, b: jax.Array) -> jax.Array:
     """a [M, K] @ b [K, N] in float32."""
-    return lax.dot_general(a, b, (((1,), (0,)), ((), ())), precision=_precision(a),
-                           preferred_element_type=jnp.float32)
+    return lax.dot_general(a, b, (((1,), (0,)), ((), ())), precision=_precision(a), preferred_element_type=jnp.float32)
 
 
 def online_softmax_step(m_prev, l_prev, acc_prev, s, mask, v):
@@ -130,8 +129,9 @@ def _next_pow2(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
 
 
-def _block_sizes(backend: Backend, tq: int, tk: int, groups: int, block_q: int | None,
-                 block_k: int | None) -> tuple[int, int]:
+def _block_sizes(
+    backend: Backend, tq: int, tk: int, groups: int, block_q: int | None, block_k: int | None
+) -> tuple[int, int]:
     """Effective tile sizes: the requested (or default) ones, shrunk for short sequences so a
     16-token prompt is not padded to a 128-row tile. Triton tiles are powers of two of at
     least 16 (tl.dot's minimum); Mosaic tiles are multiples of 8 sublanes."""
@@ -149,8 +149,23 @@ def _block_sizes(backend: Backend, tq: int, tk: int, groups: int, block_q: int |
 
 # -- TPU (Mosaic) lowering ------------------------------------------------------------------
 
-def _tpu_kernel(hi_ref, lens_ref, q_ref, k_ref, v_ref, qpos_ref, *rest, scale: float, groups: int,
-                kv_heads: int, head_dim: int, block_k: int, num_q_blocks: int, has_segments: bool):
+
+def _tpu_kernel(
+    hi_ref,
+    lens_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    qpos_ref,
+    *rest,
+    scale: float,
+    groups: int,
+    kv_heads: int,
+    head_dim: int,
+    block_k: int,
+    num_q_blocks: int,
+    has_segments: bool,
+):
     """One (batch, kv-head block, q block, kv block) grid step.
 
     Scalar prefetch: hi_ref [B*nq] (how many kv blocks q block (b, i) needs), lens_ref [B].
@@ -208,8 +223,7 @@ def tpu_kv_heads_per_block(head_dim: int, kv_heads: int, interpret: bool) -> int
     return 1 if interpret or head_dim % 128 == 0 else kv_heads
 
 
-def _flash_tpu(q, k, v, qpos, qseg, kseg, hi, kv_lens, *, scale, block_q, block_k, interpret,
-               kv_heads_per_block):
+def _flash_tpu(q, k, v, qpos, qseg, kseg, hi, kv_lens, *, scale, block_q, block_k, interpret, kv_heads_per_block):
     """q [B, Tq, H, D] etc. already padded to whole tiles."""
     b, tq, h, d = q.shape
     tk, kvh = k.shape[1], k.shape[2]
@@ -233,8 +247,16 @@ def _flash_tpu(q, k, v, qpos, qseg, kseg, hi, kv_lens, *, scale, block_q, block_
         row_spec = pl.BlockSpec((None, 1, block_k), lambda bi, hj, qi, ki, hr, lr: (bi, 0, kv_block(bi, qi, ki, hr)))
         in_specs += [col_spec, row_spec]
         args += [qseg[:, :, None], kseg[:, None, :]]
-    kernel = functools.partial(_tpu_kernel, scale=scale, groups=g, kv_heads=hb, head_dim=d, block_k=block_k,
-                               num_q_blocks=nq, has_segments=has_segments)
+    kernel = functools.partial(
+        _tpu_kernel,
+        scale=scale,
+        groups=g,
+        kv_heads=hb,
+        head_dim=d,
+        block_k=block_k,
+        num_q_blocks=nq,
+        has_segments=has_segments,
+    )
     rows = hb * g
     out = pl.pallas_call(
         kernel,
@@ -243,8 +265,11 @@ def _flash_tpu(q, k, v, qpos, qseg, kseg, hi, kv_lens, *, scale, block_q, block_
             grid=(b, kvh // hb, nq, nk),
             in_specs=in_specs,
             out_specs=q_spec,
-            scratch_shapes=[pltpu.VMEM((rows, block_q, 1), jnp.float32), pltpu.VMEM((rows, block_q, 1), jnp.float32),
-                            pltpu.VMEM((rows, block_q, d), jnp.float32)],
+            scratch_shapes=[
+                pltpu.VMEM((rows, block_q, 1), jnp.float32),
+                pltpu.VMEM((rows, block_q, 1), jnp.float32),
+                pltpu.VMEM((rows, block_q, d), jnp.float32),
+            ],
         ),
         out_shape=jax.ShapeDtypeStruct((b, tq, h * d), q.dtype),
         compiler_params=tpu_compiler_params(("parallel", "parallel", "parallel", "arbitrary")),
@@ -256,8 +281,10 @@ def _flash_tpu(q, k, v, qpos, qseg, kseg, hi, kv_lens, *, scale, block_q, block_
 
 # -- GPU (Triton) lowering ------------------------------------------------------------------
 
-def _gpu_kernel(q_ref, k_ref, v_ref, qpos_ref, bounds_ref, *rest, scale: float, groups: int, block_k: int,
-                has_segments: bool):
+
+def _gpu_kernel(
+    q_ref, k_ref, v_ref, qpos_ref, bounds_ref, *rest, scale: float, groups: int, block_k: int, has_segments: bool
+):
     """One (q block, batch, kv head) program.
 
     q_ref/o_ref [bq, G, D]; k_ref/v_ref [Tk, D] (the whole padded sequence of this KV head:
@@ -291,16 +318,17 @@ def _gpu_kernel(q_ref, k_ref, v_ref, qpos_ref, bounds_ref, *rest, scale: float, 
             out.append(online_softmax_step(m, l, acc, s, mask, v))
         return tuple(out)
 
-    init = tuple((jnp.full((bq, 1), MASK_VALUE, jnp.float32), jnp.zeros((bq, 1), jnp.float32),
-                  jnp.zeros((bq, d), jnp.float32)) for _ in range(groups))
+    init = tuple(
+        (jnp.full((bq, 1), MASK_VALUE, jnp.float32), jnp.zeros((bq, 1), jnp.float32), jnp.zeros((bq, d), jnp.float32))
+        for _ in range(groups)
+    )
     final = lax.fori_loop(0, hi, body, init)  # causal early stop: hi is this block's last visible kv block
     for g in range(groups):
         _, l, acc = final[g]
         o_ref[:, g, :] = normalise(acc, l).astype(o_ref.dtype)
 
 
-def _flash_gpu(q, k, v, qpos, qseg, kseg, hi, kv_lens, *, scale, block_q, block_k, interpret, num_warps,
-               num_stages):
+def _flash_gpu(q, k, v, qpos, qseg, kseg, hi, kv_lens, *, scale, block_q, block_k, interpret, num_warps, num_stages):
     b, tq, h, d = q.shape
     tk, kvh = k.shape[1], k.shape[2]
     g = h // kvh
@@ -316,8 +344,10 @@ def _flash_gpu(q, k, v, qpos, qseg, kseg, hi, kv_lens, *, scale, block_q, block_
     ]
     args = [q, k, v, qpos, bounds]
     if has_segments:
-        in_specs += [pl.BlockSpec((None, block_q), lambda qi, bi, hi_: (bi, qi)),
-                     pl.BlockSpec((None, tk), lambda qi, bi, hi_: (bi, 0))]
+        in_specs += [
+            pl.BlockSpec((None, block_q), lambda qi, bi, hi_: (bi, qi)),
+            pl.BlockSpec((None, tk), lambda qi, bi, hi_: (bi, 0)),
+        ]
         args += [qseg, kseg]
     kernel = functools.partial(_gpu_kernel, scale=scale, groups=g, block_k=block_k, has_segments=has_segments)
     return pl.pallas_call(
@@ -334,13 +364,26 @@ def _flash_gpu(q, k, v, qpos, qseg, kseg, hi, kv_lens, *, scale, block_q, block_
 
 # -- public entry point ---------------------------------------------------------------------
 
-def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float | None = None,
-                    q_offset: jax.Array | int | None = None, q_positions: jax.Array | None = None,
-                    kv_lens: jax.Array | None = None, segment_ids: jax.Array | None = None,
-                    kv_segment_ids: jax.Array | None = None, block_q: int | None = None,
-                    block_k: int | None = None, backend: str | None = None, interpret: bool | None = None,
-                    num_warps: int | None = None, num_stages: int = 2,
-                    kv_heads_per_block: int | None = None) -> jax.Array:
+
+def flash_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    scale: float | None = None,
+    q_offset: jax.Array | int | None = None,
+    q_positions: jax.Array | None = None,
+    kv_lens: jax.Array | None = None,
+    segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
+    block_q: int | None = None,
+    block_k: int | None = None,
+    backend: str | None = None,
+    interpret: bool | None = None,
+    num_warps: int | None = None,
+    num_stages: int = 2,
+    kv_heads_per_block: int | None = None,
+) -> jax.Array:
     """Causal grouped-query attention of q [B, Tq, H, D] over k, v [B, Tk, KVH, D].
 
     q_offset [B] (or an int): absolute position of each row's first query, for a chunk that
@@ -374,7 +417,9 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float | 
     nq = tq_pad // bq
 
     if q_positions is None:
-        offset = jnp.zeros((b,), jnp.int32) if q_offset is None else jnp.broadcast_to(jnp.asarray(q_offset, jnp.int32), (b,))
+        offset = (
+            jnp.zeros((b,), jnp.int32) if q_offset is None else jnp.broadcast_to(jnp.asarray(q_offset, jnp.int32), (b,))
+        )
         q_positions = offset[:, None] + jnp.arange(tq, dtype=jnp.int32)[None, :]
     qpos = jnp.pad(q_positions.astype(jnp.int32), ((0, 0), (0, tq_pad - tq)), constant_values=-1)
     kv_lens = jnp.full((b,), tk, jnp.int32) if kv_lens is None else jnp.minimum(kv_lens.astype(jnp.int32), tk)
@@ -396,10 +441,37 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float | 
     pad = lambda x, n: jnp.pad(x, ((0, 0), (0, n - x.shape[1]), (0, 0), (0, 0))) if n != x.shape[1] else x
     qp, kp, vp = pad(q, tq_pad), pad(k, tk_pad), pad(v, tk_pad)
     if backend == "tpu":
-        out = _flash_tpu(qp, kp, vp, qpos, qseg, kseg, hi, kv_lens, scale=scale, block_q=bq, block_k=bk,
-                         interpret=interpret, kv_heads_per_block=kv_heads_per_block)
+        out = _flash_tpu(
+            qp,
+            kp,
+            vp,
+            qpos,
+            qseg,
+            kseg,
+            hi,
+            kv_lens,
+            scale=scale,
+            block_q=bq,
+            block_k=bk,
+            interpret=interpret,
+            kv_heads_per_block=kv_heads_per_block,
+        )
     else:
         warps = num_warps or (4 if d <= 64 else 8)
-        out = _flash_gpu(qp, kp, vp, qpos, qseg, kseg, hi, kv_lens, scale=scale, block_q=bq, block_k=bk,
-                         interpret=interpret, num_warps=warps, num_stages=num_stages)
+        out = _flash_gpu(
+            qp,
+            kp,
+            vp,
+            qpos,
+            qseg,
+            kseg,
+            hi,
+            kv_lens,
+            scale=scale,
+            block_q=bq,
+            block_k=bk,
+            interpret=interpret,
+            num_warps=warps,
+            num_stages=num_stages,
+        )
     return out[:, :tq]

@@ -35,9 +35,18 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.flash_attention import (MASK_VALUE, dot_nt, flash_attention, gpu_compiler_params,
-                                            normalise, online_softmax_step, resolve, tpu_compiler_params,
-                                            tpu_kv_heads_per_block)
+from pallas_kernels.flash_attention import (
+    MASK_VALUE,
+    dot_nt,
+    flash_attention,
+    gpu_compiler_params,
+    normalise,
+    online_softmax_step,
+    resolve,
+    tpu_compiler_params,
+    tpu_kv_heads_per_block,
+)
+from pallas_kernels.reference import AttentionMetadata
 
 
 def _next_pow2(x: int) -> int:
@@ -46,8 +55,19 @@ def _next_pow2(x: int) -> int:
 
 # -- TPU (Mosaic) lowering ------------------------------------------------------------------
 
-def _tpu_decode_kernel(lens_ref, bt_ref, q_ref, *refs, pages_per_block: int, page_size: int, groups: int,
-                       kv_heads: int, head_dim: int, scale: float):
+
+def _tpu_decode_kernel(
+    lens_ref,
+    bt_ref,
+    q_ref,
+    *refs,
+    pages_per_block: int,
+    page_size: int,
+    groups: int,
+    kv_heads: int,
+    head_dim: int,
+    scale: float,
+):
     """One (batch, kv-head block, page block) step.
 
     lens_ref [B], bt_ref [B*P] in SMEM; q_ref/o_ref [kv_heads*G, D]; then pages_per_block
@@ -55,8 +75,8 @@ def _tpu_decode_kernel(lens_ref, bt_ref, q_ref, *refs, pages_per_block: int, pag
     [kv_heads*G, 1] and acc [kv_heads*G, D].
     """
     n = pages_per_block
-    k_refs, v_refs = refs[:n], refs[n:2 * n]
-    o_ref, m_ref, l_ref, acc_ref = refs[2 * n:]
+    k_refs, v_refs = refs[:n], refs[n : 2 * n]
+    o_ref, m_ref, l_ref, acc_ref = refs[2 * n :]
     b, i = pl.program_id(0), pl.program_id(2)
     length = lens_ref[b]
     d, ps = head_dim, page_size
@@ -90,8 +110,9 @@ def _tpu_decode_kernel(lens_ref, bt_ref, q_ref, *refs, pages_per_block: int, pag
         o_ref[...] = normalise(acc_ref[...], l_ref[...]).astype(o_ref.dtype)
 
 
-def _paged_decode_tpu(q, k_pages, v_pages, block_tables, context_lens, *, scale, pages_per_block, interpret,
-                      kv_heads_per_block):
+def _paged_decode_tpu(
+    q, k_pages, v_pages, block_tables, context_lens, *, scale, pages_per_block, interpret, kv_heads_per_block
+):
     b, h, d = q.shape
     num_pages, ps, kvh, _ = k_pages.shape
     p = block_tables.shape[1]
@@ -108,11 +129,13 @@ def _paged_decode_tpu(q, k_pages, v_pages, block_tables, context_lens, *, scale,
             # only with a TPU attached; lengths are never negative.
             last = jnp.clip(lax.div(lens_ref[bi] + ps - 1, ps) - 1, 0, p - 1)
             return bt_ref[bi * p + jnp.minimum(i * n + c, last)], 0, hj
+
         return pl.BlockSpec((None, ps, hb * d), index_map)
 
     q_spec = pl.BlockSpec((None, None, hb * g, d), lambda bi, hj, i, lr, br: (bi, hj, 0, 0))
-    kernel = functools.partial(_tpu_decode_kernel, pages_per_block=n, page_size=ps, groups=g, kv_heads=hb,
-                               head_dim=d, scale=scale)
+    kernel = functools.partial(
+        _tpu_decode_kernel, pages_per_block=n, page_size=ps, groups=g, kv_heads=hb, head_dim=d, scale=scale
+    )
     kf = k_pages.reshape(num_pages, ps, kvh * d)  # free: heads become lane blocks
     vf = v_pages.reshape(num_pages, ps, kvh * d)
     out = pl.pallas_call(
@@ -122,22 +145,44 @@ def _paged_decode_tpu(q, k_pages, v_pages, block_tables, context_lens, *, scale,
             grid=(b, kvh // hb, nblk),
             in_specs=[q_spec] + [page_spec(c) for c in range(n)] * 2,
             out_specs=q_spec,
-            scratch_shapes=[pltpu.VMEM((hb * g, 1), jnp.float32), pltpu.VMEM((hb * g, 1), jnp.float32),
-                            pltpu.VMEM((hb * g, d), jnp.float32)],
+            scratch_shapes=[
+                pltpu.VMEM((hb * g, 1), jnp.float32),
+                pltpu.VMEM((hb * g, 1), jnp.float32),
+                pltpu.VMEM((hb * g, d), jnp.float32),
+            ],
         ),
         out_shape=jax.ShapeDtypeStruct((b, kvh // hb, hb * g, d), q.dtype),
         compiler_params=tpu_compiler_params(("parallel", "parallel", "arbitrary")),
         interpret=interpret,
         name="paged_decode_tpu",
-    )(context_lens.astype(jnp.int32), block_tables.astype(jnp.int32).reshape(-1),
-      q.reshape(b, kvh // hb, hb * g, d), *([kf] * n), *([vf] * n))
+    )(
+        context_lens.astype(jnp.int32),
+        block_tables.astype(jnp.int32).reshape(-1),
+        q.reshape(b, kvh // hb, hb * g, d),
+        *([kf] * n),
+        *([vf] * n),
+    )
     return out.reshape(b, h, d)
 
 
 # -- GPU (Triton) lowering ------------------------------------------------------------------
 
-def _gpu_decode_kernel(q_ref, k_ref, v_ref, bt_ref, len_ref, acc_ref, m_ref, l_ref, *, page_size: int,
-                       pages_per_iter: int, pages_per_split: int, scale: float):
+
+def _gpu_decode_kernel(
+    q_ref,
+    k_ref,
+    v_ref,
+    bt_ref,
+    len_ref,
+    acc_ref,
+    m_ref,
+    l_ref,
+    *,
+    page_size: int,
+    pages_per_iter: int,
+    pages_per_split: int,
+    scale: float,
+):
     """One (batch, kv head, split) program.
 
     q_ref [Gp, D] (the head group, zero-padded to Gp rows); k_ref/v_ref [num_pages, ps, D]:
@@ -164,16 +209,31 @@ def _gpu_decode_kernel(q_ref, k_ref, v_ref, bt_ref, len_ref, acc_ref, m_ref, l_r
         mask = jnp.broadcast_to(valid[None, :], s.shape)
         return online_softmax_step(m, l, acc, s, mask, v)
 
-    init = (jnp.full((gp, 1), MASK_VALUE, jnp.float32), jnp.zeros((gp, 1), jnp.float32),
-            jnp.zeros((gp, d), jnp.float32))
+    init = (
+        jnp.full((gp, 1), MASK_VALUE, jnp.float32),
+        jnp.zeros((gp, 1), jnp.float32),
+        jnp.zeros((gp, d), jnp.float32),
+    )
     m, l, acc = lax.fori_loop(0, lax.div(live_pages + n - 1, n), body, init)
     acc_ref[...] = acc
     m_ref[...] = m[:, 0]
     l_ref[...] = l[:, 0]
 
 
-def _paged_decode_gpu(q, k_pages, v_pages, block_tables, context_lens, *, scale, pages_per_iter, num_splits,
-                      interpret, num_warps, num_stages):
+def _paged_decode_gpu(
+    q,
+    k_pages,
+    v_pages,
+    block_tables,
+    context_lens,
+    *,
+    scale,
+    pages_per_iter,
+    num_splits,
+    interpret,
+    num_warps,
+    num_stages,
+):
     b, h, d = q.shape
     num_pages, ps, kvh, _ = k_pages.shape
     p = block_tables.shape[1]
@@ -189,8 +249,9 @@ def _paged_decode_gpu(q, k_pages, v_pages, block_tables, context_lens, *, scale,
     # Padding entries point at page 0; they lie past every context and are masked.
     bt = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, splits * per_split - p))).reshape(b, splits, per_split)
     qg = jnp.pad(q.reshape(b, kvh, g, d), ((0, 0), (0, 0), (0, gp - g), (0, 0)))
-    kernel = functools.partial(_gpu_decode_kernel, page_size=ps, pages_per_iter=n, pages_per_split=per_split,
-                               scale=scale)
+    kernel = functools.partial(
+        _gpu_decode_kernel, page_size=ps, pages_per_iter=n, pages_per_split=per_split, scale=scale
+    )
     acc, m, l = pl.pallas_call(
         kernel,
         grid=(b, kvh, splits),
@@ -206,9 +267,11 @@ def _paged_decode_gpu(q, k_pages, v_pages, block_tables, context_lens, *, scale,
             pl.BlockSpec((None, None, None, gp), lambda bi, hi, si: (si, bi, hi, 0)),
             pl.BlockSpec((None, None, None, gp), lambda bi, hi, si: (si, bi, hi, 0)),
         ],
-        out_shape=[jax.ShapeDtypeStruct((splits, b, kvh, gp, d), jnp.float32),
-                   jax.ShapeDtypeStruct((splits, b, kvh, gp), jnp.float32),
-                   jax.ShapeDtypeStruct((splits, b, kvh, gp), jnp.float32)],
+        out_shape=[
+            jax.ShapeDtypeStruct((splits, b, kvh, gp, d), jnp.float32),
+            jax.ShapeDtypeStruct((splits, b, kvh, gp), jnp.float32),
+            jax.ShapeDtypeStruct((splits, b, kvh, gp), jnp.float32),
+        ],
         compiler_params=gpu_compiler_params(num_warps, num_stages),
         interpret=interpret,
         name="paged_decode_gpu",
@@ -230,11 +293,24 @@ def combine_splits(acc: jax.Array, m: jax.Array, l: jax.Array) -> jax.Array:
 
 # -- public entry points --------------------------------------------------------------------
 
-def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_tables: jax.Array,
-                           context_lens: jax.Array, *, scale: float | None = None, backend: str | None = None,
-                           interpret: bool | None = None, pages_per_block: int | None = None,
-                           kv_heads_per_block: int | None = None, pages_per_iter: int | None = None,
-                           num_splits: int | None = None, num_warps: int = 4, num_stages: int = 2) -> jax.Array:
+
+def paged_decode_attention(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    block_tables: jax.Array,
+    context_lens: jax.Array,
+    *,
+    scale: float | None = None,
+    backend: str | None = None,
+    interpret: bool | None = None,
+    pages_per_block: int | None = None,
+    kv_heads_per_block: int | None = None,
+    pages_per_iter: int | None = None,
+    num_splits: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> jax.Array:
     """One query per slot, q [B, H, D], over its pages -> [B, H, D] in q.dtype.
 
     k_pages/v_pages [num_pages, page_size, KVH, D]; block_tables [B, P] int32 (entries past
@@ -252,12 +328,30 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
         raise ValueError(f"query heads {h} must be a multiple of kv heads {kvh}")
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     if backend == "tpu":
-        return _paged_decode_tpu(q, k_pages, v_pages, block_tables, context_lens, scale=scale,
-                                 pages_per_block=pages_per_block, interpret=interpret,
-                                 kv_heads_per_block=kv_heads_per_block)
-    return _paged_decode_gpu(q, k_pages, v_pages, block_tables, context_lens, scale=scale,
-                             pages_per_iter=pages_per_iter, num_splits=num_splits, interpret=interpret,
-                             num_warps=num_warps, num_stages=num_stages)
+        return _paged_decode_tpu(
+            q,
+            k_pages,
+            v_pages,
+            block_tables,
+            context_lens,
+            scale=scale,
+            pages_per_block=pages_per_block,
+            interpret=interpret,
+            kv_heads_per_block=kv_heads_per_block,
+        )
+    return _paged_decode_gpu(
+        q,
+        k_pages,
+        v_pages,
+        block_tables,
+        context_lens,
+        scale=scale,
+        pages_per_iter=pages_per_iter,
+        num_splits=num_splits,
+        interpret=interpret,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
 
 
 def gather_context(pages: jax.Array, block_tables: jax.Array) -> jax.Array:
@@ -267,8 +361,18 @@ def gather_context(pages: jax.Array, block_tables: jax.Array) -> jax.Array:
     return g.reshape(b, p * ps, kvh, d)
 
 
-def attention(q, k, v, k_pages, v_pages, block_tables, context_lens, positions, segment_ids, scale: float, *,
-              mode: str, interpret: bool | None = None, backend: str | None = None):
+def attention(
+    q,
+    k,
+    v,
+    kv_pages,
+    meta: AttentionMetadata,
+    *,
+    scale: float,
+    mode: str,
+    interpret: bool | None = None,
+    backend: str | None = None,
+):
     """Same contract as ``reference.attention`` (q [B,T,H,D] -> [B,T,H,D]), on Pallas kernels:
 
     - "prefill": fresh packed prompts attend causally within their segment to this step's
@@ -278,14 +382,31 @@ def attention(q, k, v, k_pages, v_pages, block_tables, context_lens, positions, 
       K/V (one copy of the table's width) and the flash kernel runs with each query's
       position, so key j is visible iff j < context_lens[b] and j <= positions[b, t].
     """
+    k_pages, v_pages = kv_pages
     if mode == "prefill":
-        return flash_attention(q, k, v, scale=scale, segment_ids=segment_ids, backend=backend, interpret=interpret)
+        return flash_attention(q, k, v, scale=scale, segment_ids=meta.segment_ids, backend=backend, interpret=interpret)
     if mode == "decode":
-        out = paged_decode_attention(q[:, 0], k_pages, v_pages, block_tables, context_lens, scale=scale,
-                                     backend=backend, interpret=interpret)
+        out = paged_decode_attention(
+            q[:, 0],
+            k_pages,
+            v_pages,
+            meta.block_tables,
+            meta.context_lens,
+            scale=scale,
+            backend=backend,
+            interpret=interpret,
+        )
         return out[:, None]
     if mode == "context":
-        kc, vc = gather_context(k_pages, block_tables), gather_context(v_pages, block_tables)
-        return flash_attention(q, kc, vc, scale=scale, q_positions=positions, kv_lens=context_lens, backend=backend,
-                               interpret=interpret)
+        kc, vc = gather_context(k_pages, meta.block_tables), gather_context(v_pages, meta.block_tables)
+        return flash_attention(
+            q,
+            kc,
+            vc,
+            scale=scale,
+            q_positions=meta.positions,
+            kv_lens=meta.context_lens,
+            backend=backend,
+            interpret=interpret,
+        )
     raise ValueError(f"mode must be 'prefill', 'decode' or 'context', got {mode!r}")

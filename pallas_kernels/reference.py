@@ -6,10 +6,26 @@ folds the H query heads into KVH groups of G = H // KVH so K/V are never repeate
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
 _NEG = -1e30
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class AttentionMetadata:
+    """Where a step's new K/V go and what each query may see (all int32). Every attention
+    function takes ``(q, k, v, kv_pages, meta)``: one type, so a new field (a scale, a mask)
+    is added here once instead of to every signature."""
+
+    slot_mapping: jax.Array  # [B, T] flat page slot page*page_size+offset; padding -> the dummy page 0
+    block_tables: jax.Array  # [B, P] each row's pages in sequence order
+    context_lens: jax.Array  # [B] valid keys once this step's K/V are written
+    positions: jax.Array  # [B, T] each query's position in its sequence
+    segment_ids: jax.Array  # [B, T] which packed prompt a token belongs to (fresh prefill)
 
 
 def _grouped_softmax_attention(q, k, v, mask, scale):
@@ -63,8 +79,9 @@ def write_pages(pages, new, slot_mapping):
     return flat.reshape(n, ps, kvh, d)
 
 
-def paged_attention_chunked(q, k_pages, v_pages, block_tables, context_lens, positions, scale: float,
-                            pages_per_chunk: int = 2):
+def paged_attention_chunked(
+    q, k_pages, v_pages, block_tables, context_lens, positions, scale: float, pages_per_chunk: int = 2
+):
     """Paged attention as a loop over chunks of pages with an online softmax: flash-decoding
     in plain XLA. Same semantics as paged_attention (key j visible iff j < context_lens[b]
     and j <= positions[b, t]) but it never materialises a slot's whole context: on the CPU
@@ -96,23 +113,28 @@ def paged_attention_chunked(q, k_pages, v_pages, block_tables, context_lens, pos
         corr = jnp.exp(m - m_new)
         return m_new, l * corr + p.sum(-1), acc * corr[..., None] + jnp.einsum("btkgs,bskd->btkgd", p, v)
 
-    init = (jnp.full((b, t, kvh, g), _NEG, jnp.float32), jnp.zeros((b, t, kvh, g), jnp.float32),
-            jnp.zeros((b, t, kvh, g, d), jnp.float32))
+    init = (
+        jnp.full((b, t, kvh, g), _NEG, jnp.float32),
+        jnp.zeros((b, t, kvh, g), jnp.float32),
+        jnp.zeros((b, t, kvh, g, d), jnp.float32),
+    )
     _, l, acc = jax.lax.fori_loop(0, n_chunks, body, init)
     out = acc / jnp.where(l > 0, l, 1.0)[..., None]
     return out.reshape(b, t, h, d).astype(q.dtype)
 
 
-def attention(q, k, v, k_pages, v_pages, block_tables, context_lens, positions, segment_ids, scale: float, *,
-              mode: str):
-    """The XLA serving path, by step kind (static):
+def attention(q, k, v, kv_pages, meta: AttentionMetadata, *, scale: float, mode: str):
+    """The XLA serving path, by step kind (static). k/v are this step's new keys and values,
+    kv_pages the (k_pages, v_pages) pools with them already written:
     - "prefill": fresh prompts (packed, one segment each) attend only to themselves, so use
       the new K/V directly (no gather);
     - "context" (a chunk continuing a sequence: chunked prefill, prefix-cache hit, speculative
       verification) and "decode" (one query per slot): the chunked online-softmax loop over
       the slot's pages. (paged_attention, which gathers the whole context, is the oracle.)"""
     if mode == "prefill":
-        return causal_attention(q, k, v, scale, segment_ids)
+        return causal_attention(q, k, v, scale, meta.segment_ids)
+    k_pages, v_pages = kv_pages
+    block_tables, context_lens, positions = meta.block_tables, meta.context_lens, meta.positions
     pad = (-block_tables.shape[1]) % 2
     if pad:
         block_tables = jnp.pad(block_tables, ((0, 0), (0, pad)))
@@ -123,7 +145,18 @@ def attention(q, k, v, k_pages, v_pages, block_tables, context_lens, positions, 
     if b % groups:
         groups = 1
     n = b // groups
-    return jnp.concatenate([
-        paged_attention_chunked(q[i:i + n], k_pages, v_pages, block_tables[i:i + n], context_lens[i:i + n],
-                                positions[i:i + n], scale)
-        for i in range(0, b, n)], axis=0)
+    return jnp.concatenate(
+        [
+            paged_attention_chunked(
+                q[i : i + n],
+                k_pages,
+                v_pages,
+                block_tables[i : i + n],
+                context_lens[i : i + n],
+                positions[i : i + n],
+                scale,
+            )
+            for i in range(0, b, n)
+        ],
+        axis=0,
+    )

@@ -18,7 +18,6 @@ import tempfile
 import time
 from pathlib import Path
 
-
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_WORKLOAD = REPO.parent / "shared" / "workloads" / "mixed-64.json"
 
@@ -28,12 +27,19 @@ def build_model(spec: dict, out: Path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=spec["hidden_size"], num_hidden_layers=spec["num_hidden_layers"],
-                      num_attention_heads=spec["num_attention_heads"], num_key_value_heads=spec["num_key_value_heads"],
-                      intermediate_size=spec["intermediate_size"], vocab_size=spec["vocab_size"],
-                      max_position_embeddings=spec["max_position_embeddings"],
-                      tie_word_embeddings=spec["tie_word_embeddings"], eos_token_id=None, bos_token_id=None,
-                      pad_token_id=0)
+    cfg = LlamaConfig(
+        hidden_size=spec["hidden_size"],
+        num_hidden_layers=spec["num_hidden_layers"],
+        num_attention_heads=spec["num_attention_heads"],
+        num_key_value_heads=spec["num_key_value_heads"],
+        intermediate_size=spec["intermediate_size"],
+        vocab_size=spec["vocab_size"],
+        max_position_embeddings=spec["max_position_embeddings"],
+        tie_word_embeddings=spec["tie_word_embeddings"],
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=0,
+    )
     model = LlamaForCausalLM(cfg).eval()
     model.save_pretrained(out)
     return model
@@ -46,19 +52,26 @@ def run_transformers(model, reqs, batch_size: int, dtype) -> tuple[float, list[l
     outs = []
     t0 = time.perf_counter()
     for i in range(0, len(reqs), batch_size):
-        batch = reqs[i: i + batch_size]
+        batch = reqs[i : i + batch_size]
         width = max(r["prompt_len"] for r in batch)
         ids = torch.zeros((len(batch), width), dtype=torch.long)
         mask = torch.zeros_like(ids)
         for j, r in enumerate(batch):
-            ids[j, width - r["prompt_len"]:] = torch.tensor(r["prompt_ids"])
-            mask[j, width - r["prompt_len"]:] = 1
+            ids[j, width - r["prompt_len"] :] = torch.tensor(r["prompt_ids"])
+            mask[j, width - r["prompt_len"] :] = 1
         n = max(r["output_len"] for r in batch)
         with torch.no_grad():
-            gen = m.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
-                             do_sample=False, pad_token_id=0, eos_token_id=None)
+            gen = m.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                pad_token_id=0,
+                eos_token_id=None,
+            )
         for j, r in enumerate(batch):
-            outs.append(gen[j, width: width + r["output_len"]].tolist())
+            outs.append(gen[j, width : width + r["output_len"]].tolist())
     m.to(torch.float32)
     return time.perf_counter() - t0, outs
 
@@ -81,9 +94,11 @@ class KVWaste:
             self.contiguous_max += self.max_len  # reserve max_model_len per request (static batching)
 
     def report(self) -> dict:
-        return {"paged_waste": (self.reserved - self.used) / max(self.used, 1),
-                "contiguous_request_max_waste": (self.contiguous - self.used) / max(self.used, 1),
-                "contiguous_model_max_waste": (self.contiguous_max - self.used) / max(self.used, 1)}
+        return {
+            "paged_waste": (self.reserved - self.used) / max(self.used, 1),
+            "contiguous_request_max_waste": (self.contiguous - self.used) / max(self.used, 1),
+            "contiguous_model_max_waste": (self.contiguous_max - self.used) / max(self.used, 1),
+        }
 
 
 def run_jaxserve(llm, reqs, waste: KVWaste | None):
@@ -129,8 +144,13 @@ def main(argv=None) -> int:
         from jaxserve import LLM
 
         t0 = time.perf_counter()
-        llm = LLM(tmp, max_slots=args.max_slots, page_size=args.page_size, max_model_len=1024,
-                  max_prefill_tokens=args.max_prefill_tokens)
+        llm = LLM(
+            tmp,
+            max_slots=args.max_slots,
+            page_size=args.page_size,
+            max_model_len=1024,
+            max_prefill_tokens=args.max_prefill_tokens,
+        )
         results["jaxserve_startup_s"] = time.perf_counter() - t0
         times, waste = [], KVWaste(args.page_size, 1024)
         for i in range(args.repeats):
@@ -138,21 +158,30 @@ def main(argv=None) -> int:
             times.append(secs)
             print(f"jaxserve run {i}: {secs:.2f}s, {useful / secs:.0f} tok/s, {steps} steps", flush=True)
         js = statistics.median(times)
-        results.update(jaxserve_s=js, jaxserve_tok_s=useful / js, jaxserve_runs_s=times,
-                       jaxserve_compiles_after_warmup=llm.compiles_since_warmup(),
-                       preemptions=llm.scheduler.num_preemptions, **waste.report())
+        results.update(
+            jaxserve_s=js,
+            jaxserve_tok_s=useful / js,
+            jaxserve_runs_s=times,
+            jaxserve_compiles_after_warmup=llm.compiles_since_warmup(),
+            preemptions=llm.scheduler.num_preemptions,
+            **waste.report(),
+        )
         w = waste.report()
-        print(f"KV waste (reserved but unused / used, over every step): paged {w['paged_waste']:.2%}; "
-              f"contiguous prompt+max_tokens reservation {w['contiguous_request_max_waste']:.2%}; "
-              f"contiguous max_model_len ({waste.max_len}) reservation {w['contiguous_model_max_waste']:.2%}",
-              flush=True)
+        print(
+            f"KV waste (reserved but unused / used, over every step): paged {w['paged_waste']:.2%}; "
+            f"contiguous prompt+max_tokens reservation {w['contiguous_request_max_waste']:.2%}; "
+            f"contiguous max_model_len ({waste.max_len}) reservation {w['contiguous_model_max_waste']:.2%}",
+            flush=True,
+        )
         if not args.skip_baseline:
             hf_s, hf_out = run_transformers(hf, reqs, wl.get("hf_batch_size", 16), torch.float32)
             results.update(hf_fp32_s=hf_s, hf_fp32_tok_s=useful / hf_s)
             agree = sum(a == b for a, b in zip(hf_out, js_out))
             results["greedy_outputs_equal_to_hf_fp32"] = f"{agree}/{len(reqs)}"
-            print(f"transformers fp32: {hf_s:.2f}s, {useful / hf_s:.0f} tok/s; identical outputs {agree}/{len(reqs)}",
-                  flush=True)
+            print(
+                f"transformers fp32: {hf_s:.2f}s, {useful / hf_s:.0f} tok/s; identical outputs {agree}/{len(reqs)}",
+                flush=True,
+            )
             best = useful / hf_s
             if not args.skip_bf16:
                 bf_s, _ = run_transformers(hf, reqs, wl.get("hf_batch_size", 16), torch.bfloat16)
@@ -160,8 +189,11 @@ def main(argv=None) -> int:
                 print(f"transformers bf16: {bf_s:.2f}s, {useful / bf_s:.0f} tok/s", flush=True)
                 best = max(best, useful / bf_s)
             results["ratio_vs_best_transformers"] = results["jaxserve_tok_s"] / best
-            print(f"jaxserve {results['jaxserve_tok_s']:.0f} tok/s = {results['ratio_vs_best_transformers']:.2f}x "
-                  f"the faster transformers run", flush=True)
+            print(
+                f"jaxserve {results['jaxserve_tok_s']:.0f} tok/s = {results['ratio_vs_best_transformers']:.2f}x "
+                f"the faster transformers run",
+                flush=True,
+            )
     print(json.dumps(results, indent=1))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))

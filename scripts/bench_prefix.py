@@ -39,9 +39,14 @@ def run(llm, prompts, out_len: int) -> dict:
             outputs[o.request_id] += o.token_ids
     wall = time.perf_counter() - t0
     ttft = np.array([first[i] for i in ids])
-    return {"wall_s": wall, "output_tok_s": tokens / wall, "req_s": len(ids) / wall,
-            "ttft_p50_s": float(np.percentile(ttft, 50)), "ttft_p99_s": float(np.percentile(ttft, 99)),
-            "outputs": [outputs[i] for i in ids]}
+    return {
+        "wall_s": wall,
+        "output_tok_s": tokens / wall,
+        "req_s": len(ids) / wall,
+        "ttft_p50_s": float(np.percentile(ttft, 50)),
+        "ttft_p99_s": float(np.percentile(ttft, 99)),
+        "outputs": [outputs[i] for i in ids],
+    }
 
 
 def main(argv=None) -> int:
@@ -57,7 +62,9 @@ def main(argv=None) -> int:
     spec = json.loads(Path(args.workload).read_text())["model"]
     rng = np.random.default_rng(0)
     prefix = [int(x) for x in rng.integers(3, spec["vocab_size"], args.prefix)]
-    prompts = [prefix + [int(x) for x in rng.integers(3, spec["vocab_size"], args.unique)] for _ in range(args.requests)]
+    prompts = [
+        prefix + [int(x) for x in rng.integers(3, spec["vocab_size"], args.unique)] for _ in range(args.requests)
+    ]
     from jaxserve import LLM
 
     results = {}
@@ -70,15 +77,20 @@ def main(argv=None) -> int:
             if on:
                 results[name]["hit_rate"] = llm.prefix_cache.hit_rate
             r = results[name]
-            print(f"{name}: TTFT p50 {r['ttft_p50_s']:.2f}s p99 {r['ttft_p99_s']:.2f}s, "
-                  f"{r['output_tok_s']:.1f} output tok/s, {r['req_s']:.2f} req/s, wall {r['wall_s']:.1f}s", flush=True)
+            print(
+                f"{name}: TTFT p50 {r['ttft_p50_s']:.2f}s p99 {r['ttft_p99_s']:.2f}s, "
+                f"{r['output_tok_s']:.1f} output tok/s, {r['req_s']:.2f} req/s, wall {r['wall_s']:.1f}s",
+                flush=True,
+            )
             del llm
     on, off = results["caching_on"], results["caching_off"]
     same = sum(a == b for a, b in zip(on.pop("outputs"), off.pop("outputs")))
-    summary = {"ttft_p50_speedup": off["ttft_p50_s"] / on["ttft_p50_s"],
-               "ttft_p99_speedup": off["ttft_p99_s"] / on["ttft_p99_s"],
-               "throughput_speedup": on["output_tok_s"] / off["output_tok_s"],
-               "identical_outputs": f"{same}/{len(prompts)}"}
+    summary = {
+        "ttft_p50_speedup": off["ttft_p50_s"] / on["ttft_p50_s"],
+        "ttft_p99_speedup": off["ttft_p99_s"] / on["ttft_p99_s"],
+        "throughput_speedup": on["output_tok_s"] / off["output_tok_s"],
+        "identical_outputs": f"{same}/{len(prompts)}",
+    }
     results["summary"] = summary
     print(json.dumps(results, indent=1))
     if args.json:

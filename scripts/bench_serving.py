@@ -34,7 +34,7 @@ def sharegpt_like(n: int, vocab: int, seed: int, max_len: int) -> list[tuple[lis
 
 
 def run_rate(target: str, reqs, rate: float, seed: int) -> dict:
-    from jaxserve.client import Client
+    from jaxserve.serving.client import Client
 
     rng = np.random.default_rng(seed)
     gaps = rng.exponential(1.0 / rate, len(reqs))
@@ -52,8 +52,13 @@ def run_rate(target: str, reqs, rate: float, seed: int) -> dict:
         finally:
             c.close()
         end = time.perf_counter()
-        results[i] = {"ttft": times[0] - t0, "e2e": end - t0, "tokens": n,
-                      "tpot": (times[-1] - times[0]) / max(n - 1, 1), "itl": list(np.diff(times))}
+        results[i] = {
+            "ttft": times[0] - t0,
+            "e2e": end - t0,
+            "tokens": n,
+            "tpot": (times[-1] - times[0]) / max(n - 1, 1),
+            "itl": list(np.diff(times)),
+        }
 
     threads = []
     start = time.perf_counter()
@@ -70,12 +75,17 @@ def run_rate(target: str, reqs, rate: float, seed: int) -> dict:
     ttft = [r["ttft"] for r in ok]
     tpot = [r["tpot"] for r in ok]
     itl = [g for r in ok for g in r["itl"]]
-    return {"rate": rate, "wall_s": wall, "completed": len(ok),
-            "req_s": len(ok) / wall, "output_tok_s": sum(r["tokens"] for r in ok) / wall,
-            **{f"ttft_p{q}": pct(ttft, q) for q in (50, 90, 99)},
-            **{f"tpot_p{q}": pct(tpot, q) for q in (50, 90, 99)},
-            **{f"itl_p{q}": pct(itl, q) for q in (50, 90, 99)},
-            "_per_request": ok}
+    return {
+        "rate": rate,
+        "wall_s": wall,
+        "completed": len(ok),
+        "req_s": len(ok) / wall,
+        "output_tok_s": sum(r["tokens"] for r in ok) / wall,
+        **{f"ttft_p{q}": pct(ttft, q) for q in (50, 90, 99)},
+        **{f"tpot_p{q}": pct(tpot, q) for q in (50, 90, 99)},
+        **{f"itl_p{q}": pct(itl, q) for q in (50, 90, 99)},
+        "_per_request": ok,
+    }
 
 
 def start_server(args) -> tuple[subprocess.Popen, str]:
@@ -110,7 +120,7 @@ def main(argv=None) -> int:
     if target is None:
         proc, target = start_server(args)
     try:
-        from jaxserve.client import Client
+        from jaxserve.serving.client import Client
 
         c = Client(target)
         c.wait_until_serving()
@@ -124,17 +134,24 @@ def main(argv=None) -> int:
             r["goodput_req_s"] = len(good) / r["wall_s"]
             r.pop("_per_request")
             rows.append(r)
-            print(f"rate {rate:>5.1f}/s: {r['req_s']:.2f} req/s, {r['output_tok_s']:.0f} tok/s, "
-                  f"TTFT p50/p90/p99 {r['ttft_p50']*1e3:.0f}/{r['ttft_p90']*1e3:.0f}/{r['ttft_p99']*1e3:.0f} ms, "
-                  f"TPOT p50/p90/p99 {r['tpot_p50']*1e3:.1f}/{r['tpot_p90']*1e3:.1f}/{r['tpot_p99']*1e3:.1f} ms, "
-                  f"ITL p50/p90/p99 {r['itl_p50']*1e3:.1f}/{r['itl_p90']*1e3:.1f}/{r['itl_p99']*1e3:.1f} ms, "
-                  f"goodput {r['goodput_req_s']:.2f} req/s", flush=True)
+            print(
+                f"rate {rate:>5.1f}/s: {r['req_s']:.2f} req/s, {r['output_tok_s']:.0f} tok/s, "
+                f"TTFT p50/p90/p99 {r['ttft_p50'] * 1e3:.0f}/{r['ttft_p90'] * 1e3:.0f}/{r['ttft_p99'] * 1e3:.0f} ms, "
+                f"TPOT p50/p90/p99 {r['tpot_p50'] * 1e3:.1f}/{r['tpot_p90'] * 1e3:.1f}/{r['tpot_p99'] * 1e3:.1f} ms, "
+                f"ITL p50/p90/p99 {r['itl_p50'] * 1e3:.1f}/{r['itl_p90'] * 1e3:.1f}/{r['itl_p99'] * 1e3:.1f} ms, "
+                f"goodput {r['goodput_req_s']:.2f} req/s",
+                flush=True,
+            )
     finally:
         if proc is not None:
             proc.terminate()
             proc.wait(timeout=60)
-    out = {"model": info.model_name, "requests_per_rate": args.requests, "slo": {"ttft_s": args.ttft_slo,
-           "tpot_s": args.tpot_slo}, "rows": rows}
+    out = {
+        "model": info.model_name,
+        "requests_per_rate": args.requests,
+        "slo": {"ttft_s": args.ttft_slo, "tpot_s": args.tpot_slo},
+        "rows": rows,
+    }
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
     if args.plot:

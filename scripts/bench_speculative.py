@@ -33,15 +33,26 @@ def code_prompts(n: int) -> list[str]:
     for mod in (textwrap, difflib, json_mod.decoder, statistics):
         src = inspect.getsource(mod)
         for i in range(0, len(src) - 400, len(src) // 6):
-            out.append(src[i: i + 300])
+            out.append(src[i : i + 300])
     return out[:n]
 
 
 def editing_prompts(n: int) -> list[str]:
     import textwrap
 
-    funcs = [inspect.getsource(f) for f in (textwrap.dedent, textwrap.indent, textwrap.shorten, textwrap.fill,
-                                            statistics.median, statistics.mode, statistics.variance, json.dumps)]
+    funcs = [
+        inspect.getsource(f)
+        for f in (
+            textwrap.dedent,
+            textwrap.indent,
+            textwrap.shorten,
+            textwrap.fill,
+            statistics.median,
+            statistics.mode,
+            statistics.variance,
+            json.dumps,
+        )
+    ]
     return [f"{f}\n\n# The same function, unchanged:\n{f.splitlines()[0]}\n" for f in funcs[:n]]
 
 
@@ -52,7 +63,7 @@ def run(llm, prompts, batch: int, max_tokens: int):
     t0 = time.perf_counter()
     outs = []
     for i in range(0, len(prompts), batch):
-        outs += llm.generate(prompts[i: i + batch], p)
+        outs += llm.generate(prompts[i : i + batch], p)
     secs = time.perf_counter() - t0
     return secs, [o.token_ids for o in outs]
 
@@ -65,12 +76,14 @@ def main(argv=None) -> int:
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     from jaxserve import LLM
-    from jaxserve.llm import DEFAULT_DRAFT
+    from jaxserve.models.registry import DEFAULT_DRAFT
 
     opts = dict(max_slots=8, max_model_len=1024, enable_prefix_caching=False)
-    engines = {"plain": LLM(**opts),
-               "draft": LLM(speculative_model=str(DEFAULT_DRAFT), num_speculative_tokens=args.k, **opts),
-               "ngram": LLM(speculative_model="ngram", num_speculative_tokens=args.k, **opts)}
+    engines = {
+        "plain": LLM(**opts),
+        "draft": LLM(speculative_model=str(DEFAULT_DRAFT), num_speculative_tokens=args.k, **opts),
+        "ngram": LLM(speculative_model="ngram", num_speculative_tokens=args.k, **opts),
+    }
     workloads = {"code": code_prompts(args.requests), "editing": editing_prompts(args.requests)}
     rows = []
     for wname, prompts in workloads.items():
@@ -81,15 +94,25 @@ def main(argv=None) -> int:
                 llm.spec_stats.reset()
                 secs, out = run(llm, prompts, batch, args.max_tokens)
                 st = llm.stats()
-                row = {"workload": wname, "batch": batch, "proposer": spec, "plain_s": base_s, "spec_s": secs,
-                       "speedup": base_s / secs, "tokens_per_target_step": st["spec_mean_accepted"],
-                       "acceptance_by_position": st["spec_acceptance_by_position"],
-                       "identical_outputs": f"{sum(a == b for a, b in zip(out, base_out))}/{len(out)}"}
+                row = {
+                    "workload": wname,
+                    "batch": batch,
+                    "proposer": spec,
+                    "plain_s": base_s,
+                    "spec_s": secs,
+                    "speedup": base_s / secs,
+                    "tokens_per_target_step": st["spec_mean_accepted"],
+                    "acceptance_by_position": st["spec_acceptance_by_position"],
+                    "identical_outputs": f"{sum(a == b for a, b in zip(out, base_out))}/{len(out)}",
+                }
                 rows.append(row)
-                print(f"{wname:8s} batch {batch}  {spec:5s}: plain {base_s:6.2f}s  spec {secs:6.2f}s  "
-                      f"speedup {row['speedup']:.2f}x  tokens/target step {row['tokens_per_target_step']:.2f}  "
-                      f"accept by pos {[round(a, 2) for a in row['acceptance_by_position']]}  "
-                      f"identical {row['identical_outputs']}", flush=True)
+                print(
+                    f"{wname:8s} batch {batch}  {spec:5s}: plain {base_s:6.2f}s  spec {secs:6.2f}s  "
+                    f"speedup {row['speedup']:.2f}x  tokens/target step {row['tokens_per_target_step']:.2f}  "
+                    f"accept by pos {[round(a, 2) for a in row['acceptance_by_position']]}  "
+                    f"identical {row['identical_outputs']}",
+                    flush=True,
+                )
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0

@@ -34,7 +34,7 @@ def main() -> int:
             return 1
         threading.Thread(target=lambda: [None for _ in server.stdout], daemon=True).start()
         print(f"server ready on {target} after {time.perf_counter() - t0:.1f}s\n", flush=True)
-        from jaxserve.client import Client
+        from jaxserve.serving.client import Client
 
         client = Client(target)
         print(f"$ jaxserve client --target {target} --echo {PROMPT!r}", flush=True)

@@ -95,7 +95,7 @@ ${extra_gin:+$extra_gin
 ServeConfig.port = $port
 ServeConfig.compilation_cache_dir = '/var/cache/jaxserve/xla'
 GIN
-$venv/bin/python -c \"from jaxserve.config import load_config; load_config(['/etc/jaxserve/deploy.gin'])\""
+$venv/bin/python -c \"from jaxserve.serve_config import load_config; load_config(['/etc/jaxserve/deploy.gin'])\""
 
   SERVICE_SCRIPT="set -euo pipefail
 sudo tee /etc/systemd/system/jaxserve.service >/dev/null <<'UNIT'

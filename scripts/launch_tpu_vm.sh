@@ -106,7 +106,7 @@ tpu_ssh() {  # tpu_ssh WORKER SCRIPT
   run_remote --command= "$2" gcloud compute tpus tpu-vm ssh "$NAME" "${GCLOUD_SCOPE[@]}" --worker="$1"
 }
 
-build_remote_scripts tpu "" "import jax, jaxserve.config; print(jax.__version__)" \
+build_remote_scripts tpu "" "import jax, jaxserve.serve_config; print(jax.__version__)" \
   "launch_tpu_vm.sh: the preset, retargeted to TPU" "include 'base/tpu.gin'" \
   "$JAX_VERSION" "$CHECKPOINT" "$PORT" "$WAIT_TIMEOUT"
 

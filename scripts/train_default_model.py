@@ -42,14 +42,24 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from jaxserve.models.config import ModelConfig  # noqa: E402
 from jaxserve.models.export import save_hf_checkpoint  # noqa: E402
 from jaxserve.models.llama import LlamaForCausalLM  # noqa: E402
+from jaxserve.models.model_config import ModelConfig  # noqa: E402
 
 BOS, EOS, PAD = "<s>", "</s>", "<pad>"
 SPECIALS = [BOS, EOS, PAD]  # ids 0, 1, 2
-EXCLUDE_DIRS = {"site-packages", "test", "tests", "idlelib", "lib2to3", "turtledemo", "encodings",
-                "pydoc_data", "ensurepip", "__pycache__"}
+EXCLUDE_DIRS = {
+    "site-packages",
+    "test",
+    "tests",
+    "idlelib",
+    "lib2to3",
+    "turtledemo",
+    "encodings",
+    "pydoc_data",
+    "ensurepip",
+    "__pycache__",
+}
 PROMPTS = [
     "def fibonacci(n):",
     "import os\n\n\ndef list_python_files(path):",
@@ -64,6 +74,7 @@ def log(msg: str) -> None:
 
 
 # ----------------------------------------------------------------------------- data
+
 
 def collect_files(stdlib: Path) -> list[tuple[str, str]]:
     """(relative posix path, text) of the stdlib's .py files, sorted by path."""
@@ -94,14 +105,20 @@ def train_tokenizer(texts: list[str], vocab_size: int):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, special_tokens=SPECIALS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(texts, trainer, length=len(texts))
     for i, s in enumerate(SPECIALS):
         assert tok.token_to_id(s) == i, (s, tok.token_to_id(s))
     # Prompts get <s> in front, as every document does in training.
-    tok.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B",
-                                                       special_tokens=[(BOS, 0)])
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, 0)]
+    )
     return tok
 
 
@@ -122,13 +139,27 @@ def eval_windows(stream: np.ndarray, seq_len: int) -> np.ndarray:
 
 # ----------------------------------------------------------------------------- models
 
-def make_config(name: str, vocab: int, hidden: int, layers: int, heads: int, kv_heads: int, inter: int,
-                tie: bool, max_pos: int) -> ModelConfig:
-    return ModelConfig(architecture="LlamaForCausalLM", vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
-                       num_layers=layers, num_heads=heads, num_kv_heads=kv_heads, head_dim=hidden // heads,
-                       rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=max_pos,
-                       tie_word_embeddings=tie, eos_token_ids=(SPECIALS.index(EOS),),
-                       bos_token_id=SPECIALS.index(BOS), name=name)
+
+def make_config(
+    name: str, vocab: int, hidden: int, layers: int, heads: int, kv_heads: int, inter: int, tie: bool, max_pos: int
+) -> ModelConfig:
+    return ModelConfig(
+        architecture="LlamaForCausalLM",
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=hidden // heads,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        max_position_embeddings=max_pos,
+        tie_word_embeddings=tie,
+        eos_token_ids=(SPECIALS.index(EOS),),
+        bos_token_id=SPECIALS.index(BOS),
+        name=name,
+    )
 
 
 def count_params(model) -> int:
@@ -139,8 +170,16 @@ def count_params(model) -> int:
 class Trainer:
     """Functional training over nnx.split state: jit(value_and_grad(loss)) + optax AdamW."""
 
-    def __init__(self, cfg: ModelConfig, seed: int, lr: float, warmup: int, steps: int, weight_decay: float,
-                 residual_scale: bool = True):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        seed: int,
+        lr: float,
+        warmup: int,
+        steps: int,
+        weight_decay: float,
+        residual_scale: bool = True,
+    ):
         model = LlamaForCausalLM(cfg, dtype=jnp.float32, rngs=nnx.Rngs(seed))
         if residual_scale:  # GPT-2: residual-branch outputs start at std 0.02 / sqrt(2 * layers)
             for layer in model.layers:
@@ -151,8 +190,15 @@ class Trainer:
         self.schedule = optax.warmup_cosine_decay_schedule(0.0, lr, warmup, steps, end_value=lr * 0.1)
         self.tx = optax.chain(
             optax.clip_by_global_norm(1.0),
-            optax.adamw(self.schedule, b1=0.9, b2=0.95, eps=1e-8, weight_decay=weight_decay,
-                        mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)))
+            optax.adamw(
+                self.schedule,
+                b1=0.9,
+                b2=0.95,
+                eps=1e-8,
+                weight_decay=weight_decay,
+                mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p),
+            ),
+        )
         self.opt_state = self.tx.init(self.params)
         graphdef, tx = self.graphdef, self.tx
 
@@ -198,9 +244,9 @@ class Trainer:
         """Mean next-token cross-entropy (nats) over all targets of the windows."""
         total = 0.0
         for i in range(0, len(windows), batch):
-            chunk = windows[i:i + batch]
+            chunk = windows[i : i + batch]
             w = np.zeros(batch, np.float32)
-            w[:len(chunk)] = 1.0
+            w[: len(chunk)] = 1.0
             if len(chunk) < batch:
                 chunk = np.concatenate([chunk, np.zeros((batch - len(chunk), chunk.shape[1]), np.int32)])
             total += float(self._eval_step(self.params, jnp.asarray(chunk), jnp.asarray(w)))
@@ -210,7 +256,7 @@ class Trainer:
         """Greedy (argmax) next-token predictions [n, seq_len] for the windows' inputs."""
         out = []
         for i in range(0, len(windows), batch):
-            chunk = windows[i:i + batch, :-1]
+            chunk = windows[i : i + batch, :-1]
             n = len(chunk)
             if n < batch:
                 chunk = np.concatenate([chunk, np.zeros((batch - n, chunk.shape[1]), np.int32)])
@@ -224,7 +270,7 @@ class Trainer:
         """Recompute-every-token greedy decoding over a fixed-size right-padded buffer
         (causal attention makes the padding harmless), so one compilation serves all."""
         toks = np.zeros((1, buf), np.int32)
-        toks[0, :len(ids)] = ids
+        toks[0, : len(ids)] = ids
         n, out = len(ids), []
         for _ in range(min(max_new, buf - n)):
             nxt = int(jnp.argmax(self._last_logits(self.params, jnp.asarray(toks), n - 1)))
@@ -236,8 +282,18 @@ class Trainer:
         return out
 
 
-def train_model(label: str, trainer: Trainer, stream: np.ndarray, heldout_probe: np.ndarray, steps: int,
-                batch: int, seq_len: int, seed: int, eval_every: int, log_every: int) -> dict:
+def train_model(
+    label: str,
+    trainer: Trainer,
+    stream: np.ndarray,
+    heldout_probe: np.ndarray,
+    steps: int,
+    batch: int,
+    seq_len: int,
+    seed: int,
+    eval_every: int,
+    log_every: int,
+) -> dict:
     rng = np.random.default_rng(seed)
     hist = {"step": [], "loss": [], "eval_step": [], "eval_loss": []}
     pending = []
@@ -254,8 +310,10 @@ def train_model(label: str, trainer: Trainer, stream: np.ndarray, heldout_probe:
             pending = []
             now = time.time()
             tps = (step - last_step) * batch * seq_len / (now - last_t)
-            log(f"[{label}] step {step:5d}/{steps}  loss {hist['loss'][-1]:.4f}  "
-                f"lr {float(trainer.schedule(step)):.2e}  {tps:,.0f} tok/s  {now - t0:7.1f}s")
+            log(
+                f"[{label}] step {step:5d}/{steps}  loss {hist['loss'][-1]:.4f}  "
+                f"lr {float(trainer.schedule(step)):.2e}  {tps:,.0f} tok/s  {now - t0:7.1f}s"
+            )
             last_t, last_step = now, step
         if step % eval_every == 0 or step == steps:
             ev = trainer.evaluate(heldout_probe)
@@ -288,7 +346,7 @@ def plot_curves(hists: dict, final: dict, path: Path) -> None:
         k = 25
         if len(loss) > k:
             smooth = np.convolve(loss, np.ones(k) / k, mode="valid")
-            ax.plot(h["step"][k - 1:], smooth, color=c, lw=1.6, label=f"{name} train (moving avg {k})")
+            ax.plot(h["step"][k - 1 :], smooth, color=c, lw=1.6, label=f"{name} train (moving avg {k})")
         ax.plot(h["eval_step"], h["eval_loss"], "o--", color=c, ms=4, lw=1, label=f"{name} held-out (probe)")
     if "unigram" in final:
         ax.axhline(final["unigram"], color="gray", ls=":", label=f"unigram baseline {final['unigram']:.2f}")
@@ -307,6 +365,7 @@ def plot_curves(hists: dict, final: dict, path: Path) -> None:
 
 # ----------------------------------------------------------------------------- export checks
 
+
 def verify_checkpoint(path: Path, prompt: str, n_new: int = 16) -> list[int]:
     """Reload with jaxserve's loader and with transformers; greedy continuations must agree."""
     import torch
@@ -319,15 +378,16 @@ def verify_checkpoint(path: Path, prompt: str, n_new: int = 16) -> list[int]:
     jm, cfg = load_model(path, dtype=jnp.float32, use_cache=False)
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
     with torch.no_grad():
-        hf_out = hf.generate(torch.tensor([ids]), max_new_tokens=n_new, do_sample=False,
-                             eos_token_id=None, pad_token_id=tok.pad_token_id)[0, len(ids):].tolist()
+        hf_out = hf.generate(
+            torch.tensor([ids]), max_new_tokens=n_new, do_sample=False, eos_token_id=None, pad_token_id=tok.pad_token_id
+        )[0, len(ids) :].tolist()
         hf_logits = hf(torch.tensor([ids])).logits[0].numpy()
     seq = list(ids)
     for _ in range(n_new):
         t = jnp.asarray([seq], jnp.int32)
         logits, _ = jm(t, jnp.arange(len(seq), dtype=jnp.int32)[None])
         seq.append(int(jnp.argmax(logits[0, -1])))
-    j_out = seq[len(ids):]
+    j_out = seq[len(ids) :]
     j_logits, _ = jm(jnp.asarray([ids], jnp.int32), jnp.arange(len(ids), dtype=jnp.int32)[None])
     diff = float(np.abs(np.asarray(j_logits[0]) - hf_logits).max())
     log(f"[verify] {path}: max |logit diff| jaxserve vs transformers {diff:.2e}; greedy agree: {j_out == hf_out}")
@@ -341,6 +401,7 @@ def dir_size(path: Path) -> int:
 
 
 # ----------------------------------------------------------------------------- main
+
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -363,8 +424,9 @@ def main(argv=None) -> None:
     ap.add_argument("--probe-windows", type=int, default=32, help="held-out windows for the periodic probe")
     ap.add_argument("--log-every", type=int, default=10)
     ap.add_argument("--sample-tokens", type=int, default=64)
-    ap.add_argument("--smoke", action="store_true",
-                    help="tiny end-to-end check: 60 files, vocab 512, small models, a few steps")
+    ap.add_argument(
+        "--smoke", action="store_true", help="tiny end-to-end check: 60 files, vocab 512, small models, a few steps"
+    )
     args = ap.parse_args(argv)
 
     t_start = time.time()
@@ -380,13 +442,15 @@ def main(argv=None) -> None:
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     files = collect_files(stdlib)
     if args.smoke:
-        files = files[::max(1, len(files) // 60)]
+        files = files[:: max(1, len(files) // 60)]
     train_files = [(r, t) for r, t in files if not is_heldout(r, args.heldout_modulus)]
     held_files = [(r, t) for r, t in files if is_heldout(r, args.heldout_modulus)]
     if args.smoke and not held_files:
         held_files, train_files = train_files[:2], train_files[2:]
-    log(f"python {sys.version.split()[0]} stdlib {stdlib}: {len(files)} files "
-        f"({sum(len(t) for _, t in files) / 1e6:.1f} MB), {len(train_files)} train, {len(held_files)} held out")
+    log(
+        f"python {sys.version.split()[0]} stdlib {stdlib}: {len(files)} files "
+        f"({sum(len(t) for _, t in files) / 1e6:.1f} MB), {len(train_files)} train, {len(held_files)} held out"
+    )
     log("held-out files: " + ", ".join(r for r, _ in held_files))
 
     t0 = time.time()
@@ -395,22 +459,29 @@ def main(argv=None) -> None:
     held_stream = token_stream(tok, [t for _, t in held_files])
     n_train_bytes = sum(len(t.encode()) for _, t in train_files)
     t_tok = time.time() - t0
-    log(f"tokenizer: vocab {tok.get_vocab_size()} trained in {t_tok:.1f}s; train {len(train_stream):,} tokens "
-        f"({n_train_bytes / len(train_stream):.2f} bytes/token), held-out {len(held_stream):,} tokens")
+    log(
+        f"tokenizer: vocab {tok.get_vocab_size()} trained in {t_tok:.1f}s; train {len(train_stream):,} tokens "
+        f"({n_train_bytes / len(train_stream):.2f} bytes/token), held-out {len(held_stream):,} tokens"
+    )
     vocab = tok.get_vocab_size()
 
     windows = eval_windows(held_stream, args.seq_len)
-    probe = windows[:: max(1, len(windows) // args.probe_windows)][:args.probe_windows]
+    probe = windows[:: max(1, len(windows) // args.probe_windows)][: args.probe_windows]
     targets = windows[:, 1:].reshape(-1)
     uni = unigram_loss(train_stream, targets, vocab)
-    log(f"held-out: {len(windows)} windows of {args.seq_len} ({targets.size:,} predicted tokens); "
-        f"unigram loss {uni:.4f} (ppl {math.exp(uni):.1f})")
+    log(
+        f"held-out: {len(windows)} windows of {args.seq_len} ({targets.size:,} predicted tokens); "
+        f"unigram loss {uni:.4f} (ppl {math.exp(uni):.1f})"
+    )
 
     cfgs = {
         "target": make_config("target", vocab, max_pos=args.max_position_embeddings, **target_shape),
         "draft": make_config("draft", vocab, max_pos=args.max_position_embeddings, **draft_shape),
     }
-    plan = {"target": (args.target_steps, args.target_lr, args.seed), "draft": (args.draft_steps, args.draft_lr, args.seed + 1)}
+    plan = {
+        "target": (args.target_steps, args.target_lr, args.seed),
+        "draft": (args.draft_steps, args.draft_lr, args.seed + 1),
+    }
     trainers, hists, nparams = {}, {}, {}
     for name, cfg in cfgs.items():
         steps, lr, seed = plan[name]
@@ -418,11 +489,23 @@ def main(argv=None) -> None:
         nparams[name] = count_params(tr.model())
         assert nparams[name] == cfg.num_params(), (nparams[name], cfg.num_params())
         log(f"[{name}] {nparams[name]:,} parameters: {json.dumps(dataclasses.asdict(cfg))}")
-        log(f"[{name}] {steps} steps x {args.batch_size} x {args.seq_len} tokens, AdamW lr {lr} "
+        log(
+            f"[{name}] {steps} steps x {args.batch_size} x {args.seq_len} tokens, AdamW lr {lr} "
             f"(warmup {args.warmup}, cosine to {lr * 0.1:g}), weight decay {args.weight_decay}, init std 0.02 "
-            f"(o_proj/down_proj / sqrt(2 x {cfg.num_layers} layers))")
-        hists[name] = train_model(name, tr, train_stream, probe, steps, args.batch_size, args.seq_len,
-                                  seed + 1000, args.eval_every, args.log_every)
+            f"(o_proj/down_proj / sqrt(2 x {cfg.num_layers} layers))"
+        )
+        hists[name] = train_model(
+            name,
+            tr,
+            train_stream,
+            probe,
+            steps,
+            args.batch_size,
+            args.seq_len,
+            seed + 1000,
+            args.eval_every,
+            args.log_every,
+        )
         trainers[name] = tr
         log(f"[{name}] trained in {hists[name]['train_seconds']:.1f}s")
     ratio = nparams["draft"] / nparams["target"]
@@ -457,8 +540,9 @@ def main(argv=None) -> None:
 
     from transformers import PreTrainedTokenizerFast
 
-    hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD,
-                                     model_max_length=args.max_position_embeddings)
+    hf_tok = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD, model_max_length=args.max_position_embeddings
+    )
     sizes = {}
     for name, tr in trainers.items():
         d = args.out / name
@@ -469,18 +553,38 @@ def main(argv=None) -> None:
         verify_checkpoint(args.out / name, PROMPTS[0])
 
     total = time.time() - t_start
-    log(f"wall time: total {total:.0f}s (tokenizer+data {t_tok:.0f}s, target {hists['target']['train_seconds']:.0f}s, "
-        f"draft {hists['draft']['train_seconds']:.0f}s, final eval {t_eval:.0f}s)")
+    log(
+        f"wall time: total {total:.0f}s (tokenizer+data {t_tok:.0f}s, target {hists['target']['train_seconds']:.0f}s, "
+        f"draft {hists['draft']['train_seconds']:.0f}s, final eval {t_eval:.0f}s)"
+    )
     if args.results_json:
         args.results_json.parent.mkdir(parents=True, exist_ok=True)
-        args.results_json.write_text(json.dumps({
-            "params": nparams, "heldout_loss": final, "heldout_top1": accuracy, "draft_target_agreement": agreement, "heldout_ppl": {k: math.exp(v) for k, v in final.items()},
-            "heldout_tokens": int(targets.size), "train_tokens": int(len(train_stream)),
-            "files": {"train": len(train_files), "heldout": [r for r, _ in held_files]},
-            "seconds": {"total": total, "tokenizer": t_tok, "target": hists["target"]["train_seconds"],
-                        "draft": hists["draft"]["train_seconds"], "eval": t_eval},
-            "sizes": sizes, "samples": samples, "hists": hists, "args": {k: str(v) for k, v in vars(args).items()},
-        }, indent=1))
+        args.results_json.write_text(
+            json.dumps(
+                {
+                    "params": nparams,
+                    "heldout_loss": final,
+                    "heldout_top1": accuracy,
+                    "draft_target_agreement": agreement,
+                    "heldout_ppl": {k: math.exp(v) for k, v in final.items()},
+                    "heldout_tokens": int(targets.size),
+                    "train_tokens": int(len(train_stream)),
+                    "files": {"train": len(train_files), "heldout": [r for r, _ in held_files]},
+                    "seconds": {
+                        "total": total,
+                        "tokenizer": t_tok,
+                        "target": hists["target"]["train_seconds"],
+                        "draft": hists["draft"]["train_seconds"],
+                        "eval": t_eval,
+                    },
+                    "sizes": sizes,
+                    "samples": samples,
+                    "hists": hists,
+                    "args": {k: str(v) for k, v in vars(args).items()},
+                },
+                indent=1,
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -15,13 +15,30 @@ def make_hf_model(kind: str, path, seed: int = 0, max_shard_size: str | None = N
     import torch
     import transformers as tf
 
-    base = dict(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                initializer_range=0.3, rms_norm_eps=1e-5, eos_token_id=1, bos_token_id=0)
+    base = dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        initializer_range=0.3,
+        rms_norm_eps=1e-5,
+        eos_token_id=1,
+        bos_token_id=0,
+    )
     if kind == "llama":
-        base.update(rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
-                                     "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                     "original_max_position_embeddings": 64})
+        base.update(
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            }
+        )
         cls, cfg_cls = tf.LlamaForCausalLM, tf.LlamaConfig
     elif kind == "mistral":
         base.update(sliding_window=None, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
@@ -67,8 +84,11 @@ def add_tokenizer(path, vocab_size: int = 512):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<s>", "</s>", "<pad>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<s>", "</s>", "<pad>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     corpus = ["def f(x):\n    return x + 1\n", "hello world, héllo wörld ☃ 日本語", "the quick brown fox"] * 50
     tok.train_from_iterator(corpus, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
@@ -90,4 +110,4 @@ def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
 
     with torch.no_grad():
         out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+    return out[0, len(prompt) :].tolist()

@@ -9,7 +9,7 @@ import logging
 import pytest
 
 from jaxserve import cli
-from jaxserve.config import DEFAULT_GIN_FILE, load_config
+from jaxserve.serve_config import DEFAULT_GIN_FILE, load_config
 
 COMMANDS = ["serve", "generate", "client", "kv-math", "bench", "convert"]
 
@@ -38,33 +38,47 @@ def test_top_level_help_and_no_command(capsys):
     assert code == 2 and "usage:" in err
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["serve", "--no-such-flag"], "jaxserve serve: error: unrecognized arguments: --no-such-flag"),
-    (["serve", "--max-slots", "many"], "jaxserve serve: error: argument --max-slots: invalid int value: 'many'"),
-    (["generate"], "jaxserve generate: error: the following arguments are required: prompt"),
-    (["serve", "--prefill-buckets", "16,x"], "expected comma-separated integers"),
-    (["frobnicate"], "jaxserve: error: argument COMMAND: invalid choice: 'frobnicate'"),
-    (["bench"], "usage: jaxserve bench NAME"),
-    (["bench", "nosuch"], "jaxserve bench: error: no benchmark 'nosuch'"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["serve", "--no-such-flag"], "jaxserve serve: error: unrecognized arguments: --no-such-flag"),
+        (["serve", "--max-slots", "many"], "jaxserve serve: error: argument --max-slots: invalid int value: 'many'"),
+        (["generate"], "jaxserve generate: error: the following arguments are required: prompt"),
+        (["serve", "--prefill-buckets", "16,x"], "expected comma-separated integers"),
+        (["frobnicate"], "jaxserve: error: argument COMMAND: invalid choice: 'frobnicate'"),
+        (["bench"], "usage: jaxserve bench NAME"),
+        (["bench", "nosuch"], "jaxserve bench: error: no benchmark 'nosuch'"),
+    ],
+)
 def test_usage_errors_exit_2_with_a_message(argv, message, capsys):
     code, _, err = run(argv, capsys)
     assert code == 2
     assert message in err
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["serve", "--gin_param", "ServeConfig.max_slotz = 2"],
-     "jaxserve serve: error: gin binding 'ServeConfig.max_slotz = 2'"),
-    (["generate", "--gin_param", "Server.port = 1", "hi"], "jaxserve generate: error: gin binding 'Server.port = 1'"),
-    (["serve", "--gin_file", "nope.gin"], "jaxserve serve: error: gin file 'nope.gin' not found"),
-    (["serve", "--max-slots", "0"], "jaxserve serve: error: ServeConfig.max_slots = 0: max_slots must be >= 1"),
-    (["serve", "--attention-impl", "cuda"], "ServeConfig.attention_impl = 'cuda'"),
-    (["client", "--gin_param", "ServeConfig.port = -1", "hi"], "jaxserve client: error: ServeConfig.port must be in"),
-    (["convert", "--gin_param", "ServeConfig.dtype = 3"], "jaxserve convert: error: ServeConfig.dtype must be"),
-    (["kv-math", "--gin_param", "ServeConfig.page_size = 0"], "jaxserve kv-math: error: ServeConfig.page_size = 0"),
-    (["bench", "offline", "--gin_param", "ServeConfig.bogus = 1"], "jaxserve bench: error: gin binding"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["serve", "--gin_param", "ServeConfig.max_slotz = 2"],
+            "jaxserve serve: error: gin binding 'ServeConfig.max_slotz = 2'",
+        ),
+        (
+            ["generate", "--gin_param", "Server.port = 1", "hi"],
+            "jaxserve generate: error: gin binding 'Server.port = 1'",
+        ),
+        (["serve", "--gin_file", "nope.gin"], "jaxserve serve: error: gin file 'nope.gin' not found"),
+        (["serve", "--max-slots", "0"], "jaxserve serve: error: ServeConfig.max_slots = 0: max_slots must be >= 1"),
+        (["serve", "--attention-impl", "cuda"], "ServeConfig.attention_impl = 'cuda'"),
+        (
+            ["client", "--gin_param", "ServeConfig.port = -1", "hi"],
+            "jaxserve client: error: ServeConfig.port must be in",
+        ),
+        (["convert", "--gin_param", "ServeConfig.dtype = 3"], "jaxserve convert: error: ServeConfig.dtype must be"),
+        (["kv-math", "--gin_param", "ServeConfig.page_size = 0"], "jaxserve kv-math: error: ServeConfig.page_size = 0"),
+        (["bench", "offline", "--gin_param", "ServeConfig.bogus = 1"], "jaxserve bench: error: gin binding"),
+    ],
+)
 def test_bad_gin_and_bad_values_exit_2_before_loading_anything(argv, message, capsys):
     code, _, err = run(argv, capsys)
     assert code == 2
@@ -78,25 +92,76 @@ def _cfg(argv: list[str], flags=None):
 
 def test_precedence_defaults_files_params_flags():
     assert _cfg(["serve"]) == load_config([DEFAULT_GIN_FILE])  # no --gin_file: configs/default.gin
-    cfg = _cfg(["serve", "--gin_file", "llama-3.1-8b-instruct.gin", "--gin_param", "ServeConfig.max_slots = 8",
-                "--gin_param", "ServeConfig.port = 7000", "--max-slots", "4", "--no-prefix-caching",
-                "--prefill-buckets", "16,64", "--tensor-parallel-size", "2", "--model", "/data/m"])
+    cfg = _cfg(
+        [
+            "serve",
+            "--gin_file",
+            "llama-3.1-8b-instruct.gin",
+            "--gin_param",
+            "ServeConfig.max_slots = 8",
+            "--gin_param",
+            "ServeConfig.port = 7000",
+            "--max-slots",
+            "4",
+            "--no-prefix-caching",
+            "--prefill-buckets",
+            "16,64",
+            "--tensor-parallel-size",
+            "2",
+            "--model",
+            "/data/m",
+        ]
+    )
     assert (cfg.max_slots, cfg.port, cfg.enable_prefix_caching) == (4, 7000, False)
     assert cfg.prefill_buckets == (16, 64) and cfg.tensor_parallel_size == 2 and cfg.model == "/data/m"
     assert cfg.dtype == "bfloat16" and cfg.metrics_port == 9090  # untouched gin values stay
     assert _cfg(["serve", "--no-compilation-cache"]).compilation_cache_dir is None
     assert _cfg(["serve", "--compilation-cache-dir", "/tmp/xla"]).compilation_cache_dir == "/tmp/xla"
     # the old flags keep working
-    cfg = _cfg(["serve", "--port", "0", "--grace", "0.5", "--max-slots", "2", "--page-size", "8",
-                "--max-model-len", "160", "--num-pages", "64"])
-    assert (cfg.port, cfg.grace, cfg.max_slots, cfg.page_size, cfg.max_model_len, cfg.num_pages) == (0, 0.5, 2, 8, 160, 64)
+    cfg = _cfg(
+        [
+            "serve",
+            "--port",
+            "0",
+            "--grace",
+            "0.5",
+            "--max-slots",
+            "2",
+            "--page-size",
+            "8",
+            "--max-model-len",
+            "160",
+            "--num-pages",
+            "64",
+        ]
+    )
+    assert (cfg.port, cfg.grace, cfg.max_slots, cfg.page_size, cfg.max_model_len, cfg.num_pages) == (
+        0,
+        0.5,
+        2,
+        8,
+        160,
+        64,
+    )
     assert cfg.server_options()["grace_s"] == 0.5
 
 
 def test_the_effective_configuration_is_logged_at_start(caplog, capsys, tmp_path):
     caplog.set_level(logging.INFO, logger="jaxserve.cli")
-    code, _, err = run(["generate", "--model", str(tmp_path / "missing"), "--max-slots", "3",
-                        "--gin_param", "ServeConfig.page_size = 8", "--no-compilation-cache", "hi"], capsys)
+    code, _, err = run(
+        [
+            "generate",
+            "--model",
+            str(tmp_path / "missing"),
+            "--max-slots",
+            "3",
+            "--gin_param",
+            "ServeConfig.page_size = 8",
+            "--no-compilation-cache",
+            "hi",
+        ],
+        capsys,
+    )
     assert code == 2 and "jaxserve generate: error:" in err  # the checkpoint does not exist
     text = caplog.text
     assert "effective configuration" in text and "default.gin" in text
@@ -107,8 +172,11 @@ def test_the_effective_configuration_is_logged_at_start(caplog, capsys, tmp_path
 def test_enable_compilation_cache_sets_jax_options(tmp_path):
     import jax
 
-    before = (jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs,
-              jax.config.jax_persistent_cache_min_entry_size_bytes)
+    before = (
+        jax.config.jax_compilation_cache_dir,
+        jax.config.jax_persistent_cache_min_compile_time_secs,
+        jax.config.jax_persistent_cache_min_entry_size_bytes,
+    )
     try:
         assert cli.enable_compilation_cache(None) is None
         path = cli.enable_compilation_cache(str(tmp_path / "xla"))
@@ -117,8 +185,14 @@ def test_enable_compilation_cache_sets_jax_options(tmp_path):
         assert jax.config.jax_persistent_cache_min_compile_time_secs == 0
         assert jax.config.jax_persistent_cache_min_entry_size_bytes == 0
     finally:
-        for name, value in zip(("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
-                                "jax_persistent_cache_min_entry_size_bytes"), before):
+        for name, value in zip(
+            (
+                "jax_compilation_cache_dir",
+                "jax_persistent_cache_min_compile_time_secs",
+                "jax_persistent_cache_min_entry_size_bytes",
+            ),
+            before,
+        ):
             jax.config.update(name, value)
 
 

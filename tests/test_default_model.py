@@ -88,10 +88,10 @@ def _jax_greedy(model, ids, n, buf=64):
         return jnp.argmax(logits[0, last])
 
     toks = np.zeros((1, buf), np.int32)
-    toks[0, :len(ids)] = ids
+    toks[0, : len(ids)] = ids
     for i in range(len(ids), len(ids) + n):
         toks[0, i] = int(next_token(state, jnp.asarray(toks), i - 1))
-    return toks[0, len(ids):len(ids) + n].tolist()
+    return toks[0, len(ids) : len(ids) + n].tolist()
 
 
 def _hf_greedy(model, ids, n):
@@ -101,7 +101,7 @@ def _hf_greedy(model, ids, n):
     with torch.no_grad():
         for _ in range(n):
             seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
-    return seq[len(ids):]
+    return seq[len(ids) :]
 
 
 def test_assets_present_and_small():
@@ -117,7 +117,7 @@ def test_assets_present_and_small():
 
 
 def test_configs_and_shared_vocabulary(tokenizers):
-    from jaxserve.models.config import ModelConfig
+    from jaxserve.models.model_config import ModelConfig
 
     cfgs = {k: ModelConfig.from_dir(ASSETS / k) for k in KINDS}
     raw = {k: json.loads((ASSETS / k / "config.json").read_text()) for k in KINDS}

@@ -8,11 +8,11 @@ import logging
 
 import numpy as np
 import pytest
-
 from conftest import hf_greedy
+
 from jaxserve import LLM, SamplingParams
-from jaxserve import executable_cache as xc
-from jaxserve.engine import compile_count, trace_count
+from jaxserve.runner import executable_cache as xc
+from jaxserve.runner.executable_cache import compile_count, trace_count
 
 GREEDY = dict(temperature=0, ignore_eos=True)
 # 6 slots: one batch bucket of 6, a shape no other test compiles. XLA:CPU cannot serialize a sort
@@ -22,7 +22,7 @@ SMALL = dict(max_slots=6, page_size=8, max_model_len=128, num_pages=80, prefill_
 
 
 def _steps(llm: LLM) -> int:
-    e = llm.engine
+    e = llm.runner
     steps = [e._sample] + [getattr(w, n) for w in e.models for n in ("prefill", "prefill_ctx", "decode", "copy")]
     return sum(len(s) for s in steps)
 
@@ -38,14 +38,14 @@ def test_restart_loads_every_step_without_tracing_and_matches(tok_model, tmp_pat
     params = [SamplingParams(max_tokens=12, **GREEDY), SamplingParams(max_tokens=12, temperature=0.8, seed=3)]
     first = LLM(path, compilation_cache_dir=str(tmp_path / "xla"), **SMALL)
     n = _steps(first)
-    assert first.engine.store.saved == n > 0 and first.engine.store.loaded == 0
+    assert first.runner.store.saved == n > 0 and first.runner.store.loaded == 0
     out1 = [r.token_ids for r in first.generate(prompts, params * 3)]
 
     second = LLM(path, compilation_cache_dir=str(tmp_path / "xla"), warmup=False, **SMALL)
     traces, compiles = trace_count(), compile_count()
-    second.engine.warmup()
+    second.runner.warmup()
     assert trace_count() - traces == 0 and compile_count() - compiles == 0
-    store = second.engine.store
+    store = second.runner.store
     assert (store.loaded, store.saved) == (n, 0)
     assert _steps(second) == n
     out2 = [r.token_ids for r in second.generate(prompts, params * 3)]
@@ -59,25 +59,26 @@ def test_restart_loads_every_step_without_tracing_and_matches(tok_model, tmp_pat
 def test_a_different_configuration_misses(tok_model, tmp_path, change):
     LLM(tok_model[0], compilation_cache_dir=str(tmp_path / "xla"), **SMALL)
     other = LLM(tok_model[0], compilation_cache_dir=str(tmp_path / "xla"), **{**SMALL, **change})
-    assert other.engine.store.loaded == 0 and other.engine.store.saved > 0
+    assert other.runner.store.loaded == 0 and other.runner.store.saved > 0
 
 
 def test_unreadable_files_are_recompiled_and_replaced(tok_model, tmp_path, caplog):
     first = LLM(tok_model[0], compilation_cache_dir=str(tmp_path / "xla"), **SMALL)
-    files = sorted(first.engine.store.dir.glob("*.jxe"))
-    assert len(files) == first.engine.store.saved
+    files = sorted(first.runner.store.dir.glob("*.jxe"))
+    assert len(files) == first.runner.store.saved
     files = sorted(files, key=lambda f: not f.name.startswith("target-prefill"))  # no sort inside
     files[0].write_bytes(files[0].read_bytes()[:100])  # truncated
     files[1].write_bytes(b"not a pickle")
     with caplog.at_level(logging.WARNING, logger="jaxserve.executable_cache"):
         second = LLM(tok_model[0], compilation_cache_dir=str(tmp_path / "xla"), **SMALL)
-    assert (second.engine.store.loaded, second.engine.store.saved) == (len(files) - 2, 2)
+    assert (second.runner.store.loaded, second.runner.store.saved) == (len(files) - 2, 2)
     assert sum("ignoring unreadable compiled step" in r.message for r in caplog.records) == 2
     third = LLM(tok_model[0], compilation_cache_dir=str(tmp_path / "xla"), **SMALL)
-    assert (third.engine.store.loaded, third.engine.store.saved) == (len(files), 0)
+    assert (third.runner.store.loaded, third.runner.store.saved) == (len(files), 0)
     prompt = _prompts(1, seed=5)[0]
-    assert third.generate([prompt], SamplingParams(max_tokens=8, **GREEDY))[0].token_ids == \
-        hf_greedy(tok_model[1], prompt, 8)
+    assert third.generate([prompt], SamplingParams(max_tokens=8, **GREEDY))[0].token_ids == hf_greedy(
+        tok_model[1], prompt, 8
+    )
 
 
 def test_names_change_with_context_environment_and_signature(tmp_path, monkeypatch):
@@ -93,8 +94,13 @@ def test_names_change_with_context_environment_and_signature(tmp_path, monkeypat
 
 def test_describe_distinguishes_shape_dtype_and_structure():
     x = np.zeros((2, 3), np.int32)
-    rows = {xc.describe((x,)), xc.describe((x.astype(np.float32),)), xc.describe((np.zeros((3, 2), np.int32),)),
-            xc.describe(((x,),)), xc.describe((x, None))}
+    rows = {
+        xc.describe((x,)),
+        xc.describe((x.astype(np.float32),)),
+        xc.describe((np.zeros((3, 2), np.int32),)),
+        xc.describe(((x,),)),
+        xc.describe((x, None)),
+    }
     assert len(rows) == 5
 
 
@@ -107,9 +113,23 @@ def test_cli_restart_loads_every_step(tmp_path):
     import sys
 
     cache = tmp_path / "xla"
-    cmd = [sys.executable, "-m", "jaxserve.cli", "generate", "--max-tokens", "6", "--max-slots", "8",
-           "--gin_param", "ServeConfig.prefill_buckets = (16, 32)", "--max-model-len", "256",
-           "--compilation-cache-dir", str(cache), "def f():"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "jaxserve.cli",
+        "generate",
+        "--max-tokens",
+        "6",
+        "--max-slots",
+        "8",
+        "--gin_param",
+        "ServeConfig.prefill_buckets = (16, 32)",
+        "--max-model-len",
+        "256",
+        "--compilation-cache-dir",
+        str(cache),
+        "def f():",
+    ]
     env = dict(os.environ, JAX_PLATFORMS="cpu", JAXSERVE_CACHE_DIR=str(tmp_path / "converted"))
     runs = [subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600) for _ in range(2)]
     counts = []
@@ -133,11 +153,12 @@ def test_a_backend_that_cannot_serialize_still_serves(tok_model, tmp_path, monke
     monkeypatch.setattr(xc.serialize_executable, "serialize", refuse)
     with caplog.at_level(logging.INFO, logger="jaxserve.executable_cache"):
         llm = LLM(tok_model[0], compilation_cache_dir=str(tmp_path / "xla"), **{**SMALL, "max_slots": 7})
-    assert llm.engine.store.saved == 0 and not list(llm.engine.store.dir.glob("*"))
+    assert llm.runner.store.saved == 0 and not list(llm.runner.store.dir.glob("*"))
     assert "cannot be serialized" in caplog.text
     prompt = _prompts(1, seed=9)[0]
-    assert llm.generate([prompt], SamplingParams(max_tokens=8, **GREEDY))[0].token_ids == \
-        hf_greedy(tok_model[1], prompt, 8)
+    assert llm.generate([prompt], SamplingParams(max_tokens=8, **GREEDY))[0].token_ids == hf_greedy(
+        tok_model[1], prompt, 8
+    )
 
 
 RESTORED = r"""
@@ -150,7 +171,7 @@ from jaxserve import LLM, SamplingParams
 llm = LLM(model, compilation_cache_dir=root + "/" + store, max_slots=8, page_size=8, max_model_len=128,
           num_pages=80, prefill_buckets=(16, 32))
 out = llm.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=8, temperature=0.7, seed=1))[0].token_ids
-print("RESULT", llm.engine.store.loaded, llm.engine.store.saved, out)
+print("RESULT", llm.runner.store.loaded, llm.runner.store.saved, out)
 """
 
 
@@ -163,8 +184,13 @@ def test_executables_restored_from_jax_cache_are_not_stored(tok_model, tmp_path)
     import sys
 
     def run(store):
-        r = subprocess.run([sys.executable, "-c", RESTORED, str(tmp_path), str(tok_model[0]), store],
-                           env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=600)
+        r = subprocess.run(
+            [sys.executable, "-c", RESTORED, str(tmp_path), str(tok_model[0]), store],
+            env=dict(os.environ, JAX_PLATFORMS="cpu"),
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert r.returncode == 0, r.stderr[-3000:]
         line = next(ln for ln in r.stdout.splitlines() if ln.startswith("RESULT"))
         loaded, saved, out = line.split(" ", 3)[1:]

@@ -28,8 +28,11 @@ def _randn(rng, shape, dtype):
 
 
 def _qkv(rng, b, tq, tk, kvh, ratio, d, dtype):
-    return (_randn(rng, (b, tq, kvh * ratio, d), dtype), _randn(rng, (b, tk, kvh, d), dtype),
-            _randn(rng, (b, tk, kvh, d), dtype))
+    return (
+        _randn(rng, (b, tq, kvh * ratio, d), dtype),
+        _randn(rng, (b, tk, kvh, d), dtype),
+        _randn(rng, (b, tk, kvh, d), dtype),
+    )
 
 
 def _poison_tail(x, lens):
@@ -46,8 +49,9 @@ def _reference_positions(q, k, v, kv_lens, positions, scale):
     p = -(-tk // ps)
     pad = lambda x: jnp.pad(x, ((0, 0), (0, p * ps - tk), (0, 0), (0, 0))).reshape(b * p, ps, kvh, d)
     bt = jnp.arange(b * p, dtype=jnp.int32).reshape(b, p)
-    return reference.paged_attention(q, pad(k), pad(v), bt, jnp.asarray(kv_lens, jnp.int32),
-                                     jnp.asarray(positions, jnp.int32), scale)
+    return reference.paged_attention(
+        q, pad(k), pad(v), bt, jnp.asarray(kv_lens, jnp.int32), jnp.asarray(positions, jnp.int32), scale
+    )
 
 
 def _close(got, want, dtype):
@@ -84,8 +88,13 @@ def test_packed_prefill_matches_reference(data, backend, dtype, b, kvh, ratio, d
     seg = np.concatenate([np.full(n, i) for i, n in enumerate(seg_lens)] + [np.full(n_pad, -1)]).astype(np.int32)
     seg = jnp.asarray(np.broadcast_to(seg, (b, t)))
     scale = 1 / math.sqrt(d)
-    kw = dict(scale=scale, block_q=block_q, block_k=block_k, backend=backend,
-              kv_heads_per_block=kvh if (all_heads and backend == "tpu") else None)
+    kw = dict(
+        scale=scale,
+        block_q=block_q,
+        block_k=block_k,
+        backend=backend,
+        kv_heads_per_block=kvh if (all_heads and backend == "tpu") else None,
+    )
     want = reference.causal_attention(q, k, v, scale, seg)
     # Exact reference semantics on every row, padding rows included.
     _close(flash_attention(q, k, v, segment_ids=seg, **kw), want, dtype)
@@ -97,8 +106,9 @@ def test_packed_prefill_matches_reference(data, backend, dtype, b, kvh, ratio, d
 
 @settings(max_examples=9, deadline=None)
 @given(data=st.data(), **shapes)
-def test_offset_chunk_over_padded_keys_matches_reference(data, backend, dtype, b, kvh, ratio, d, block_q, block_k,
-                                                         all_heads):
+def test_offset_chunk_over_padded_keys_matches_reference(
+    data, backend, dtype, b, kvh, ratio, d, block_q, block_k, all_heads
+):
     """A chunk of queries at a per-row start offset (chunked prefill / prefix-cache hit)
     over a right-padded batch of keys with per-row lengths; the padding holds NaN."""
     tq = data.draw(st.integers(1, 70), label="tq")
@@ -109,9 +119,18 @@ def test_offset_chunk_over_padded_keys_matches_reference(data, backend, dtype, b
     q, k, v = _qkv(rng, b, tq, tk, kvh, ratio, d, dtype)
     scale = 1 / math.sqrt(d)
     want = _reference_positions(q, k, v, lens, offsets[:, None] + np.arange(tq)[None], scale)
-    got = flash_attention(q, _poison_tail(k, lens), _poison_tail(v, lens), scale=scale, q_offset=jnp.asarray(offsets),
-                          kv_lens=jnp.asarray(lens), block_q=block_q, block_k=block_k, backend=backend,
-                          kv_heads_per_block=kvh if (all_heads and backend == "tpu") else None)
+    got = flash_attention(
+        q,
+        _poison_tail(k, lens),
+        _poison_tail(v, lens),
+        scale=scale,
+        q_offset=jnp.asarray(offsets),
+        kv_lens=jnp.asarray(lens),
+        block_q=block_q,
+        block_k=block_k,
+        backend=backend,
+        kv_heads_per_block=kvh if (all_heads and backend == "tpu") else None,
+    )
     _close(got, want, dtype)
 
 
@@ -126,8 +145,17 @@ def test_query_positions_with_padding_rows(backend):
     pos[1, :5] = np.arange(3, 8)
     lens = np.asarray([34, 8], np.int32)
     want = _reference_positions(q, k, v, lens, pos, 0.125)
-    got = flash_attention(q, _poison_tail(k, lens), _poison_tail(v, lens), scale=0.125, q_positions=jnp.asarray(pos),
-                          kv_lens=jnp.asarray(lens), block_q=8, block_k=16, backend=backend)
+    got = flash_attention(
+        q,
+        _poison_tail(k, lens),
+        _poison_tail(v, lens),
+        scale=0.125,
+        q_positions=jnp.asarray(pos),
+        kv_lens=jnp.asarray(lens),
+        block_q=8,
+        block_k=16,
+        backend=backend,
+    )
     _close(got, want, jnp.float32)
 
 
@@ -137,8 +165,9 @@ def test_small_head_dim_and_short_rows(backend, t):
     """head_dim 16 (the engine's test model) and single-token rows; default block sizes."""
     rng = np.random.default_rng(t)
     q, k, v = _qkv(rng, 3, t, t, 2, 2, 16, jnp.float32)
-    _close(flash_attention(q, k, v, scale=0.25, backend=backend), reference.causal_attention(q, k, v, 0.25),
-           jnp.float32)
+    _close(
+        flash_attention(q, k, v, scale=0.25, backend=backend), reference.causal_attention(q, k, v, 0.25), jnp.float32
+    )
 
 
 def test_fully_masked_rows_are_zero():
@@ -180,7 +209,14 @@ def test_compiled_lowerings(backend, platform, d):
         b = flash_attention(q, k, v, q_offset=lens, backend=backend, interpret=False)
         return a, b
 
-    exported = export_for(platform, f, sd((2, 300, 8, d), bf), sd((2, 300, 2, d), bf), sd((2, 300, 2, d), bf),
-                          sd((2, 300), jnp.int32), sd((2,), jnp.int32))
+    exported = export_for(
+        platform,
+        f,
+        sd((2, 300, 8, d), bf),
+        sd((2, 300, 2, d), bf),
+        sd((2, 300, 2, d), bf),
+        sd((2, 300), jnp.int32),
+        sd((2,), jnp.int32),
+    )
     text = exported.mlir_module()
     assert ("tpu_custom_call" if backend == "tpu" else "triton") in text

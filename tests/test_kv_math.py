@@ -1,4 +1,5 @@
 """Tests for jaxserve.kv_math, checked against figures worked out by hand in each test."""
+
 from __future__ import annotations
 
 import json
@@ -8,8 +9,16 @@ from pathlib import Path
 import pytest
 
 from jaxserve import kv_math as km
-from jaxserve.kv_math import (ACCELERATORS, PRESETS, Accelerator, ModelShape, kv_bytes_per_token,
-                              max_concurrent_requests, plan)
+from jaxserve.kv_math import (
+    ACCELERATORS,
+    PRESETS,
+    Accelerator,
+    ModelShape,
+    kv_bytes_per_token,
+    max_concurrent_requests,
+    plan,
+)
+from jaxserve.tools import kv_math_cli
 
 WORKLOAD = Path(__file__).resolve().parents[2] / "shared" / "workloads" / "mixed-64.json"
 H100_USABLE = 72_000_000_000  # 0.9 x 80e9
@@ -17,12 +26,15 @@ H100_RESERVE = 4_000_000_000  # default 5% of 80e9
 
 
 # ------------------------------------------------------------------ KV and parameter counts
-@pytest.mark.parametrize("name, expected", [
-    ("llama-2-7b", 2 * 32 * 32 * 128 * 2),   # 524,288
-    ("llama-3-8b", 2 * 32 * 8 * 128 * 2),    # 131,072
-    ("llama-3-70b", 2 * 80 * 8 * 128 * 2),   # 327,680
-    ("qwen2.5-7b", 2 * 28 * 4 * 128 * 2),    # 57,344
-])
+@pytest.mark.parametrize(
+    "name, expected",
+    [
+        ("llama-2-7b", 2 * 32 * 32 * 128 * 2),  # 524,288
+        ("llama-3-8b", 2 * 32 * 8 * 128 * 2),  # 131,072
+        ("llama-3-70b", 2 * 80 * 8 * 128 * 2),  # 327,680
+        ("qwen2.5-7b", 2 * 28 * 4 * 128 * 2),  # 57,344
+    ],
+)
 def test_kv_bytes_per_token_bf16(name: str, expected: int) -> None:
     assert kv_bytes_per_token(PRESETS[name]) == expected
     assert expected in (524_288, 131_072, 327_680, 57_344)
@@ -46,14 +58,27 @@ def test_num_params_match_published_counts() -> None:
 
 def test_presets_architecture() -> None:
     q = PRESETS["qwen2.5-7b"]
-    assert (q.num_layers, q.hidden_size, q.num_heads, q.num_kv_heads, q.intermediate_size, q.vocab_size) == \
-        (28, 3584, 28, 4, 18944, 152064)
+    assert (q.num_layers, q.hidden_size, q.num_heads, q.num_kv_heads, q.intermediate_size, q.vocab_size) == (
+        28,
+        3584,
+        28,
+        4,
+        18944,
+        152064,
+    )
     assert q.head_dim == 128 and not q.tie_word_embeddings
     mis = PRESETS["mistral-7b"]
     assert (mis.num_kv_heads, mis.intermediate_size, mis.vocab_size) == (8, 14336, 32768)
     assert PRESETS["llama-3.1-70b"].max_position_embeddings == 131072
-    assert set(PRESETS) == {"llama-2-7b", "llama-3-8b", "llama-3.1-8b", "llama-3-70b", "llama-3.1-70b",
-                            "qwen2.5-7b", "mistral-7b"}
+    assert set(PRESETS) == {
+        "llama-2-7b",
+        "llama-3-8b",
+        "llama-3.1-8b",
+        "llama-3-70b",
+        "llama-3.1-70b",
+        "qwen2.5-7b",
+        "mistral-7b",
+    }
     assert set(ACCELERATORS) == {"tpu-v4", "tpu-v5e", "tpu-v5p", "tpu-v6e", "a100-80gb", "h100", "h200", "l4"}
     assert all(a.source for a in ACCELERATORS.values())
     assert ACCELERATORS["tpu-v5e"].pads_head_dim_to == 128 and ACCELERATORS["h100"].pads_head_dim_to is None
@@ -66,17 +91,17 @@ def test_llama3_70b_on_one_h100_does_not_fit(capsys: pytest.CaptureFixture[str])
     assert "weights do not fit" in p.reason
     assert p.weight_bytes_per_chip == 2 * 70_553_706_496 > H100_USABLE
     assert max_concurrent_requests("llama-3-70b", 8192, accelerator="h100") == 0
-    assert km.main(["--model", "llama-3-70b", "--accelerator", "h100"]) == 1
+    assert kv_math_cli.main(["--model", "llama-3-70b", "--accelerator", "h100"]) == 1
     assert "weights do not fit" in capsys.readouterr().err
 
 
 def test_llama3_70b_on_eight_h100() -> None:
     p = plan("llama-3-70b", "h100", num_chips=8, context_len=8192)
-    weights_per_chip = math.ceil(2 * 70_553_706_496 / 8)           # 17,638,426,624
-    free = H100_USABLE - H100_RESERVE - weights_per_chip             # 50,361,573,376
-    kv_per_token_per_chip = 2 * 80 * 1 * 128 * 2                    # 8 kv heads / 8 chips = 1 -> 40,960
-    per_request = 8192 * kv_per_token_per_chip                       # 512 whole pages of 16 -> 335,544,320
-    expected = free // per_request                                   # 150.09 -> 150
+    weights_per_chip = math.ceil(2 * 70_553_706_496 / 8)  # 17,638,426,624
+    free = H100_USABLE - H100_RESERVE - weights_per_chip  # 50,361,573,376
+    kv_per_token_per_chip = 2 * 80 * 1 * 128 * 2  # 8 kv heads / 8 chips = 1 -> 40,960
+    per_request = 8192 * kv_per_token_per_chip  # 512 whole pages of 16 -> 335,544,320
+    expected = free // per_request  # 150.09 -> 150
     assert (weights_per_chip, free, expected) == (17_638_426_624, 50_361_573_376, 150)
     assert p.fits and p.max_concurrent_requests == expected
     assert p.kv_free_bytes_per_chip == free and p.kv_bytes_max_request_per_chip == per_request
@@ -85,12 +110,12 @@ def test_llama3_70b_on_eight_h100() -> None:
 
 def test_llama31_8b_on_h100_step_time_and_cost() -> None:
     p = plan("llama-3.1-8b", "h100", context_len=8192)
-    free = H100_USABLE - H100_RESERVE - 2 * 8_030_261_248            # 51,939,477,504
-    per_request = 8192 * 131_072                                     # 1,073,741,824
+    free = H100_USABLE - H100_RESERVE - 2 * 8_030_261_248  # 51,939,477,504
+    per_request = 8192 * 131_072  # 1,073,741,824
     assert p.max_concurrent_requests == free // per_request == 48
-    streamed = 2 * (8_030_261_248 - 128256 * 4096)                   # 15,009,849,344 bytes
-    assert p.step_time_batch1_s == pytest.approx((streamed + per_request) / 3.35e12)      # ~4.80 ms
-    step48 = (streamed + 48 * per_request) / 3.35e12                                      # ~19.87 ms
+    streamed = 2 * (8_030_261_248 - 128256 * 4096)  # 15,009,849,344 bytes
+    assert p.step_time_batch1_s == pytest.approx((streamed + per_request) / 3.35e12)  # ~4.80 ms
+    step48 = (streamed + 48 * per_request) / 3.35e12  # ~19.87 ms
     assert p.step_time_s == pytest.approx(step48)
     assert p.step_compute_bound_s == pytest.approx(2 * (8_030_261_248 - 128256 * 4096) * 48 / 989e12)
     assert p.tokens_per_s == pytest.approx(48 / step48)
@@ -131,7 +156,7 @@ def test_tensor_parallel_replicates_kv_heads() -> None:
     m = PRESETS["llama-3-8b"]  # 8 kv heads
     assert km.kv_heads_per_chip(m, 4) == 2 and km.kv_heads_per_chip(m, 8) == 1
     assert km.kv_heads_per_chip(m, 16) == 1  # ceil(8/16): each chip still holds a whole head
-    assert km.kv_bytes_per_token_per_chip(m, 4) == 2 * 32 * 2 * 128 * 2   # 32,768
+    assert km.kv_bytes_per_token_per_chip(m, 4) == 2 * 32 * 2 * 128 * 2  # 32,768
     assert km.kv_bytes_per_token_per_chip(m, 16) == 2 * 32 * 1 * 128 * 2  # 16,384, same as on 8 chips
     # Across the 16 chips the cache holds every head twice: 16 x 16,384 = 2 x 131,072
     assert 16 * km.kv_bytes_per_token_per_chip(m, 16) == 2 * kv_bytes_per_token(m)
@@ -141,7 +166,7 @@ def test_tensor_parallel_replicates_kv_heads() -> None:
 
 def test_tpu_pads_head_dim_to_128() -> None:
     m = ModelShape(8, 512, 8, 4, 64, 1408, 32000, name="small")
-    assert kv_bytes_per_token(m) == 2 * 8 * 4 * 64 * 2                       # 8,192
+    assert kv_bytes_per_token(m) == 2 * 8 * 4 * 64 * 2  # 8,192
     assert kv_bytes_per_token(m, pad_head_dim_to=128) == 2 * kv_bytes_per_token(m)
     assert kv_bytes_per_token(PRESETS["llama-3-8b"], pad_head_dim_to=128) == 131_072  # already 128
     tpu, gpu = plan(m, "tpu-v5e", context_len=1024), plan(m, "h100", context_len=1024)
@@ -153,7 +178,7 @@ def test_traffic_pattern_means() -> None:
     p = plan("llama-3.1-8b", "h100", mean_prompt=1000, mean_output=500)
     t = p.traffic
     assert t is not None and t["mean_kv_tokens"] == 1250  # prompt + half the output
-    per_request = math.ceil(1250 / 16) * 16 * 131_072    # 79 pages = 1264 tokens
+    per_request = math.ceil(1250 / 16) * 16 * 131_072  # 79 pages = 1264 tokens
     assert t["concurrent_requests"] == p.kv_free_bytes_per_chip // per_request
     step = (p.streamed_weight_bytes_per_chip + t["concurrent_requests"] * 1250 * 131_072) / 3.35e12
     assert t["step_time_s"] == pytest.approx(step)
@@ -169,20 +194,36 @@ def test_predict_decode_step() -> None:
     streamed = m.streamed_params * 4
     kv = 8 * 512 * (2 * 8 * 4 * 64 * 4)
     assert km.predict_decode_step(m, 8, 512, 50e9, 200e9) == pytest.approx(
-        max((streamed + kv) / 50e9, 2 * m.streamed_params * 8 / 200e9))
+        max((streamed + kv) / 50e9, 2 * m.streamed_params * 8 / 200e9)
+    )
 
 
 # ------------------------------------------------------------------ configs
 def test_from_hf_config_object_and_dict(tmp_path: Path) -> None:
     from transformers import LlamaConfig
 
-    cfg = LlamaConfig(hidden_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
-                      intermediate_size=1024, vocab_size=1000, max_position_embeddings=2048)
+    cfg = LlamaConfig(
+        hidden_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        intermediate_size=1024,
+        vocab_size=1000,
+        max_position_embeddings=2048,
+    )
     m = ModelShape.from_hf_config(cfg)
     assert (m.num_layers, m.hidden_size, m.num_heads, m.num_kv_heads, m.head_dim) == (4, 512, 8, 2, 64)
     assert (m.intermediate_size, m.vocab_size, m.max_position_embeddings) == (1024, 1000, 2048)
-    d = {"num_hidden_layers": 28, "hidden_size": 3584, "num_attention_heads": 28, "num_key_value_heads": 4,
-         "intermediate_size": 18944, "vocab_size": 152064, "tie_word_embeddings": False, "head_dim": None}
+    d = {
+        "num_hidden_layers": 28,
+        "hidden_size": 3584,
+        "num_attention_heads": 28,
+        "num_key_value_heads": 4,
+        "intermediate_size": 18944,
+        "vocab_size": 152064,
+        "tie_word_embeddings": False,
+        "head_dim": None,
+    }
     q = ModelShape.from_hf_config(d, name="qwen")
     assert q.head_dim == 128 and kv_bytes_per_token(q) == 57_344
     assert ModelShape.from_hf_config({**d, "head_dim": 256}).head_dim == 256
@@ -214,21 +255,24 @@ def test_workload_file() -> None:
 
 
 # ------------------------------------------------------------------ errors
-@pytest.mark.parametrize("kwargs, field", [
-    (dict(memory_fraction=0), "memory_fraction"),
-    (dict(memory_fraction=1.5), "memory_fraction"),
-    (dict(context_len=0), "context_len"),
-    (dict(num_chips=-1), "num_chips"),
-    (dict(page_size=0), "page_size"),
-    (dict(accelerator="tpu-v9"), "accelerator"),
-    (dict(model="gpt-17"), "model"),
-    (dict(kv_dtype="int4"), "kv_dtype"),
-    (dict(weight_dtype="fp6"), "weight_dtype"),
-    (dict(price_per_chip_hour=-1.0), "price_per_chip_hour"),
-    (dict(mean_prompt=100), "mean_output"),
-    (dict(mean_prompt=0, mean_output=10), "mean_prompt"),
-    (dict(activation_reserve_bytes=-5), "activation_reserve_bytes"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(memory_fraction=0), "memory_fraction"),
+        (dict(memory_fraction=1.5), "memory_fraction"),
+        (dict(context_len=0), "context_len"),
+        (dict(num_chips=-1), "num_chips"),
+        (dict(page_size=0), "page_size"),
+        (dict(accelerator="tpu-v9"), "accelerator"),
+        (dict(model="gpt-17"), "model"),
+        (dict(kv_dtype="int4"), "kv_dtype"),
+        (dict(weight_dtype="fp6"), "weight_dtype"),
+        (dict(price_per_chip_hour=-1.0), "price_per_chip_hour"),
+        (dict(mean_prompt=100), "mean_output"),
+        (dict(mean_prompt=0, mean_output=10), "mean_prompt"),
+        (dict(activation_reserve_bytes=-5), "activation_reserve_bytes"),
+    ],
+)
 def test_bad_input_names_the_field(kwargs: dict, field: str) -> None:
     with pytest.raises(ValueError, match=field):
         plan(**kwargs)
@@ -245,38 +289,51 @@ def test_bad_model_shape_and_preset_list() -> None:
 
 # ------------------------------------------------------------------ CLI
 def test_cli_unknown_preset_returns_2(capsys: pytest.CaptureFixture[str]) -> None:
-    assert km.main(["--model", "nope"]) == 2
+    assert kv_math_cli.main(["--model", "nope"]) == 2
     err = capsys.readouterr().err
     assert "nope" in err and "Traceback" not in err
-    assert km.main(["--memory-fraction", "0"]) == 2
+    assert kv_math_cli.main(["--memory-fraction", "0"]) == 2
     assert "memory_fraction" in capsys.readouterr().err
-    assert km.main(["--chips", "two"]) == 2
+    assert kv_math_cli.main(["--chips", "two"]) == 2
 
 
 def test_cli_json_and_text(capsys: pytest.CaptureFixture[str]) -> None:
-    assert km.main(["--model", "llama-3-70b", "--chips", "8", "--json", "--mean-prompt", "500",
-                    "--mean-output", "200"]) == 0
+    assert (
+        kv_math_cli.main(
+            ["--model", "llama-3-70b", "--chips", "8", "--json", "--mean-prompt", "500", "--mean-output", "200"]
+        )
+        == 0
+    )
     d = json.loads(capsys.readouterr().out)
     assert d["max_concurrent_requests"] == 150 and d["fits"] is True and d["traffic"]["mean_kv_tokens"] == 600
-    assert km.main([]) == 0
+    assert kv_math_cli.main([]) == 0
     out = capsys.readouterr().out
     assert "max concurrent requests" in out and "48" in out
 
 
 def test_cli_plot_writes_png(tmp_path: Path) -> None:
     out = tmp_path / "plan.png"
-    assert km.main(["--model", "llama-3.1-8b", "--plot", str(out)]) == 0
+    assert kv_math_cli.main(["--model", "llama-3.1-8b", "--plot", str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_measure_host_small() -> None:
-    host = km.measure_host(size_bytes=8 * 1024 * 1024, repeats=1)
+    host = kv_math_cli.measure_host(size_bytes=8 * 1024 * 1024, repeats=1)
     assert host["memory_bandwidth"] > 0 and host["matmul_flops_fp32"] > 0
 
 
 def test_measure_engine_step_runs_the_real_decode_step():
-    shape = km.ModelShape(name="tiny", num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
-                          intermediate_size=128, vocab_size=256, tie_word_embeddings=False,
-                          max_position_embeddings=128)
-    secs = km.measure_engine_step(shape, batch=2, context_len=40, repeats=3)
+    shape = km.ModelShape(
+        name="tiny",
+        num_layers=2,
+        hidden_size=64,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        vocab_size=256,
+        tie_word_embeddings=False,
+        max_position_embeddings=128,
+    )
+    secs = kv_math_cli.measure_engine_step(shape, batch=2, context_len=40, repeats=3)
     assert 0 < secs < 5

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxserve.config import CONFIG_DIR, load_config
+from jaxserve.serve_config import CONFIG_DIR, load_config
 
 REPO = Path(__file__).resolve().parents[1]
 TPU = REPO / "scripts" / "launch_tpu_vm.sh"
@@ -36,8 +36,9 @@ def dry_run(script: Path, *args: str, fake=None) -> tuple[str, list[str]]:
     env = dict(os.environ)
     if fake is not None:
         env["PATH"] = fake[1]
-    p = subprocess.run(["bash", str(script), *args, "--dry-run"], capture_output=True, text=True, env=env,
-                       cwd="/", timeout=30)
+    p = subprocess.run(
+        ["bash", str(script), *args, "--dry-run"], capture_output=True, text=True, env=env, cwd="/", timeout=30
+    )
     assert p.returncode == 0, p.stderr
     if fake is not None:
         assert not (fake[0] / "ran").exists(), "a dry run executed a command"
@@ -85,25 +86,62 @@ def test_shellcheck_passes_on_every_script():
 
 
 def test_tpu_single_host(fake_path, tmp_path):
-    out, cmds = dry_run(TPU, "--name", "llama8b", "--zone", "us-east5-b", "--project", "proj", "--accelerator-type",
-                        "v6e-1", "--gin-file", "configs/llama-3.1-8b-instruct.gin", "--checkpoint",
-                        "/mnt/disks/Llama-3.1-8B-Instruct", "--port", "8500", fake=fake_path)
+    out, cmds = dry_run(
+        TPU,
+        "--name",
+        "llama8b",
+        "--zone",
+        "us-east5-b",
+        "--project",
+        "proj",
+        "--accelerator-type",
+        "v6e-1",
+        "--gin-file",
+        "configs/llama-3.1-8b-instruct.gin",
+        "--checkpoint",
+        "/mnt/disks/Llama-3.1-8B-Instruct",
+        "--port",
+        "8500",
+        fake=fake_path,
+    )
     assert "1 host(s)" in out and "multi-host" not in out
     assert "JAXSERVE_COORDINATOR" not in "\n".join(cmds)  # one host: one process, no jax.distributed
-    assert_in_order(cmds, [
-        ("create VM", [r"^gcloud compute tpus tpu-vm create llama8b --zone=us-east5-b --project=proj "
-                       r"--accelerator-type=v6e-1 --version=v2-alpha-tpuv6e$"]),
-        ("pack the repo", [r"^git -C \S+ archive"]),
-        ("copy the repo", [r"tpu-vm scp \S+\.tar\.gz llama8b:/tmp/jaxserve-src.tar.gz"]),
-        ("install", [r"tpu-vm ssh llama8b", r"pip install .*'jax\[tpu\]==[0-9.]+'", r"pip install .*-e /opt/jaxserve"]),
-        ("copy config", [r"tpu-vm scp \S*configs/llama-3.1-8b-instruct.gin llama8b:/tmp/jaxserve-model.gin"]),
-        ("set checkpoint", [r"/etc/jaxserve/deploy.gin", r"ServeConfig.model = '/mnt/disks/Llama-3.1-8B-Instruct'"]),
-        ("systemd unit", [r"/etc/systemd/system/jaxserve.service", r"ExecStart=\S+/jaxserve serve --gin_file "
-                          r"/etc/jaxserve/deploy.gin", r"systemctl daemon-reload", r"systemctl enable jaxserve",
-                          r"systemctl restart jaxserve"]),
-        ("health wait", [r"--worker=0", r"grpc_health", r"127.0.0.1:8500", r"SERVING"]),
-        ("endpoint", [r"tpu-vm describe llama8b .*externalIp"]),
-    ])
+    assert_in_order(
+        cmds,
+        [
+            (
+                "create VM",
+                [
+                    r"^gcloud compute tpus tpu-vm create llama8b --zone=us-east5-b --project=proj "
+                    r"--accelerator-type=v6e-1 --version=v2-alpha-tpuv6e$"
+                ],
+            ),
+            ("pack the repo", [r"^git -C \S+ archive"]),
+            ("copy the repo", [r"tpu-vm scp \S+\.tar\.gz llama8b:/tmp/jaxserve-src.tar.gz"]),
+            (
+                "install",
+                [r"tpu-vm ssh llama8b", r"pip install .*'jax\[tpu\]==[0-9.]+'", r"pip install .*-e /opt/jaxserve"],
+            ),
+            ("copy config", [r"tpu-vm scp \S*configs/llama-3.1-8b-instruct.gin llama8b:/tmp/jaxserve-model.gin"]),
+            (
+                "set checkpoint",
+                [r"/etc/jaxserve/deploy.gin", r"ServeConfig.model = '/mnt/disks/Llama-3.1-8B-Instruct'"],
+            ),
+            (
+                "systemd unit",
+                [
+                    r"/etc/systemd/system/jaxserve.service",
+                    r"ExecStart=\S+/jaxserve serve --gin_file "
+                    r"/etc/jaxserve/deploy.gin",
+                    r"systemctl daemon-reload",
+                    r"systemctl enable jaxserve",
+                    r"systemctl restart jaxserve",
+                ],
+            ),
+            ("health wait", [r"--worker=0", r"grpc_health", r"127.0.0.1:8500", r"SERVING"]),
+            ("endpoint", [r"tpu-vm describe llama8b .*externalIp"]),
+        ],
+    )
     assert out.rstrip().splitlines()[-2] == "endpoint: EXTERNAL_IP:8500"
     # the config the VM gets loads (with the preset next to it) and is retargeted to TPU
     text = deploy_gin(cmds).replace("/etc/jaxserve/model.gin", str(CONFIG_DIR / "llama-3.1-8b-instruct.gin"))
@@ -114,43 +152,96 @@ def test_tpu_single_host(fake_path, tmp_path):
 
 
 def test_tpu_multi_host_runs_on_every_worker(fake_path):
-    out, cmds = dry_run(TPU, "--name", "llama70b", "--zone", "us-east5-a", "--accelerator-type", "v5litepod-16",
-                        "--gin-file", "llama-3.1-70b-instruct.gin", "--checkpoint", "gs://bucket/Llama-3.1-70B-Instruct",
-                        fake=fake_path)
+    out, cmds = dry_run(
+        TPU,
+        "--name",
+        "llama70b",
+        "--zone",
+        "us-east5-a",
+        "--accelerator-type",
+        "v5litepod-16",
+        "--gin-file",
+        "llama-3.1-70b-instruct.gin",
+        "--checkpoint",
+        "gs://bucket/Llama-3.1-70B-Instruct",
+        fake=fake_path,
+    )
     assert "4 host(s)" in out and "multi-host slice" in out
     remote = [c for c in cmds if " tpu-vm ssh " in f" {c}" or " tpu-vm scp " in f" {c}"]
     health = [c for c in remote if "grpc_health" in c]
     assert len(health) == 1 and "--worker=0" in health[0]
     assert all("--worker=all" in c for c in remote if c not in health) and len(remote) == 6
-    assert_in_order(cmds, [
-        ("create VM", [r"tpu-vm create llama70b .*--accelerator-type=v5litepod-16 --version=v2-alpha-tpuv5-lite"]),
-        ("install", [r"--worker=all", r"jax\[tpu\]"]),
-        ("copy config", [r"--worker=all", r"llama-3.1-70b-instruct.gin"]),
-        ("fetch checkpoint", [r"--worker=all", r"gcloud storage cp -r 'gs://bucket/Llama-3.1-70B-Instruct' /models/",
-                              r"ServeConfig.model = '/models/Llama-3.1-70B-Instruct'"]),
-        ("start on every worker", [r"--worker=all", r"Environment=JAXSERVE_COORDINATOR=auto",
-                                   r"systemctl restart jaxserve"]),
-        ("health wait", [r"--worker=0", r"SERVING"]),
-        ("endpoint", [r"tpu-vm describe llama70b"]),
-    ])
+    assert_in_order(
+        cmds,
+        [
+            ("create VM", [r"tpu-vm create llama70b .*--accelerator-type=v5litepod-16 --version=v2-alpha-tpuv5-lite"]),
+            ("install", [r"--worker=all", r"jax\[tpu\]"]),
+            ("copy config", [r"--worker=all", r"llama-3.1-70b-instruct.gin"]),
+            (
+                "fetch checkpoint",
+                [
+                    r"--worker=all",
+                    r"gcloud storage cp -r 'gs://bucket/Llama-3.1-70B-Instruct' /models/",
+                    r"ServeConfig.model = '/models/Llama-3.1-70B-Instruct'",
+                ],
+            ),
+            (
+                "start on every worker",
+                [r"--worker=all", r"Environment=JAXSERVE_COORDINATOR=auto", r"systemctl restart jaxserve"],
+            ),
+            ("health wait", [r"--worker=0", r"SERVING"]),
+            ("endpoint", [r"tpu-vm describe llama70b"]),
+        ],
+    )
 
 
 def test_gpu_gcloud(fake_path, tmp_path):
-    out, cmds = dry_run(GPU, "--name", "qwen", "--zone", "us-central1-a", "--gpu-type", "nvidia-l4", "--gpu-count", "2",
-                        "--machine-type", "g2-standard-24", "--gin-file", "configs/qwen2.5-7b-instruct.gin",
-                        fake=fake_path)
-    assert_in_order(cmds, [
-        ("create VM", [r"^gcloud compute instances create qwen --zone=us-central1-a --machine-type=g2-standard-24",
-                       r"--accelerator=type=nvidia-l4\\?,count=2", r"--maintenance-policy=TERMINATE"]),
-        ("copy the repo", [r"^gcloud compute scp \S+\.tar\.gz qwen:/tmp/jaxserve-src.tar.gz --zone=us-central1-a$"]),
-        ("install", [r"^gcloud compute ssh qwen", r"nvidia-smi", r"'jax\[cuda12\]==[0-9.]+'", r"-e /opt/jaxserve"]),
-        ("copy config", [r"gcloud compute scp \S*configs/qwen2.5-7b-instruct.gin qwen:/tmp/jaxserve-model.gin"]),
-        ("write deploy.gin", [r"/etc/jaxserve/deploy.gin"]),
-        ("systemd unit", [r"jaxserve.service", r"ExecStart=\S+/jaxserve serve --gin_file /etc/jaxserve/deploy.gin",
-                          r"systemctl enable jaxserve"]),
-        ("health wait", [r"gcloud compute ssh qwen", r"grpc_health", r"SERVING"]),
-        ("endpoint", [r"gcloud compute instances describe qwen .*natIP"]),
-    ])
+    out, cmds = dry_run(
+        GPU,
+        "--name",
+        "qwen",
+        "--zone",
+        "us-central1-a",
+        "--gpu-type",
+        "nvidia-l4",
+        "--gpu-count",
+        "2",
+        "--machine-type",
+        "g2-standard-24",
+        "--gin-file",
+        "configs/qwen2.5-7b-instruct.gin",
+        fake=fake_path,
+    )
+    assert_in_order(
+        cmds,
+        [
+            (
+                "create VM",
+                [
+                    r"^gcloud compute instances create qwen --zone=us-central1-a --machine-type=g2-standard-24",
+                    r"--accelerator=type=nvidia-l4\\?,count=2",
+                    r"--maintenance-policy=TERMINATE",
+                ],
+            ),
+            (
+                "copy the repo",
+                [r"^gcloud compute scp \S+\.tar\.gz qwen:/tmp/jaxserve-src.tar.gz --zone=us-central1-a$"],
+            ),
+            ("install", [r"^gcloud compute ssh qwen", r"nvidia-smi", r"'jax\[cuda12\]==[0-9.]+'", r"-e /opt/jaxserve"]),
+            ("copy config", [r"gcloud compute scp \S*configs/qwen2.5-7b-instruct.gin qwen:/tmp/jaxserve-model.gin"]),
+            ("write deploy.gin", [r"/etc/jaxserve/deploy.gin"]),
+            (
+                "systemd unit",
+                [
+                    r"jaxserve.service",
+                    r"ExecStart=\S+/jaxserve serve --gin_file /etc/jaxserve/deploy.gin",
+                    r"systemctl enable jaxserve",
+                ],
+            ),
+            ("health wait", [r"gcloud compute ssh qwen", r"grpc_health", r"SERVING"]),
+            ("endpoint", [r"gcloud compute instances describe qwen .*natIP"]),
+        ],
+    )
     assert "endpoint: EXTERNAL_IP:50051" in out
     text = deploy_gin(cmds).replace("/etc/jaxserve/model.gin", str(CONFIG_DIR / "qwen2.5-7b-instruct.gin"))
     assert "ServeConfig.model" not in text  # no --checkpoint: the preset's path stays
@@ -160,42 +251,64 @@ def test_gpu_gcloud(fake_path, tmp_path):
 
 
 def test_gpu_any_ssh_host(fake_path):
-    out, cmds = dry_run(GPU, "--host", "ubuntu@10.0.0.5", "--checkpoint", "/data/Mistral-7B-Instruct-v0.3",
-                        "--gin-file", "mistral-7b-instruct.gin", "--port", "6000", fake=fake_path)
+    out, cmds = dry_run(
+        GPU,
+        "--host",
+        "ubuntu@10.0.0.5",
+        "--checkpoint",
+        "/data/Mistral-7B-Instruct-v0.3",
+        "--gin-file",
+        "mistral-7b-instruct.gin",
+        "--port",
+        "6000",
+        fake=fake_path,
+    )
     assert not any("instances create" in c for c in cmds)
-    assert_in_order(cmds, [
-        ("copy the repo", [r"^scp .*\.tar\.gz ubuntu@10.0.0.5:/tmp/jaxserve-src.tar.gz$"]),
-        ("install", [r"^ssh .*ubuntu@10.0.0.5 ", r"jax\[cuda12\]"]),
-        ("copy config", [r"^scp .*mistral-7b-instruct.gin ubuntu@10.0.0.5:/tmp/jaxserve-model.gin$"]),
-        ("set checkpoint", [r"ServeConfig.model = '/data/Mistral-7B-Instruct-v0.3'", r"ServeConfig.port = 6000"]),
-        ("systemd unit", [r"^ssh ", r"jaxserve.service", r"systemctl restart jaxserve"]),
-        ("health wait", [r"^ssh ", r"127.0.0.1:6000", r"SERVING"]),
-    ])
+    assert_in_order(
+        cmds,
+        [
+            ("copy the repo", [r"^scp .*\.tar\.gz ubuntu@10.0.0.5:/tmp/jaxserve-src.tar.gz$"]),
+            ("install", [r"^ssh .*ubuntu@10.0.0.5 ", r"jax\[cuda12\]"]),
+            ("copy config", [r"^scp .*mistral-7b-instruct.gin ubuntu@10.0.0.5:/tmp/jaxserve-model.gin$"]),
+            ("set checkpoint", [r"ServeConfig.model = '/data/Mistral-7B-Instruct-v0.3'", r"ServeConfig.port = 6000"]),
+            ("systemd unit", [r"^ssh ", r"jaxserve.service", r"systemctl restart jaxserve"]),
+            ("health wait", [r"^ssh ", r"127.0.0.1:6000", r"SERVING"]),
+        ],
+    )
     assert out.rstrip().splitlines()[-2] == "endpoint: 10.0.0.5:6000"
 
 
-@pytest.mark.parametrize("script, args", [
-    (TPU, ["--name", "a", "--zone", "b", "--accelerator-type", "v4-32"]),
-    (GPU, ["--name", "a", "--zone", "b"]),
-    (GPU, ["--host", "me@h"]),
-])
+@pytest.mark.parametrize(
+    "script, args",
+    [
+        (TPU, ["--name", "a", "--zone", "b", "--accelerator-type", "v4-32"]),
+        (GPU, ["--name", "a", "--zone", "b"]),
+        (GPU, ["--host", "me@h"]),
+    ],
+)
 def test_dry_run_output_is_valid_bash(script, args, tmp_path):
     out, _ = dry_run(script, *args)
-    (tmp_path / "plan.sh").write_text("\n".join(
-        line[2:] if line.startswith("+ ") else "" if line.startswith("endpoint:") else line
-        for line in out.splitlines()))
+    (tmp_path / "plan.sh").write_text(
+        "\n".join(
+            line[2:] if line.startswith("+ ") else "" if line.startswith("endpoint:") else line
+            for line in out.splitlines()
+        )
+    )
     p = subprocess.run(["bash", "-n", str(tmp_path / "plan.sh")], capture_output=True, text=True)
     assert p.returncode == 0, p.stderr
 
 
-@pytest.mark.parametrize("script, args, message", [
-    (TPU, ["--zone", "z"], "--name is required"),
-    (TPU, ["--name", "n", "--zone", "z", "--bogus"], "unknown argument: --bogus"),
-    (TPU, ["--name", "n", "--zone", "z", "--gin-file", "nope.gin"], "--gin-file nope.gin not found"),
-    (TPU, ["--name", "n", "--zone", "z", "--port", "99999"], "--port must be 1-65535"),
-    (GPU, [], "--name (gcloud) or --host USER@ADDR is required"),
-    (GPU, ["--host", "justahost"], "--host must be USER@ADDR"),
-])
+@pytest.mark.parametrize(
+    "script, args, message",
+    [
+        (TPU, ["--zone", "z"], "--name is required"),
+        (TPU, ["--name", "n", "--zone", "z", "--bogus"], "unknown argument: --bogus"),
+        (TPU, ["--name", "n", "--zone", "z", "--gin-file", "nope.gin"], "--gin-file nope.gin not found"),
+        (TPU, ["--name", "n", "--zone", "z", "--port", "99999"], "--port must be 1-65535"),
+        (GPU, [], "--name (gcloud) or --host USER@ADDR is required"),
+        (GPU, ["--host", "justahost"], "--host must be USER@ADDR"),
+    ],
+)
 def test_usage_errors(script, args, message):
     p = subprocess.run(["bash", str(script), *args, "--dry-run"], capture_output=True, text=True, timeout=30)
     assert p.returncode == 2 and message in p.stderr

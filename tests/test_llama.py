@@ -30,7 +30,7 @@ def _greedy_dense(model, prompt: list[int], n: int) -> list[int]:
     for _ in range(n):
         row = jnp.asarray(toks + [0] * (width - len(toks)))
         toks.append(int(next_token(state, row, jnp.asarray(len(toks) - 1))))
-    return toks[len(prompt):]
+    return toks[len(prompt) :]
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -44,8 +44,11 @@ def test_last_position_logits_match_transformers(hf_models, kind):
     batch = np.zeros((len(prompts), t), np.int32)
     for i, p in enumerate(prompts):
         batch[i, : len(p)] = p  # right padding: invisible to earlier positions under the causal mask
-    logits, _ = model(jnp.asarray(batch), jnp.broadcast_to(jnp.arange(t), batch.shape),
-                      logits_index=jnp.asarray([n - 1 for n in lengths]))
+    logits, _ = model(
+        jnp.asarray(batch),
+        jnp.broadcast_to(jnp.arange(t), batch.shape),
+        logits_index=jnp.asarray([n - 1 for n in lengths]),
+    )
     for i, p in enumerate(prompts):
         with torch.no_grad():
             ref = hf(torch.tensor(p[None])).logits[0, -1].numpy()
@@ -60,13 +63,14 @@ def test_greedy_continuation_matches_generate(hf_models, kind):
     model, cfg = load_model(path, dtype=jnp.float32)
     prompt = [int(x) for x in np.random.default_rng(2).integers(2, cfg.vocab_size, 11)]
     with torch.no_grad():
-        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False,
-                          eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+        ref = hf.generate(
+            torch.tensor([prompt]), max_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=0
+        )[0, len(prompt) :].tolist()
     assert _greedy_dense(model, prompt, 32) == ref
 
 
 def test_config_reads_rope_scaling_and_biases(hf_models):
-    from jaxserve.models.config import ModelConfig
+    from jaxserve.models.model_config import ModelConfig
 
     llama = ModelConfig.from_dir(hf_models["llama"][0])
     assert llama.rope_type == "llama3" and llama.rope_theta == 500000.0 and llama.num_kv_heads == 2

@@ -9,10 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from conftest import hf_greedy
+
 from jaxserve import LLM, SamplingParams
-from jaxserve.engine import compile_count
+from jaxserve.runner.executable_cache import compile_count
 
 GREEDY = dict(temperature=0, ignore_eos=True)
 
@@ -33,8 +33,7 @@ def _assert_pool_whole(llm: LLM):
 
 @pytest.fixture(scope="module")
 def llm(tok_model):
-    return LLM(tok_model[0], max_slots=8, page_size=8, max_model_len=160, num_pages=160,
-               prefill_buckets=(16, 32, 64))
+    return LLM(tok_model[0], max_slots=8, page_size=8, max_model_len=160, num_pages=160, prefill_buckets=(16, 32, 64))
 
 
 def test_greedy_batch_equals_transformers_alone(llm, tok_model):
@@ -66,12 +65,16 @@ def test_seeded_sampling_is_batch_independent(llm):
     params = SamplingParams(max_tokens=24, temperature=0.9, top_k=50, top_p=0.95, seed=1234, ignore_eos=True)
     alone = llm.generate([prompt], params)[0].token_ids
     others, outs = _mixed_requests(7, 512, seed=2)
-    batch = llm.generate([others[0], prompt] + others[1:],
-                         [SamplingParams(max_tokens=o, temperature=1.0, ignore_eos=True) for o in outs[:1]] + [params]
-                         + [SamplingParams(max_tokens=o, **GREEDY) for o in outs[1:]])
+    batch = llm.generate(
+        [others[0], prompt] + others[1:],
+        [SamplingParams(max_tokens=o, temperature=1.0, ignore_eos=True) for o in outs[:1]]
+        + [params]
+        + [SamplingParams(max_tokens=o, **GREEDY) for o in outs[1:]],
+    )
     assert batch[1].token_ids == alone
-    other_seed = llm.generate([prompt], SamplingParams(max_tokens=24, temperature=0.9, top_k=50, top_p=0.95,
-                                                      seed=99, ignore_eos=True))[0].token_ids
+    other_seed = llm.generate(
+        [prompt], SamplingParams(max_tokens=24, temperature=0.9, top_k=50, top_p=0.95, seed=99, ignore_eos=True)
+    )[0].token_ids
     assert other_seed != alone  # the seed matters
     _assert_pool_whole(llm)
 
@@ -138,7 +141,7 @@ def test_text_prompt_stream_and_stop_strings(llm, tok_model):
     assert "".join(p.text for p in pieces) == full.text
     assert sum(len(p.token_ids) for p in pieces) == 30 and pieces[-1].finish_reason == "length"
     # A stop string taken from the middle of the greedy text: output ends right before it.
-    stop = full.text[len(full.text) // 2: len(full.text) // 2 + 3]
+    stop = full.text[len(full.text) // 2 : len(full.text) // 2 + 3]
     assert stop and stop in full.text
     streamed = list(llm.stream(prompt, SamplingParams(max_tokens=30, stop=[stop], **GREEDY)))
     text = "".join(p.text for p in streamed)
@@ -169,17 +172,20 @@ def test_eos_finishes_unless_ignored(llm, tok_model, monkeypatch):
     _assert_pool_whole(llm)
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    (dict(prompt=[]), "prompt"),
-    (dict(prompt=""), "prompt"),
-    (dict(prompt=[1, 2, 600]), "prompt_token_ids"),
-    (dict(prompt=[1, 2], params=dict(max_tokens=200)), "max_tokens"),
-    (dict(prompt=[1], params=dict(temperature=-0.5)), "temperature"),
-    (dict(prompt=[1], params=dict(top_p=0.0)), "top_p"),
-    (dict(prompt=[1], params=dict(top_p=1.5)), "top_p"),
-    (dict(prompt=[1], params=dict(top_k=-1)), "top_k"),
-    (dict(prompt=[1], params=dict(max_tokens=0)), "max_tokens"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(prompt=[]), "prompt"),
+        (dict(prompt=""), "prompt"),
+        (dict(prompt=[1, 2, 600]), "prompt_token_ids"),
+        (dict(prompt=[1, 2], params=dict(max_tokens=200)), "max_tokens"),
+        (dict(prompt=[1], params=dict(temperature=-0.5)), "temperature"),
+        (dict(prompt=[1], params=dict(top_p=0.0)), "top_p"),
+        (dict(prompt=[1], params=dict(top_p=1.5)), "top_p"),
+        (dict(prompt=[1], params=dict(top_k=-1)), "top_k"),
+        (dict(prompt=[1], params=dict(max_tokens=0)), "max_tokens"),
+    ],
+)
 def test_bad_input_names_the_field(llm, kwargs, field):
     with pytest.raises(ValueError, match=field):
         params = SamplingParams(**kwargs.get("params", {}))
@@ -199,14 +205,19 @@ def test_direct_tokenizer_is_the_one_autotokenizer_builds(tok_model, tmp_path):
 
     from transformers import AutoTokenizer
 
-    from jaxserve.llm import DEFAULT_MODEL, load_tokenizer
+    from jaxserve.engine.tokenizer import load_tokenizer
+    from jaxserve.models.registry import DEFAULT_MODEL
 
     texts = ["def f(x):\n    return x + 1\n", "héllo wörld ☃ 日本語 <s> </s>", "", "  spaces\ttabs\n\n"]
     for path in (tok_model[0], DEFAULT_MODEL):
         ours, auto = load_tokenizer(Path(path)), AutoTokenizer.from_pretrained(str(path))
         assert type(ours) is type(auto)
-        assert (ours.bos_token_id, ours.eos_token_id, ours.pad_token_id, ours.all_special_ids) == \
-            (auto.bos_token_id, auto.eos_token_id, auto.pad_token_id, auto.all_special_ids)
+        assert (ours.bos_token_id, ours.eos_token_id, ours.pad_token_id, ours.all_special_ids) == (
+            auto.bos_token_id,
+            auto.eos_token_id,
+            auto.pad_token_id,
+            auto.all_special_ids,
+        )
         for t in texts:
             ids = ours.encode(t, add_special_tokens=True)
             assert ids == auto.encode(t, add_special_tokens=True)

@@ -9,10 +9,10 @@ import time
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import make_hf_model
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
-from conftest import make_hf_model
 from jaxserve.models.loader import load_model
 
 
@@ -35,11 +35,23 @@ def test_sharded_checkpoint_loads_identically(tmp_path, hf_models):
 def test_orbax_cache_is_faster_identical_and_rebuilt_when_corrupt(tmp_path, caplog):
     # A model whose conversion costs real time (~60 MB of float32 weights to transpose and copy).
     path = tmp_path / "m"
-    make_hf_model("llama", path, vocab_size=16000, hidden_size=512, intermediate_size=1408,
-                  num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4)
+    make_hf_model(
+        "llama",
+        path,
+        vocab_size=16000,
+        hidden_size=512,
+        intermediate_size=1408,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+    )
     cache = tmp_path / "cache"
-    t0 = time.perf_counter(); m1, _ = load_model(path, cache_dir=cache); cold = time.perf_counter() - t0
-    t0 = time.perf_counter(); m2, _ = load_model(path, cache_dir=cache); warm = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    m1, _ = load_model(path, cache_dir=cache)
+    cold = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    m2, _ = load_model(path, cache_dir=cache)
+    warm = time.perf_counter() - t0
     print(f"first load (convert + save cache) {cold:.3f}s, second load (from orbax cache) {warm:.3f}s")
     assert warm < cold
     p1, p2 = _params(m1), _params(m2)
@@ -134,7 +146,7 @@ def test_bfloat16_weights_cast_to_compute_dtype(tmp_path):
 
 @pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2"])
 def test_config_from_the_converted_cache_equals_transformers(kind, hf_models, tmp_path):
-    from jaxserve.models.config import ModelConfig
+    from jaxserve.models.model_config import ModelConfig
 
     path = hf_models[kind][0]
     _, cold = load_model(path, cache_dir=tmp_path / "cache")
@@ -163,11 +175,22 @@ def test_warm_start_imports_neither_torch_nor_transformers_auto_classes(tmp_path
     import subprocess
     import sys
 
-    code = ("import sys; from pathlib import Path; from jaxserve.llm import DEFAULT_MODEL, load_tokenizer; "
-            "from jaxserve.models.loader import load_model; load_model(DEFAULT_MODEL); load_tokenizer(Path(DEFAULT_MODEL)); "
-            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('transformers.models.auto')))")
+    code = (
+        "import sys; from pathlib import Path; from jaxserve.models.registry import DEFAULT_MODEL; from jaxserve.engine.tokenizer import load_tokenizer; "
+        "from jaxserve.models.loader import load_model; load_model(DEFAULT_MODEL); load_tokenizer(Path(DEFAULT_MODEL)); "
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('transformers.models.auto')))"
+    )
     env = dict(os.environ, JAXSERVE_CACHE_DIR=str(tmp_path / "cache"), JAX_PLATFORMS="cpu")
-    run = lambda: subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,  # noqa: E731
-                                 check=True).stdout.strip().splitlines()[-1]
+    run = lambda: (
+        subprocess.run(
+            [sys.executable, "-c", code],
+            env=env,
+            capture_output=True,
+            text=True,  # noqa: E731
+            check=True,
+        )
+        .stdout.strip()
+        .splitlines()[-1]
+    )
     assert "transformers.models.auto.configuration_auto" in run()  # cold: transformers parses config.json
     assert run() == "[]"

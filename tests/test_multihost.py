@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 WORKER = textwrap.dedent(r"""
     import json, sys
-    from jaxserve import multihost
+    from jaxserve.parallel import multihost
     path, port, pid, nproc = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     if nproc > 1:
         multihost.initialize(f"127.0.0.1:{port}", nproc, pid, local_device_count=2)
@@ -32,7 +32,7 @@ WORKER = textwrap.dedent(r"""
         outs = [o.token_ids for o in llm.generate(prompts, params)]
         llm.shutdown()
         print("RESULT" + json.dumps({"tokens": outs, "devices": jax.device_count(),
-                                     "kv_shard": list(llm.engine.target.kv[0][0].addressable_shards[0].data.shape)}))
+                                     "kv_shard": list(llm.runner.target.kv[0][0].addressable_shards[0].data.shape)}))
     else:
         print("FOLLOWER_DONE", flush=True)
 """)
@@ -48,9 +48,17 @@ def _run(path, nproc):
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)
     port = _free_port()
-    procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(path), str(port), str(i), str(nproc)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
-             for i in range(nproc)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", WORKER, str(path), str(port), str(i), str(nproc)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            cwd=REPO,
+        )
+        for i in range(nproc)
+    ]
     outs = [p.communicate(timeout=600) for p in procs]
     for p, (o, e) in zip(procs, outs):
         assert p.returncode == 0, o[-2000:] + e[-4000:]
@@ -62,8 +70,9 @@ def _run(path, nproc):
 
 
 def test_two_processes_match_one(tmp_path):
-    make_hf_model("llama", tmp_path, hidden_size=64, num_attention_heads=8, num_key_value_heads=4,
-                  intermediate_size=128)
+    make_hf_model(
+        "llama", tmp_path, hidden_size=64, num_attention_heads=8, num_key_value_heads=4, intermediate_size=128
+    )
     single = _run(tmp_path, 1)
     multi = _run(tmp_path, 2)
     assert multi["devices"] == 4
@@ -76,19 +85,45 @@ def test_the_cli_joins_processes_from_the_environment(tmp_path):
     `serve` on every worker of a slice), told apart only by JAXSERVE_PROCESS_ID: process 0
     prints the completion of a 4-chip mesh, process 1 replays its steps and exits 0, and the
     text equals one process on one device."""
-    args = [sys.executable, "-m", "jaxserve.cli", "generate", "--max-tokens", "12", "--max-slots", "4",
-            "--max-model-len", "128", "--gin_param", "ServeConfig.prefill_buckets = (16, 32)",
-            "--compilation-cache-dir", str(tmp_path / "xla"), "def fibonacci(n):"]
+    args = [
+        sys.executable,
+        "-m",
+        "jaxserve.cli",
+        "generate",
+        "--max-tokens",
+        "12",
+        "--max-slots",
+        "4",
+        "--max-model-len",
+        "128",
+        "--gin_param",
+        "ServeConfig.prefill_buckets = (16, 32)",
+        "--compilation-cache-dir",
+        str(tmp_path / "xla"),
+        "def fibonacci(n):",
+    ]
     env = dict(os.environ, JAX_PLATFORMS="cpu", JAXSERVE_CACHE_DIR=str(tmp_path / "converted"))
     env.pop("XLA_FLAGS", None)
     single = subprocess.run(args, env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
     assert single.returncode == 0, single.stderr[-3000:]
     port = _free_port()
-    procs = [subprocess.Popen(args + ["--tensor-parallel-size", "4"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, cwd=REPO,
-                              env=dict(env, JAXSERVE_COORDINATOR=f"127.0.0.1:{port}", JAXSERVE_NUM_PROCESSES="2",
-                                       JAXSERVE_PROCESS_ID=str(i), JAXSERVE_LOCAL_DEVICE_COUNT="2"))
-             for i in range(2)]
+    procs = [
+        subprocess.Popen(
+            args + ["--tensor-parallel-size", "4"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=REPO,
+            env=dict(
+                env,
+                JAXSERVE_COORDINATOR=f"127.0.0.1:{port}",
+                JAXSERVE_NUM_PROCESSES="2",
+                JAXSERVE_PROCESS_ID=str(i),
+                JAXSERVE_LOCAL_DEVICE_COUNT="2",
+            ),
+        )
+        for i in range(2)
+    ]
     outs = [p.communicate(timeout=600) for p in procs]
     for p, (o, e) in zip(procs, outs):
         assert p.returncode == 0, o[-2000:] + e[-4000:]

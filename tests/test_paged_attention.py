@@ -48,7 +48,7 @@ def _page_pool(rng, lens, ps, kvh, d, dtype, extra_pages=3, extra_cols=1):
     live = np.zeros((num_pages, ps), bool)
     used = 0
     for b, (n, p) in enumerate(zip(lens, need)):
-        bt[b, :p] = order[used:used + p]
+        bt[b, :p] = order[used : used + p]
         used += p
         for j in range(n):
             live[bt[b, j // ps], j % ps] = True
@@ -72,11 +72,15 @@ def _page_pool(rng, lens, ps, kvh, d, dtype, extra_pages=3, extra_cols=1):
 def test_paged_decode_matches_reference(data, backend, dtype, b, kvh, ratio, d, ps):
     lens = data.draw(st.lists(st.integers(1, 600), min_size=b, max_size=b), label="context_lens")
     if backend == "tpu":
-        knobs = dict(pages_per_block=data.draw(st.sampled_from([None, 1, 3]), label="pages_per_block"),
-                     kv_heads_per_block=data.draw(st.sampled_from([None, kvh]), label="kv_heads_per_block"))
+        knobs = dict(
+            pages_per_block=data.draw(st.sampled_from([None, 1, 3]), label="pages_per_block"),
+            kv_heads_per_block=data.draw(st.sampled_from([None, kvh]), label="kv_heads_per_block"),
+        )
     else:
-        knobs = dict(pages_per_iter=data.draw(st.sampled_from([None, 1, 2, 4]), label="pages_per_iter"),
-                     num_splits=data.draw(st.sampled_from([None, 1, 3]), label="num_splits"))
+        knobs = dict(
+            pages_per_iter=data.draw(st.sampled_from([None, 1, 2, 4]), label="pages_per_iter"),
+            num_splits=data.draw(st.sampled_from([None, 1, 3]), label="num_splits"),
+        )
     rng = np.random.default_rng(data.draw(st.integers(0, 2**16), label="seed"))
     k, v, k_bad, v_bad, bt = _page_pool(rng, lens, ps, kvh, d, dtype)
     q = _randn(rng, (b, kvh * ratio, d), dtype)
@@ -121,22 +125,23 @@ def _dispatch_case(mode: str, rng):
     """Inputs shaped like the engine's step of each kind, with NaN wherever no real query
     may look (so only the reference runs on the clean pool)."""
     kvh, ratio, d, ps = 2, 2, 64, 8
-    scale = 1 / math.sqrt(d)
     if mode == "prefill":  # two prompts packed in one row plus padding
         t = 32
         seg = jnp.asarray([[0] * 11 + [1] * 14 + [-1] * 7], jnp.int32)
         q, k, v = _randn(rng, (1, t, kvh * ratio, d)), _randn(rng, (1, t, kvh, d)), _randn(rng, (1, t, kvh, d))
         kp, vp, _, _, bt = _page_pool(rng, [5], ps, kvh, d, jnp.float32)
         pos = jnp.asarray(np.concatenate([np.arange(11), np.arange(14), np.zeros(7)])[None], jnp.int32)
-        return (q, k, v, kp, vp, bt, jnp.asarray([25], jnp.int32), pos, seg, scale), (q, k, v, kp, vp)
+        meta = reference.AttentionMetadata(jnp.zeros_like(pos), bt, jnp.asarray([25], jnp.int32), pos, seg)
+        return (q, k, v, (kp, vp), meta), (q, k, v, (kp, vp), meta)
     if mode == "decode":
         lens = [37, 1, 250]
         kp, vp, kb, vb, bt = _page_pool(rng, lens, ps, kvh, d, jnp.float32)
         cl = jnp.asarray(lens, jnp.int32)
         q = _randn(rng, (3, 1, kvh * ratio, d))
         k = v = jnp.zeros((3, 1, kvh, d))
-        args = (q, k, v, kp, vp, bt, cl, cl[:, None] - 1, jnp.zeros((3, 1), jnp.int32), scale)
-        return args, (q, k, v, kb, vb)
+        zeros = jnp.zeros((3, 1), jnp.int32)
+        meta = reference.AttentionMetadata(zeros, bt, cl, cl[:, None] - 1, zeros)
+        return (q, k, v, (kp, vp), meta), (q, k, v, (kb, vb), meta)
     # "context": a 13-token chunk at position 21 in a 16-token bucket; padding queries at 0
     start, m, t = 21, 13, 16
     kp, vp, kb, vb, bt = _page_pool(rng, [start + m], ps, kvh, d, jnp.float32)
@@ -146,8 +151,10 @@ def _dispatch_case(mode: str, rng):
     seg[0, :m] = 0
     q = _randn(rng, (1, t, kvh * ratio, d))
     k = v = jnp.zeros((1, t, kvh, d))
-    args = (q, k, v, kp, vp, bt, jnp.asarray([start + m], jnp.int32), jnp.asarray(pos), jnp.asarray(seg), scale)
-    return args, (q, k, v, kb, vb)
+    meta = reference.AttentionMetadata(
+        jnp.zeros_like(jnp.asarray(pos)), bt, jnp.asarray([start + m], jnp.int32), jnp.asarray(pos), jnp.asarray(seg)
+    )
+    return (q, k, v, (kp, vp), meta), (q, k, v, (kb, vb), meta)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -155,8 +162,9 @@ def _dispatch_case(mode: str, rng):
 def test_attention_dispatcher_matches_reference(mode, backend):
     rng = np.random.default_rng(5)
     args, poisoned = _dispatch_case(mode, rng)
-    want = reference.attention(*args, mode=mode)
-    got = attention(*poisoned, *args[5:], mode=mode, interpret=True, backend=backend)
+    scale = 1 / math.sqrt(args[0].shape[-1])
+    want = reference.attention(*args, scale=scale, mode=mode)
+    got = attention(*poisoned, scale=scale, mode=mode, interpret=True, backend=backend)
     assert got.shape == want.shape and got.dtype == want.dtype
     _close(got, want, jnp.float32)
 
@@ -165,7 +173,7 @@ def test_dispatcher_rejects_unknown_mode():
     rng = np.random.default_rng(6)
     args, _ = _dispatch_case("decode", rng)
     with pytest.raises(ValueError, match="mode"):
-        attention(*args, mode="verify", interpret=True)
+        attention(*args, scale=0.1, mode="verify", interpret=True)
 
 
 def export_for(platform: str, fn, *args):
@@ -183,13 +191,26 @@ def test_compiled_lowerings(backend, platform, d, ps):
     b, t, kvh, h, n, p = 4, 32, 2, 8, 64, 12
 
     def f(q, k, v, kp, vp, bt, cl, pos, seg):
-        common = (kp, vp, bt, cl, pos, seg, 0.1)
-        return (attention(q, k, v, *common, mode="prefill", interpret=False, backend=backend),
-                attention(q, k, v, *common, mode="context", interpret=False, backend=backend),
-                attention(q[:, :1], k[:, :1], v[:, :1], *common[:4], pos[:, :1], seg[:, :1], 0.1, mode="decode",
-                          interpret=False, backend=backend))
+        meta = reference.AttentionMetadata(seg, bt, cl, pos, seg)
+        meta1 = reference.AttentionMetadata(seg[:, :1], bt, cl, pos[:, :1], seg[:, :1])
+        kw = dict(scale=0.1, interpret=False, backend=backend)
+        return (
+            attention(q, k, v, (kp, vp), meta, mode="prefill", **kw),
+            attention(q, k, v, (kp, vp), meta, mode="context", **kw),
+            attention(q[:, :1], k[:, :1], v[:, :1], (kp, vp), meta1, mode="decode", **kw),
+        )
 
-    exported = export_for(platform, f, sd((b, t, h, d), bf), sd((b, t, kvh, d), bf), sd((b, t, kvh, d), bf),
-                          sd((n, ps, kvh, d), bf), sd((n, ps, kvh, d), bf), sd((b, p), i32), sd((b,), i32),
-                          sd((b, t), i32), sd((b, t), i32))
+    exported = export_for(
+        platform,
+        f,
+        sd((b, t, h, d), bf),
+        sd((b, t, kvh, d), bf),
+        sd((b, t, kvh, d), bf),
+        sd((n, ps, kvh, d), bf),
+        sd((n, ps, kvh, d), bf),
+        sd((b, p), i32),
+        sd((b,), i32),
+        sd((b, t), i32),
+        sd((b, t), i32),
+    )
     assert ("tpu_custom_call" if backend == "tpu" else "triton") in exported.mlir_module()

@@ -47,7 +47,7 @@ def test_pallas_engine_matches_xla_greedy(tok_model, backend, monkeypatch):
     want = [r.token_ids for r in xla.generate(prompts[:-1], params)]
     want += [r.token_ids for r in xla.generate(prompts[-1:], params)]
     pallas = LLM(d, attention_impl="pallas", interpret=True, **ENGINE)
-    assert pallas.engine.attention_impl == "pallas"
+    assert pallas.runner.attention_impl == "pallas"
     got = [r.token_ids for r in pallas.generate(prompts[:-1], params)]
     got += [r.token_ids for r in pallas.generate(prompts[-1:], params)]  # after the first: a prefix hit
     assert got == want

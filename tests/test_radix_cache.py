@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import collections
 
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from jaxserve.paged_cache import PageAllocator
-from jaxserve.radix_cache import RadixCache
+from jaxserve.engine.allocator import PageAllocator
+from jaxserve.engine.radix_cache import RadixCache
 
 PS = 4
 
@@ -23,13 +24,26 @@ def _lcp(a, b) -> int:
 tokens_st = st.lists(st.integers(0, 3), min_size=0, max_size=22)  # tiny alphabet: lots of sharing
 
 
+def _node_paths(cache: RadixCache) -> dict[int, tuple[tuple[int, ...], tuple[int, ...]]]:
+    """id(node) -> (its parent's token path, its own tokens), for every node in the tree."""
+    out, stack = {}, [(cache.root, ())]
+    while stack:
+        node, path = stack.pop()
+        for child in node.children.values():
+            out[id(child)] = (path, tuple(child.tokens))
+            stack.append((child, path + tuple(child.tokens)))
+    return out
+
+
 @settings(max_examples=300, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["insert", "match", "unlock", "evict"]), tokens_st, st.integers(0, 8)),
-                max_size=40))
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["insert", "match", "unlock", "evict"]), tokens_st, st.integers(0, 8)), max_size=40
+    )
+)
 def test_random_operations_against_reference(ops):
     alloc = PageAllocator(200, PS)
     cache = RadixCache(alloc)
-    cache.evicted_paths = []
     cached: set[tuple[int, ...]] = set()  # reference: page-aligned prefixes in the tree
     held = collections.Counter()  # pages held by "requests" (from inserts and matches)
     locks = []
@@ -55,14 +69,19 @@ def test_random_operations_against_reference(ops):
         elif op == "evict":
             locked_pages = {p for m in locks for p in m.pages}
             before = set(cache.pages())
+            nodes_before = _node_paths(cache)
             cache.evict(n)
+            nodes_after = _node_paths(cache)
+            # (parent path, leaf tokens) of each evicted node, children before their parents
+            evicted_paths = sorted(
+                (v for i, v in nodes_before.items() if i not in nodes_after), key=lambda pl: -len(pl[0] + pl[1])
+            )
             gone = before - set(cache.pages())
             assert not gone & locked_pages, "a locked page was evicted"
-            for parent, leaf in cache.evicted_paths:
+            for parent, leaf in evicted_paths:
                 full = parent + leaf
                 assert not any(len(q) > len(full) and q[: len(full)] == full for q in cached), "evicted a non-leaf"
                 cached = {q for q in cached if not (len(q) > len(parent) and full[: len(q)] == q)}
-            cache.evicted_paths.clear()
             assert all(_in_tree(cache, q) for q in cached)
         # Accounting: every page is free, or referenced by the tree and/or requests, exactly.
         tree = collections.Counter(cache.pages())
@@ -83,11 +102,11 @@ def _in_tree(cache: RadixCache, prefix) -> bool:
     """Whether the page-aligned prefix is still a path in the tree (walk without side effects)."""
     node, pos = cache.root, 0
     while pos < len(prefix):
-        child = node.children.get(tuple(prefix[pos: pos + PS]))
+        child = node.children.get(tuple(prefix[pos : pos + PS]))
         if child is None:
             return False
         k = min(len(child.tokens), len(prefix) - pos)
-        if tuple(prefix[pos: pos + k]) != child.tokens[:k]:
+        if tuple(prefix[pos : pos + k]) != child.tokens[:k]:
             return False
         pos += k
         node = child

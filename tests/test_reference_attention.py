@@ -5,14 +5,21 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pallas_kernels import reference
 
 
 @settings(max_examples=25, deadline=None)
-@given(seed=st.integers(0, 1000), b=st.integers(1, 3), t=st.integers(1, 5), ratio=st.sampled_from([1, 2, 4]),
-       ps=st.sampled_from([4, 8]), pages=st.integers(1, 7))
+@given(
+    seed=st.integers(0, 1000),
+    b=st.integers(1, 3),
+    t=st.integers(1, 5),
+    ratio=st.sampled_from([1, 2, 4]),
+    ps=st.sampled_from([4, 8]),
+    pages=st.integers(1, 7),
+)
 def test_chunked_matches_gathering_oracle(seed, b, t, ratio, ps, pages):
     rng = np.random.default_rng(seed)
     kvh, d = 2, 16

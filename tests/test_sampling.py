@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 from scipy import stats
 
-from jaxserve.sampling import _filter_top_k_top_p, sample
+from jaxserve.runner.sampling import _filter_top_k_top_p, sample
+from jaxserve.runner.step_batch import SamplingMetadata
 
 
 def _np_allowed(row, k, p):
@@ -32,11 +33,14 @@ def test_top_k_top_p_sets_match_numpy():
 
 def _run(logits, temp, seeds, counters, top_k=None, top_p=None):
     s = logits.shape[0]
-    return np.asarray(sample(jnp.asarray(logits), jnp.asarray(temp, jnp.float32),
-                             jnp.asarray(top_k if top_k is not None else np.zeros(s), jnp.int32),
-                             jnp.asarray(top_p if top_p is not None else np.ones(s), jnp.float32),
-                             jnp.asarray(seeds, jnp.uint32), jnp.asarray(counters, jnp.int32),
-                             do_sample=True, num_logprobs=0)[0])
+    meta = SamplingMetadata(
+        jnp.asarray(temp, jnp.float32),
+        jnp.asarray(top_k if top_k is not None else np.zeros(s), jnp.int32),
+        jnp.asarray(top_p if top_p is not None else np.ones(s), jnp.float32),
+        jnp.asarray(seeds, jnp.uint32),
+        jnp.asarray(counters, jnp.int32),
+    )
+    return np.asarray(sample(jnp.asarray(logits), meta, do_sample=True, num_logprobs=0)[0])
 
 
 def test_temperature_zero_is_argmax_even_in_sampling_mode():
@@ -60,9 +64,16 @@ def test_sampled_distribution_matches_softmax():
     n = 4000
     logits = np.tile(row, (n, 1))
     temp = 0.7
-    toks = jax.jit(lambda c: sample(jnp.asarray(logits), jnp.full((n,), temp), jnp.zeros(n, jnp.int32),
-                                    jnp.ones(n), jnp.zeros((n, 2), jnp.uint32), c, do_sample=True,
-                                    num_logprobs=0)[0])(jnp.arange(n, dtype=jnp.int32))
+    toks = jax.jit(
+        lambda c: sample(
+            jnp.asarray(logits),
+            SamplingMetadata(
+                jnp.full((n,), temp), jnp.zeros(n, jnp.int32), jnp.ones(n), jnp.zeros((n, 2), jnp.uint32), c
+            ),
+            do_sample=True,
+            num_logprobs=0,
+        )[0]
+    )(jnp.arange(n, dtype=jnp.int32))
     counts = np.bincount(np.asarray(toks), minlength=8)
     row = row.astype(np.float64)
     p = np.exp(row / temp - (row / temp).max())

@@ -6,26 +6,29 @@ from __future__ import annotations
 import collections
 import random
 
-from hypothesis import example, given, settings, strategies as st
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
-from jaxserve.paged_cache import PageAllocator
-from jaxserve.radix_cache import RadixCache
-from jaxserve.request import SamplingParams, Sequence, Status
-from jaxserve.scheduler import Scheduler
+from jaxserve.engine.allocator import PageAllocator
+from jaxserve.engine.kv_manager import KVManager
+from jaxserve.engine.radix_cache import RadixCache
+from jaxserve.engine.request import SamplingParams, Sequence, Status
+from jaxserve.engine.scheduler import Scheduler
 
 
 def _check_ownership(s: Scheduler):
-    s.alloc.check()
+    s.kv.check(s.running)
+    s.kv.alloc.check()
     held = collections.Counter(p for seq in s.running for p in seq.pages)
-    if s.prefix_cache is not None:
-        held.update(s.prefix_cache.pages())
-    for p in range(1, s.alloc.num_pages):
-        assert s.alloc.refcount[p] == held.get(p, 0), f"page {p}"
-    assert s.alloc.num_free == s.alloc.capacity - len(held)
+    if s.kv.prefix_cache is not None:
+        held.update(s.kv.prefix_cache.pages())
+    for p in range(1, s.kv.alloc.num_pages):
+        assert s.kv.alloc.refcount[p] == held.get(p, 0), f"page {p}"
+    assert s.kv.alloc.num_free == s.kv.alloc.capacity - len(held)
     slots = [seq.slot for seq in s.running]
     assert len(set(slots)) == len(slots) and sorted(slots + s.free_slots) == list(range(s.max_slots))
     for seq in s.running:
-        assert len(seq.pages) >= s.alloc.pages_for(seq.num_computed)
+        assert len(seq.pages) >= s.kv.alloc.pages_for(seq.num_computed)
     for seq in s.waiting:
         assert not seq.pages and seq.slot is None
 
@@ -34,36 +37,52 @@ def _fake_step(s: Scheduler, rng: random.Random) -> None:
     """What the engine would do: fill prefills, sample one token per decoding sequence."""
     plan = s.schedule()
     for seq in plan.decodes:
-        assert len(seq.pages) >= s.alloc.pages_for(seq.length + s.lookahead), "decode without pages for its tokens"
+        assert len(seq.pages) >= s.kv.alloc.pages_for(seq.length + s.lookahead), "decode without pages for its tokens"
         assert seq.status is Status.RUNNING
     for c in plan.prefills:
         assert c.seq.num_computed == c.start < c.end <= c.seq.length - 1
         assert c.end - c.start <= s.max_prefill_chunk
     assert sum(c.end - c.start for c in plan.prefills) <= s.max_prefill_tokens
-    s.update(plan, {seq.request_id: [(rng.randrange(3, 50), None) for _ in range(rng.randint(1, 1 + s.lookahead))]
-                    for seq in plan.decodes})
+    s.update(
+        plan,
+        {
+            seq.request_id: [(rng.randrange(3, 50), None) for _ in range(rng.randint(1, 1 + s.lookahead))]
+            for seq in plan.decodes
+        },
+    )
 
 
 @settings(max_examples=500, deadline=None)
 # Found by hypothesis: a request whose prompt is all in the prefix cache goes straight to
 # decoding and must still reserve its speculative lookahead pages.
 @example(seed=0, num_pages=12, slots=1, ops=["add"] * 5, prefix_caching=True, lookahead=3)
-@given(seed=st.integers(0, 10**6), num_pages=st.integers(12, 40), slots=st.integers(1, 6),
-       ops=st.lists(st.sampled_from(["add", "step", "step", "step", "abort"]), min_size=1, max_size=120),
-       prefix_caching=st.booleans(), lookahead=st.sampled_from([0, 0, 3]))
+@given(
+    seed=st.integers(0, 10**6),
+    num_pages=st.integers(12, 40),
+    slots=st.integers(1, 6),
+    ops=st.lists(st.sampled_from(["add", "step", "step", "step", "abort"]), min_size=1, max_size=120),
+    prefix_caching=st.booleans(),
+    lookahead=st.sampled_from([0, 0, 3]),
+)
 def test_random_workloads_keep_invariants_and_finish(seed, num_pages, slots, ops, prefix_caching, lookahead):
     rng = random.Random(seed)
     page_size, max_len = 4, 40
     alloc = PageAllocator(num_pages, page_size)
-    s = Scheduler(alloc, slots, max_len, max_prefill_tokens=24, max_prefill_chunk=16, eos_token_ids=[1],
-                  prefix_cache=RadixCache(alloc) if prefix_caching else None, lookahead=lookahead)
+    kv = KVManager(alloc, RadixCache(alloc) if prefix_caching else None)
+    s = Scheduler(
+        kv, slots, max_len, max_prefill_tokens=24, max_prefill_chunk=16, eos_token_ids=[1], lookahead=lookahead
+    )
     seqs: list[Sequence] = []
     for op in ops:
         if op == "add":
             plen = rng.randrange(1, 20)
-            seq = Sequence(f"r{len(seqs)}", [rng.randrange(3, 5) for _ in range(plen)],  # small alphabet: shared prefixes
-                           SamplingParams(max_tokens=rng.randrange(1, max_len - plen + 1), ignore_eos=True),
-                           seed=0, arrival=len(seqs))
+            seq = Sequence(
+                f"r{len(seqs)}",
+                [rng.randrange(3, 5) for _ in range(plen)],  # small alphabet: shared prefixes
+                SamplingParams(max_tokens=rng.randrange(1, max_len - plen + 1), ignore_eos=True),
+                seed=0,
+                arrival=len(seqs),
+            )
             seqs.append(seq)
             s.add(seq)
         elif op == "abort" and seqs:
@@ -77,9 +96,9 @@ def test_random_workloads_keep_invariants_and_finish(seed, num_pages, slots, ops
         _fake_step(s, rng)
         _check_ownership(s)
     assert not s.has_unfinished()
-    if s.prefix_cache is not None:
-        s.prefix_cache.flush()
-    assert s.alloc.num_free == s.alloc.capacity
+    if s.kv.prefix_cache is not None:
+        s.kv.prefix_cache.flush()
+    assert s.kv.alloc.num_free == s.kv.alloc.capacity
     for seq in seqs:
         assert seq.status is Status.FINISHED
         if seq.finish_reason == "length":
@@ -87,7 +106,7 @@ def test_random_workloads_keep_invariants_and_finish(seed, num_pages, slots, ops
 
 
 def test_preempts_newest_and_requeues_it_first():
-    s = Scheduler(PageAllocator(7, 4), 3, 24, max_prefill_tokens=64, max_prefill_chunk=16)
+    s = Scheduler(KVManager(PageAllocator(7, 4)), 3, 24, max_prefill_tokens=64, max_prefill_chunk=16)
     a = Sequence("a", [5] * 7, SamplingParams(max_tokens=10, ignore_eos=True), 0, 0)
     b = Sequence("b", [5] * 7, SamplingParams(max_tokens=10, ignore_eos=True), 0, 1)
     c = Sequence("c", [5] * 7, SamplingParams(max_tokens=10, ignore_eos=True), 0, 2)
@@ -105,18 +124,3 @@ def test_preempts_newest_and_requeues_it_first():
     while s.has_unfinished():
         _fake_step(s, rng)
     assert [len(x.output_ids) for x in (a, b, c)] == [10, 10, 10]
-
-
-def test_copy_on_write_of_a_shared_partial_page():
-    alloc = PageAllocator(8, 4)
-    s = Scheduler(alloc, 2, 32, max_prefill_tokens=64, max_prefill_chunk=16)
-    shared = alloc.allocate()
-    alloc.share(shared)  # two owners, as after a fork or a prefix-cache hit
-    seq = Sequence("x", [3] * 6, SamplingParams(max_tokens=4), 0, 0)
-    seq.pages, seq.num_computed, seq.status, seq.slot = [shared], 2, Status.RUNNING, 0
-    s.running.append(seq)
-    s.free_slots.remove(0)
-    copies: list = []
-    assert s._reserve(seq, seq.length, copies)
-    assert copies == [(shared, seq.pages[0])] and seq.pages[0] != shared
-    assert alloc.refcount[shared] == 1 and alloc.refcount[seq.pages[0]] == 1

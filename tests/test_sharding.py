@@ -12,14 +12,14 @@ import textwrap
 from pathlib import Path
 
 import pytest
-
 from conftest import make_hf_model
 
 SCRIPT = textwrap.dedent(r"""
     import json, sys
     import numpy as np, jax, jax.numpy as jnp
     from jaxserve import LLM, SamplingParams
-    from jaxserve.engine import compile_count
+    from jaxserve.runner.executable_cache import compile_count
+    from jaxserve.runner.step_batch import Chunk
     assert len(jax.devices()) == 8, jax.devices()
     path = sys.argv[1]
     rng = np.random.default_rng(0)
@@ -33,22 +33,19 @@ SCRIPT = textwrap.dedent(r"""
     store_dir = tempfile.mkdtemp()
     for run in ("first", "second"):
         llm = LLM(path, tensor_parallel_size=2, compilation_cache_dir=store_dir, **opts)
-        st = llm.engine.store
+        st = llm.runner.store
         out["restart_" + run] = {"saved": st.saved, "loaded": st.loaded,
                                  "tokens": [o.token_ids for o in llm.generate(prompts, params)]}
     ref = None
     for tp in (1, 2, 4, 8):
         llm = LLM(path, tensor_parallel_size=tp, **opts)
-        t = llm.engine.target
+        t = llm.runner.target
         # logits of one decode step after a prefill, against tp=1
-        llm.engine.prefill([(prompts[0][:-1], 0, list(range(1, 8)))])
+        llm.runner.prefill([Chunk(prompts[0][:-1], 0, list(range(1, 8)))])
         s = opts["max_slots"]
-        z = np.zeros(s, np.int32); act = np.zeros(s, bool); act[0] = True
-        pos = z.copy(); pos[0] = len(prompts[0]) - 1
-        tok = z.copy(); tok[0] = prompts[0][-1]
-        bt = llm.engine._tables([list(range(1, 8))] + [[]] * (s - 1), act)
-        slots = np.where(act, bt[np.arange(s), pos // 8] * 8 + pos % 8, 0).astype(np.int32)
-        logits, t.kv = t.decode(t.params, t.kv, tok, pos, slots, bt, np.where(act, pos + 1, 0).astype(np.int32))
+        row = Chunk([prompts[0][-1]], len(prompts[0]) - 1, list(range(1, 8)), (0.0, 0, 1.0, 0, 0))
+        batch = llm.runner.batch([[row]], s, 1, llm.runner.table_width)
+        logits, t.kv = t.decode(t.params, t.kv, batch)
         logits = np.asarray(logits)[0]
         if ref is None:
             ref = logits
@@ -67,7 +64,7 @@ SCRIPT = textwrap.dedent(r"""
     for tp in (1, 4):
         llm = LLM(sys.argv[2], tensor_parallel_size=tp, **opts)
         few[tp] = {"tokens": [o.token_ids for o in llm.generate(prompts[:4], params[:4])],
-                   "kv": [tuple(sh.data.shape) for sh in llm.engine.target.kv[0][0].addressable_shards][:1]}
+                   "kv": [tuple(sh.data.shape) for sh in llm.runner.target.kv[0][0].addressable_shards][:1]}
     out["few_kv_heads"] = few
     # Pallas kernels (interpreted here) run per chip under shard_map: same tokens as tp=1, and
     # no step gathers the page pool (XLA cannot split a kernel's custom call on TPU/GPU).
@@ -75,7 +72,7 @@ SCRIPT = textwrap.dedent(r"""
         out[name] = {}
         for tp in (2, 4):
             llm = LLM(p, tensor_parallel_size=tp, attention_impl="pallas", interpret=True, **opts)
-            t = llm.engine.target
+            t = llm.runner.target
             gathers = sum("all-gather" in exe.as_text() for step in (t.prefill, t.prefill_ctx, t.decode)
                           for exe in step.executables())
             out[name][tp] = {"tokens": [o.token_ids for o in llm.generate(prompts[:n], params[:n])],
@@ -85,9 +82,9 @@ SCRIPT = textwrap.dedent(r"""
     # mesh: each chip's program holds the kernel and nothing gathers the pool.
     import functools
     from jax.sharding import NamedSharding, PartitionSpec as P
-    from jaxserve import sharding as shd
-    from jaxserve.models.config import ModelConfig
-    from pallas_kernels import paged_attention as pk
+    from jaxserve.parallel import sharding as shd
+    from jaxserve.models.model_config import ModelConfig
+    from pallas_kernels import paged_attention as pk, reference
     cfg = ModelConfig("LlamaForCausalLM", 512, 512, 1024, 1, 8, 8, 64, 1e-5, 1e4, 2048)
     mesh = shd.make_mesh(4)
     H = P(None, None, shd.AXIS, None)
@@ -101,7 +98,9 @@ SCRIPT = textwrap.dedent(r"""
         fn = shd.shard_attention(functools.partial(pk.attention, mode="decode", interpret=False, backend=backend),
                                  cfg, mesh)
         skip = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
-        exp = jax.export.export(jax.jit(lambda *a: fn(*a, 0.125)), platforms=[platform], disabled_checks=skip)(*args)
+        attend = lambda q, k, v, kp, vp, bt, cl, pos, seg: fn(  # noqa: E731
+            q, k, v, (kp, vp), reference.AttentionMetadata(seg, bt, cl, pos, seg), scale=0.125)
+        exp = jax.export.export(jax.jit(attend), platforms=[platform], disabled_checks=skip)(*args)
         text = exp.mlir_module()
         out["export"][platform] = {"devices": exp.nr_devices, "kernel": marker in text, "gather": "all_gather" in text}
     print("RESULT" + json.dumps(out))
@@ -116,9 +115,14 @@ def results(tmp_path_factory):
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
     few = tmp_path_factory.mktemp("tp_few_kv")
     make_hf_model("llama", few, hidden_size=64, num_attention_heads=8, num_key_value_heads=2, intermediate_size=128)
-    r = subprocess.run([sys.executable, "-c", SCRIPT, str(d), str(few)], capture_output=True, text=True, env=env,
-                       timeout=900,
-                       cwd=Path(__file__).resolve().parents[1])
+    r = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(d), str(few)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+        cwd=Path(__file__).resolve().parents[1],
+    )
     line = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT")]
     assert line, r.stdout[-3000:] + r.stderr[-3000:]
     return {(int(k) if k.isdigit() else k): v for k, v in json.loads(line[0][6:]).items()}
@@ -159,7 +163,10 @@ def test_restart_loads_sharded_executables(results):
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_pallas_kernels_run_per_chip(results, tp):
-    for name, ref in (("pallas", results[1]["tokens"]), ("pallas_few_kv_heads", results["few_kv_heads"]["1"]["tokens"])):
+    for name, ref in (
+        ("pallas", results[1]["tokens"]),
+        ("pallas_few_kv_heads", results["few_kv_heads"]["1"]["tokens"]),
+    ):
         r = results[name][str(tp)]
         assert r["tokens"] == ref
         assert r["steps"] > 0 and r["gathers"] == 0, f"{name}: {r['gathers']} steps gather across chips"

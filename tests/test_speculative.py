@@ -9,12 +9,12 @@ import collections
 import numpy as np
 import pytest
 import torch
+from conftest import make_hf_model
 from scipy import stats
 
-from conftest import make_hf_model
 from jaxserve import LLM, SamplingParams
-from jaxserve import speculative
-from jaxserve.engine import compile_count
+from jaxserve.runner import speculative
+from jaxserve.runner.executable_cache import compile_count
 
 OPTS = dict(max_slots=6, page_size=8, max_model_len=160, prefill_buckets=(16, 32, 64))
 
@@ -81,8 +81,10 @@ def test_seeded_sampling_reproducible_with_speculation(tok_model, draft_dir):
     llm = LLM(tok_model[0], speculative_model=str(draft_dir), num_speculative_tokens=3, num_pages=200, **OPTS)
     p = SamplingParams(max_tokens=20, temperature=0.8, seed=5, ignore_eos=True)
     alone = llm.generate([[9, 8, 7]], p)[0].token_ids
-    crowd = llm.generate([[1, 2], [9, 8, 7], [4, 4, 4, 4]], [SamplingParams(max_tokens=30, temperature=1.0), p,
-                                                             SamplingParams(max_tokens=9, temperature=0)])
+    crowd = llm.generate(
+        [[1, 2], [9, 8, 7], [4, 4, 4, 4]],
+        [SamplingParams(max_tokens=30, temperature=1.0), p, SamplingParams(max_tokens=9, temperature=0)],
+    )
     assert crowd[1].token_ids == alone
 
 
@@ -96,8 +98,17 @@ N = 3000
 def tiny(tmp_path_factory):
     t = tmp_path_factory.mktemp("tiny_target")
     d = tmp_path_factory.mktemp("tiny_draft")
-    common = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                  num_key_value_heads=1, initializer_range=0.6, eos_token_id=None, bos_token_id=None)
+    common = dict(
+        vocab_size=V,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        initializer_range=0.6,
+        eos_token_id=None,
+        bos_token_id=None,
+    )
     hf = make_hf_model("llama", t, seed=3, **common)
     make_hf_model("llama", d, seed=4, **common)
     return t, d, hf
@@ -140,9 +151,17 @@ def _chi2_pvalue(counts, probs):
 def test_sampling_is_lossless(tiny, spec):
     t, d, hf = tiny
     prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]  # repeats, so the n-gram proposer proposes too
-    llm = LLM(t, speculative_model=str(d) if spec == "draft" else "ngram", num_speculative_tokens=2,
-              max_slots=64, page_size=8, max_model_len=32, num_pages=300, prefill_buckets=(16,),
-              enable_prefix_caching=False)
+    llm = LLM(
+        t,
+        speculative_model=str(d) if spec == "draft" else "ngram",
+        num_speculative_tokens=2,
+        max_slots=64,
+        page_size=8,
+        max_model_len=32,
+        num_pages=300,
+        prefill_buckets=(16,),
+        enable_prefix_caching=False,
+    )
     counts = _sampled_pairs(llm, prompt, 1.0)
     assert llm.spec_stats.proposed[0] > N // 2  # drafts were really proposed and judged
     assert 0 < llm.spec_stats.accepted[0] < llm.spec_stats.proposed[0]  # both outcomes of the rule occur
@@ -156,8 +175,17 @@ def test_chi_square_rejects_a_wrong_acceptance_rule(tiny, monkeypatch):
     prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]
     # Wrong: after a rejection, resample from p instead of normalize(max(0, p - q)).
     monkeypatch.setattr(speculative, "residual", lambda p, q, rejected: p)
-    llm = LLM(t, speculative_model=str(d), num_speculative_tokens=2, max_slots=64, page_size=8, max_model_len=32,
-              num_pages=300, prefill_buckets=(16,), enable_prefix_caching=False)
+    llm = LLM(
+        t,
+        speculative_model=str(d),
+        num_speculative_tokens=2,
+        max_slots=64,
+        page_size=8,
+        max_model_len=32,
+        num_pages=300,
+        prefill_buckets=(16,),
+        enable_prefix_caching=False,
+    )
     counts = _sampled_pairs(llm, prompt, 1.0)
     pvalue = _chi2_pvalue(counts, _exact_two_token_probs(hf, prompt, 1.0))
     print(f"wrong rule: chi-square p = {pvalue:.3g}")

@@ -1,4 +1,3 @@
-from jaxserve.models.config import ModelConfig
-from jaxserve.models.llama import AttentionMetadata, LlamaForCausalLM
-
-__all__ = ["ModelConfig", "LlamaForCausalLM", "AttentionMetadata"]
+"""Models: the Llama-family decoder (flax nnx), its linear layer, the architecture registry
+and Hugging Face checkpoint loading and export. Below the runner, above the kernels: a model
+is a pure function of (params, tokens, positions, KV pages, attention metadata)."""

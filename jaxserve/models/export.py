@@ -15,8 +15,8 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jaxserve.models.config import ModelConfig
 from jaxserve.models.loader import _hf_name
+from jaxserve.models.model_config import ModelConfig
 
 SPECIAL_TOKENS = {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"}
 
@@ -84,8 +84,9 @@ def wrap_tokenizer(tok: Any, model_max_length: int | None = None):
     return PreTrainedTokenizerFast(tokenizer_object=tok, **specials, **kwargs)
 
 
-def save_hf_checkpoint(model: nnx.Module, cfg: ModelConfig, out_dir: str | Path,
-                       tokenizer_dir_or_obj: Any = None, dtype=np.float32) -> Path:
+def save_hf_checkpoint(
+    model: nnx.Module, cfg: ModelConfig, out_dir: str | Path, tokenizer_dir_or_obj: Any = None, dtype=np.float32
+) -> Path:
     """Write config.json, model.safetensors and (if given) the tokenizer files to out_dir.
 
     Tied embeddings write no lm_head.weight, as transformers does."""

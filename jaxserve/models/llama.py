@@ -8,32 +8,23 @@ cache) with fixed shapes and donate the cache.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxserve.models.config import ModelConfig
+from jaxserve.models import linear
+from jaxserve.models.linear import Linear
+from jaxserve.models.model_config import ModelConfig
 from pallas_kernels import reference
+from pallas_kernels.reference import AttentionMetadata
 
 KVCache = tuple[tuple[jax.Array, jax.Array], ...]  # per layer (k_pages, v_pages)
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class AttentionMetadata:
-    """Where each new token's K/V goes and what each query may see (all int32)."""
-
-    slot_mapping: jax.Array  # [B, T] flat page slot page*page_size+offset; padding -> dummy page 0
-    block_tables: jax.Array  # [B, P] the slot's pages in sequence order
-    context_lens: jax.Array  # [B] valid keys once this chunk is written
-    segment_ids: jax.Array  # [B, T] which packed prompt a token belongs to (fresh prefill)
-
-
-# (q, k, v, k_pages, v_pages, block_tables, context_lens, positions, segment_ids, scale) -> out, where k/v are
-# this step's new keys and values (already written into the pages).
+# (q, k, v, (k_pages, v_pages), meta, *, scale) -> out, where k/v are this step's new keys and
+# values, already written into the pages.
 PagedAttentionFn = Callable[..., jax.Array]
 
 
@@ -48,9 +39,23 @@ class RMSNorm(nnx.Module):
         return self.weight[...] * x32.astype(x.dtype)
 
 
-def _linear(din: int, dout: int, bias: bool, dtype, rngs: nnx.Rngs, std: float) -> nnx.Linear:
-    return nnx.Linear(din, dout, use_bias=bias, dtype=dtype, param_dtype=dtype, rngs=rngs,
-                      kernel_init=nnx.initializers.normal(std))
+def _linear(din: int, dout: int, bias: bool, dtype, rngs: nnx.Rngs, std: float) -> Linear:
+    return Linear(din, dout, bias=bias, dtype=dtype, rngs=rngs, std=std)
+
+
+# How each projection splits across chips (tensor parallelism): column-parallel projections
+# make whole heads (or MLP columns) per chip, row-parallel ones consume them and all-reduce.
+# K/V projections are column-parallel only when the KV heads divide by the chip count.
+TP_LAYOUT = {
+    "q_proj": linear.COLUMN,
+    "k_proj": linear.COLUMN,
+    "v_proj": linear.COLUMN,
+    "gate_proj": linear.COLUMN,
+    "up_proj": linear.COLUMN,
+    "lm_head": linear.COLUMN,
+    "o_proj": linear.ROW,
+    "down_proj": linear.ROW,
+}
 
 
 def rope(x, positions, inv_freq):
@@ -80,15 +85,14 @@ class Attention(nnx.Module):
         k = self.k_proj(x).reshape(b, t, c.num_kv_heads, c.head_dim)
         v = self.v_proj(x).reshape(b, t, c.num_kv_heads, c.head_dim)
         q, k = rope(q, positions, inv_freq), rope(k, positions, inv_freq)
-        scale = c.head_dim ** -0.5
+        scale = c.head_dim**-0.5
         if cache is None:
             out = reference.causal_attention(q, k, v, scale)
         else:
             k_pages = reference.write_pages(cache[0], k, meta.slot_mapping)
             v_pages = reference.write_pages(cache[1], v, meta.slot_mapping)
             cache = (k_pages, v_pages)
-            out = attn_fn(q, k, v, k_pages, v_pages, meta.block_tables, meta.context_lens, positions,
-                          meta.segment_ids, scale)
+            out = attn_fn(q, k, v, cache, meta, scale=scale)
         return self.o_proj(out.reshape(b, t, -1)), cache
 
 
@@ -123,15 +127,28 @@ class LlamaForCausalLM(nnx.Module):
         rngs = rngs or nnx.Rngs(0)
         self.cfg = cfg
         self.dtype = dtype
-        self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=dtype, rngs=rngs,
-                                      embedding_init=nnx.initializers.normal(init_std))
+        self.embed_tokens = nnx.Embed(
+            cfg.vocab_size,
+            cfg.hidden_size,
+            dtype=dtype,
+            param_dtype=dtype,
+            rngs=rngs,
+            embedding_init=nnx.initializers.normal(init_std),
+        )
         self.layers = nnx.List([DecoderLayer(cfg, dtype, rngs, init_std) for _ in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         if not cfg.tie_word_embeddings:
             self.lm_head = _linear(cfg.hidden_size, cfg.vocab_size, False, dtype, rngs, init_std)
 
-    def __call__(self, tokens, positions, kv_cache: KVCache | None = None, meta: AttentionMetadata | None = None,
-                 attn_fn: PagedAttentionFn | None = None, logits_index=None):
+    def __call__(
+        self,
+        tokens,
+        positions,
+        kv_cache: KVCache | None = None,
+        meta: AttentionMetadata | None = None,
+        attn_fn: PagedAttentionFn | None = None,
+        logits_index=None,
+    ):
         """tokens/positions [B, T]. Without a cache: dense causal attention over the batch
         (right padding is harmless under a causal mask). logits_index [B] selects one position
         per row before the vocabulary projection, which is most of a prefill's FLOPs otherwise."""

@@ -21,8 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxserve.models.config import ModelConfig
-from jaxserve.models.llama import LlamaForCausalLM
+from jaxserve.models import linear, registry
+from jaxserve.models.model_config import ModelConfig
 
 log = logging.getLogger("jaxserve.loader")
 
@@ -40,14 +40,13 @@ def _hf_name(path: tuple) -> tuple[str, bool]:
     leaf = parts[-1]
     if parts[0] == "embed_tokens":
         return "model.embed_tokens.weight", False
-    if parts[0] == "lm_head":
-        return "lm_head.weight", True
     if parts[0] == "norm":
         return "model.norm.weight", False
-    name = "model." + ".".join(parts[:-1])
-    if leaf == "kernel":
-        return name + ".weight", True
-    return name + "." + leaf, False
+    prefix = "" if parts[0] == "lm_head" else "model."
+    if leaf in ("kernel", "bias"):  # a Linear: it knows how the checkpoint stores it
+        suffix, transpose = linear.checkpoint_tensor(leaf)
+        return prefix + ".".join(parts[:-1]) + "." + suffix, transpose
+    return prefix + ".".join(parts[:-1]) + "." + leaf, False
 
 
 def _safetensors_files(path: Path) -> list[Path]:
@@ -82,7 +81,9 @@ def fingerprint(path: Path, dtype) -> str:
     return h.hexdigest()
 
 
-def _read_checkpoint(path: Path, cfg: ModelConfig, wanted: dict[str, tuple[tuple, bool]], dtype) -> dict[str, np.ndarray]:
+def _read_checkpoint(
+    path: Path, cfg: ModelConfig, wanted: dict[str, tuple[tuple, bool]], dtype
+) -> dict[str, np.ndarray]:
     from safetensors import safe_open
 
     out: dict[str, np.ndarray] = {}
@@ -98,15 +99,19 @@ def _read_checkpoint(path: Path, cfg: ModelConfig, wanted: dict[str, tuple[tuple
                 if transpose:
                     arr = arr.T
                 if tuple(arr.shape) != tuple(shape):
-                    raise ValueError(f"{f.name}: tensor {name!r} has shape {tuple(arr.shape if not transpose else arr.T.shape)}, "
-                                     f"expected {tuple(shape if not transpose else shape[::-1])}")
+                    raise ValueError(
+                        f"{f.name}: tensor {name!r} has shape {tuple(arr.shape if not transpose else arr.T.shape)}, "
+                        f"expected {tuple(shape if not transpose else shape[::-1])}"
+                    )
                 out[name] = np.ascontiguousarray(arr.astype(dtype))
         if len(files) > 1:
             log.info("loaded shard %d/%d (%s) in %.1fs", i + 1, len(files), f.name, time.time() - t0)
     missing = [n for n in wanted if n not in out]
     if missing:
-        raise ValueError(f"model: tensor {missing[0]!r} is missing from the checkpoint in {str(path)!r}"
-                         + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+        raise ValueError(
+            f"model: tensor {missing[0]!r} is missing from the checkpoint in {str(path)!r}"
+            + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+        )
     return out
 
 
@@ -162,12 +167,14 @@ def _save_cache(cache: Path, fp: str, arrays: dict[str, np.ndarray], cfg: ModelC
     ckptr = ocp.StandardCheckpointer()
     ckptr.save((cache / "params").absolute(), {k: arrays[n] for k, n in keys.items()})
     ckptr.wait_until_finished()
-    (cache / "jaxserve_meta.json").write_text(json.dumps(
-        {"fingerprint": fp, "keys": keys, "checksums": _checksums(arrays), "config": cfg.to_json()}))
+    (cache / "jaxserve_meta.json").write_text(
+        json.dumps({"fingerprint": fp, "keys": keys, "checksums": _checksums(arrays), "config": cfg.to_json()})
+    )
 
 
-def load_model(path: str | Path, dtype=None, cache_dir: str | Path | None = None, use_cache: bool = True
-               ) -> tuple[LlamaForCausalLM, ModelConfig]:
+def load_model(
+    path: str | Path, dtype=None, cache_dir: str | Path | None = None, use_cache: bool = True
+) -> tuple[nnx.Module, ModelConfig]:
     """Load a checkpoint directory. cache_dir: where converted weights live (default
     $JAXSERVE_CACHE_DIR/converted/<fingerprint>); use_cache=False converts every time."""
     path = Path(path)
@@ -180,7 +187,8 @@ def load_model(path: str | Path, dtype=None, cache_dir: str | Path | None = None
         cfg = _cached_config(cache, fp)  # parsed by transformers when the cache was written
     if cfg is None:
         cfg = ModelConfig.from_dir(path)
-    abstract = nnx.eval_shape(lambda: LlamaForCausalLM(cfg, dtype=dtype))
+    module_class = registry.model_class(cfg.architecture)
+    abstract = nnx.eval_shape(lambda: module_class(cfg, dtype=dtype))
     graphdef, abs_state = nnx.split(abstract)
     flat = nnx.to_flat_state(abs_state)
     wanted = {}

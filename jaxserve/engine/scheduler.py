@@ -16,8 +16,8 @@ import dataclasses
 from collections import deque
 from typing import Iterable
 
-from jaxserve.paged_cache import PageAllocator
-from jaxserve.request import Sequence, Status
+from jaxserve.engine.kv_manager import KVManager
+from jaxserve.engine.request import Sequence, Status
 
 
 @dataclasses.dataclass
@@ -40,18 +40,26 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, allocator: PageAllocator, max_slots: int, max_model_len: int,
-                 max_prefill_tokens: int, max_prefill_chunk: int, eos_token_ids: Iterable[int] = (),
-                 prefix_cache=None, watermark: float = 0.01, lookahead: int = 0):
-        self.alloc = allocator
+    """Decides which sequences run this step and how much of each; the KV manager decides
+    which pages that takes."""
+
+    def __init__(
+        self,
+        kv: KVManager,
+        max_slots: int,
+        max_model_len: int,
+        max_prefill_tokens: int,
+        max_prefill_chunk: int,
+        eos_token_ids: Iterable[int] = (),
+        lookahead: int = 0,
+    ):
+        self.kv = kv
         self.max_slots = max_slots
         self.max_model_len = max_model_len
         self.max_prefill_tokens = max_prefill_tokens
         self.max_prefill_chunk = max_prefill_chunk
         self.eos = frozenset(eos_token_ids)
-        self.prefix_cache = prefix_cache
         self.lookahead = lookahead  # speculative decoding writes k positions past the last token
-        self.watermark_pages = int(watermark * allocator.capacity)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.free_slots = list(range(max_slots))
@@ -85,7 +93,7 @@ class Scheduler:
         for seq in sorted(self.running, key=lambda s: s.arrival):
             if seq.status is not Status.RUNNING or seq.prefilling:
                 continue
-            while not self._reserve(seq, seq.length + self.lookahead, copies):
+            while not self.kv.allocate_slots(seq, seq.length + self.lookahead, copies):
                 victim = max((s for s in self.running if s.status is Status.RUNNING), key=lambda s: s.arrival)
                 self._preempt(victim)
                 preempted.append(victim)
@@ -125,73 +133,19 @@ class Scheduler:
         """A sequence joining the decodes mid-step owns pages for the k positions a speculative
         step writes past its last token (the running ones got theirs in step 1). Without them
         it waits: the next step's step 1 reserves them or preempts."""
-        return not self.lookahead or self._reserve(seq, seq.length + self.lookahead, copies)
+        return not self.lookahead or self.kv.allocate_slots(seq, seq.length + self.lookahead, copies)
 
     def _admit(self, seq: Sequence, copies: list) -> bool:
-        cache = self.prefix_cache
-        match = cache.match(seq.all_ids[:-1]) if cache is not None else None
-        cached_pages = match.pages if match else []
-        cached_tokens = match.num_tokens if match else 0
-        # Pages still to allocate, plus one when a shared partial page must be copied on write.
-        need = self.alloc.pages_for(seq.length) - len(cached_pages) + (1 if cached_tokens % self.alloc.page_size else 0)
-        reserve = self.watermark_pages if self.running else 0
-        if cache is not None and self.alloc.num_free < need + reserve:
-            cache.evict(need + reserve - self.alloc.num_free)
-        if self.alloc.num_free < need + reserve:
-            if match:
-                cache.release_match(match)
+        if not self.kv.admit(seq, copies, keep_reserve=bool(self.running)):
             return False
-        seq.pages = list(cached_pages)
-        seq.num_computed = cached_tokens
-        if match:
-            seq.cache_node = match.node
-            cache.record(seq.length - 1, cached_tokens)
-        if seq.num_preemptions == 0:
-            seq.num_cached_prompt_tokens = min(cached_tokens, len(seq.prompt_ids))
         seq.status = Status.RUNNING
         seq.slot = self.free_slots.pop(0)
         self.running.append(seq)
-        ok = self._reserve(seq, seq.length, copies)
-        assert ok, "admission reserved fewer pages than it checked for"
         return True
-
-    def _reserve(self, seq: Sequence, num_tokens: int, copies: list) -> bool:
-        """Own enough pages for num_tokens, and make the pages about to be written private."""
-        while len(seq.pages) < self.alloc.pages_for(num_tokens):
-            if not self._ensure_free_page():
-                return False
-            seq.pages.append(self.alloc.allocate())
-        first = seq.num_computed // self.alloc.page_size
-        for i in range(first, len(seq.pages)):
-            page = seq.pages[i]
-            if self.alloc.is_shared(page):
-                if not self._ensure_free_page():
-                    return False
-                new = self.alloc.allocate()
-                copies.append((page, new))
-                self.alloc.release(page)
-                seq.pages[i] = new
-        return True
-
-    def _ensure_free_page(self) -> bool:
-        """A page is free, evicting a cached prefix for it if the pool is dry."""
-        return self.alloc.num_free > 0 or (self.prefix_cache is not None and self.prefix_cache.evict(1) > 0)
 
     # -- state changes -----------------------------------------------------------------
-    def _release_pages(self, seq: Sequence) -> None:
-        """Give a request's pages back; with prefix caching, first offer its computed whole
-        pages to the tree so the next request (or the next turn) can reuse them."""
-        if self.prefix_cache is not None:
-            self.prefix_cache.insert(seq.all_ids[: seq.num_computed], seq.pages)
-            if seq.cache_node is not None:
-                self.prefix_cache.unlock(seq.cache_node)
-                seq.cache_node = None
-        for p in seq.pages:
-            self.alloc.release(p)
-        seq.pages = []
-
     def _preempt(self, seq: Sequence) -> None:
-        self._release_pages(seq)
+        self.kv.free(seq)
         self.running.remove(seq)
         self.free_slots.append(seq.slot)
         self.free_slots.sort()
@@ -204,7 +158,7 @@ class Scheduler:
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         if seq.status is Status.RUNNING:
-            self._release_pages(seq)
+            self.kv.free(seq)
             self.running.remove(seq)
             self.free_slots.append(seq.slot)
             self.free_slots.sort()
@@ -225,8 +179,7 @@ class Scheduler:
             seq = chunk.seq
             if seq.status is Status.RUNNING:
                 seq.num_computed = chunk.end
-                if self.prefix_cache is not None:  # after every chunk: later arrivals hit sooner
-                    self.prefix_cache.insert(seq.all_ids[: seq.num_computed], seq.pages)
+                self.kv.cache_computed(seq)
         touched = []
         for seq in plan.decodes:
             if seq.status is not Status.RUNNING or seq.request_id not in sampled:
@@ -244,8 +197,6 @@ class Scheduler:
                     self._finish(seq, "length")
                 if seq.status is Status.FINISHED:
                     break
-            # Roll back speculative lookahead: pages past the new length go back to the pool.
-            keep = self.alloc.pages_for(seq.length)
-            while seq.status is Status.RUNNING and len(seq.pages) > keep:
-                self.alloc.release(seq.pages.pop())
+            if seq.status is Status.RUNNING:  # a rejected speculative lookahead's pages go back
+                self.kv.trim(seq)
         return touched

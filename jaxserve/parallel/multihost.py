@@ -19,8 +19,12 @@ import numpy as np
 log = logging.getLogger("jaxserve.multihost")
 
 
-def initialize(coordinator: str | None = None, num_processes: int | None = None, process_id: int | None = None,
-               local_device_count: int | None = None) -> bool:
+def initialize(
+    coordinator: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    local_device_count: int | None = None,
+) -> bool:
     """jax.distributed.initialize from arguments or JAXSERVE_COORDINATOR / JAXSERVE_NUM_PROCESSES /
     JAXSERVE_PROCESS_ID (and JAXSERVE_LOCAL_DEVICE_COUNT, CPU only). Coordinator "auto": JAX
     finds the slice's workers itself (Cloud TPU). Returns False (single process) when no

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.client import Client
-from jaxserve.server import Server
+from jaxserve.serving.client import Client
+from jaxserve.serving.grpc_server import Server
 from jaxserve.v1 import jaxserve_pb2 as pb
 
 OPTS = dict(max_slots=8, page_size=8, max_model_len=160, num_pages=160, prefill_buckets=(16, 32, 64))
@@ -134,18 +134,21 @@ def test_abort_rpc(served):
     _pool_whole(llm)
 
 
-@pytest.mark.parametrize("build, field", [
-    (lambda c: pb.GenerateRequest(), "prompt"),
-    (lambda c: c.request([1, 2, 3], max_tokens=-1), "max_tokens"),
-    (lambda c: c.request([1, 2, 3], temperature=-1.0), "temperature"),
-    (lambda c: c.request([1, 2, 3], top_k=-2), "top_k"),
-    (lambda c: c.request([1, 2, 3], top_p=1.5), "top_p"),
-    (lambda c: c.request([1, 2, 3], logprobs=-1), "logprobs"),
-    (lambda c: c.request([1, 2, 99999]), "prompt_token_ids"),
-    (lambda c: c.request([], max_tokens=3), "prompt"),
-    (lambda c: c.request("", max_tokens=3), "prompt"),
-    (lambda c: c.request([1] * 150, max_tokens=20), "max_tokens"),
-])
+@pytest.mark.parametrize(
+    "build, field",
+    [
+        (lambda c: pb.GenerateRequest(), "prompt"),
+        (lambda c: c.request([1, 2, 3], max_tokens=-1), "max_tokens"),
+        (lambda c: c.request([1, 2, 3], temperature=-1.0), "temperature"),
+        (lambda c: c.request([1, 2, 3], top_k=-2), "top_k"),
+        (lambda c: c.request([1, 2, 3], top_p=1.5), "top_p"),
+        (lambda c: c.request([1, 2, 3], logprobs=-1), "logprobs"),
+        (lambda c: c.request([1, 2, 99999]), "prompt_token_ids"),
+        (lambda c: c.request([], max_tokens=3), "prompt"),
+        (lambda c: c.request("", max_tokens=3), "prompt"),
+        (lambda c: c.request([1] * 150, max_tokens=20), "max_tokens"),
+    ],
+)
 def test_invalid_requests_are_rejected_and_serving_continues(served, build, field):
     st, *_ = served
     c = Client(st.target)
@@ -210,6 +213,7 @@ def test_auth_and_full_queue(tok_model):
         assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
         good = Client(st.target, token="s3cret")
         assert good.health() == "SERVING"
+
         # one slot and one waiting place: of 6 simultaneous long requests some must be refused
         def one(i):
             try:
@@ -228,8 +232,26 @@ def test_auth_and_full_queue(tok_model):
 
 def test_sigterm_drains_with_a_final_message(tok_model, tmp_path):
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--model", str(tok_model[0]), "--port", "0",
-           "--grace", "0.5", "--max-slots", "2", "--page-size", "8", "--max-model-len", "160", "--num-pages", "64"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "jaxserve.cli",
+        "serve",
+        "--model",
+        str(tok_model[0]),
+        "--port",
+        "0",
+        "--grace",
+        "0.5",
+        "--max-slots",
+        "2",
+        "--page-size",
+        "8",
+        "--max-model-len",
+        "160",
+        "--num-pages",
+        "64",
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
         port = None

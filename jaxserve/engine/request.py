@@ -69,7 +69,6 @@ class Sequence:
     num_cached_prompt_tokens: int = 0
     num_preemptions: int = 0
     logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)
-    cache_node: object = None  # the prefix-cache node this request has locked
 
     @property
     def all_ids(self) -> list[int]:

@@ -11,22 +11,32 @@ class Metrics:
     def __init__(self):
         r = self.registry = CollectorRegistry()
         self.requests = Counter("jaxserve_requests", "Finished requests by outcome", ["outcome"], registry=r)
-        self.ttft = Histogram("jaxserve_time_to_first_token_seconds", "Arrival to first token", buckets=_LATENCY,
-                              registry=r)
-        self.tpot = Histogram("jaxserve_time_per_output_token_seconds", "Mean time per output token after the first",
-                              buckets=_LATENCY, registry=r)
-        self.itl = Histogram("jaxserve_inter_token_latency_seconds", "Gap between streamed messages",
-                             buckets=_LATENCY, registry=r)
+        self.ttft = Histogram(
+            "jaxserve_time_to_first_token_seconds", "Arrival to first token", buckets=_LATENCY, registry=r
+        )
+        self.tpot = Histogram(
+            "jaxserve_time_per_output_token_seconds",
+            "Mean time per output token after the first",
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "jaxserve_inter_token_latency_seconds", "Gap between streamed messages", buckets=_LATENCY, registry=r
+        )
         self.prompt_tokens = Counter("jaxserve_prompt_tokens", "Prompt tokens", registry=r)
         self.generation_tokens = Counter("jaxserve_generation_tokens", "Generated tokens", registry=r)
         self.running = Gauge("jaxserve_requests_running", "Requests in decode slots", registry=r)
         self.waiting = Gauge("jaxserve_requests_waiting", "Requests waiting for a slot", registry=r)
         self.kv_pages_used = Gauge("jaxserve_kv_pages_used", "KV pages in use (requests and prefix cache)", registry=r)
         self.kv_pages_total = Gauge("jaxserve_kv_pages_total", "KV pages in the pool", registry=r)
-        self.prefix_hit_rate = Gauge("jaxserve_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache",
-                                     registry=r)
-        self.spec_accepted = Gauge("jaxserve_spec_decode_mean_accepted_tokens",
-                                   "Mean tokens accepted per target step (speculative decoding)", registry=r)
+        self.prefix_hit_rate = Gauge(
+            "jaxserve_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache", registry=r
+        )
+        self.spec_accepted = Gauge(
+            "jaxserve_spec_decode_mean_accepted_tokens",
+            "Mean tokens accepted per target step (speculative decoding)",
+            registry=r,
+        )
         self.preemptions = Gauge("jaxserve_preemptions", "Requests preempted so far", registry=r)
 
     def update_engine(self, stats: dict) -> None:

@@ -10,14 +10,16 @@ cache is pinned to its sharding on output so donation and the compile cache stay
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
-import numpy as np
 import jax
+import numpy as np
 from jax import lax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from jaxserve.models.config import ModelConfig
+from jaxserve.models.model_config import ModelConfig
 
 AXIS = "tp"
 
@@ -40,16 +42,23 @@ def kv_heads_sharded(cfg: ModelConfig, tp: int) -> bool:
 
 
 def param_spec(path: tuple, ndim: int, cfg: ModelConfig, tp: int) -> P:
+    """A parameter's placement: the model says how each projection splits (its TP_LAYOUT),
+    the Linear layer how that layout maps onto its kernel and bias; the rest is replicated.
+    K/V projections stay replicated when their heads do not divide by the chip count, and
+    the LM head when the vocabulary does not."""
+    from jaxserve.models import linear
+    from jaxserve.models.llama import TP_LAYOUT
+
     names = [str(p) for p in path]
     leaf, owner = names[-1], names[-2] if len(names) > 1 else ""
-    kv_ok = kv_heads_sharded(cfg, tp)
-    if owner in ("q_proj", "gate_proj", "up_proj") or (owner in ("k_proj", "v_proj") and kv_ok):
-        return P(None, AXIS) if leaf == "kernel" else P(AXIS)
-    if owner in ("o_proj", "down_proj") and leaf == "kernel":
-        return P(AXIS, None)
-    if owner == "lm_head" and leaf == "kernel":
-        return P(None, AXIS) if cfg.vocab_size % tp == 0 else P()
-    return P(*([None] * ndim))
+    layout = TP_LAYOUT.get(owner) if leaf in ("kernel", "bias") else None
+    if (owner in ("k_proj", "v_proj") and not kv_heads_sharded(cfg, tp)) or (
+        owner == "lm_head" and cfg.vocab_size % tp
+    ):
+        layout = None
+    if layout is None:
+        return P(*([None] * ndim))
+    return linear.partition_spec(leaf, layout, AXIS)
 
 
 def shard_params(state, cfg: ModelConfig, mesh: Mesh):
@@ -90,15 +99,22 @@ def shard_attention(attn_fn: Callable, cfg: ModelConfig, mesh: Mesh) -> Callable
         return attn_fn
     kv = kv_spec(cfg, tp)
 
-    def per_chip(q, k, v, k_pages, v_pages, block_tables, context_lens, positions, segment_ids, *, scale):
+    def per_chip(q, k, v, kv_pages, meta, *, scale):
+        k_pages, v_pages = kv_pages
         if not kv_sharded:
             head = lax.axis_index(AXIS) * local_heads // group
             k, v, k_pages, v_pages = (lax.dynamic_slice_in_dim(x, head, 1, axis=2) for x in (k, v, k_pages, v_pages))
-        return attn_fn(q, k, v, k_pages, v_pages, block_tables, context_lens, positions, segment_ids, scale)
+        return attn_fn(q, k, v, (k_pages, v_pages), meta, scale=scale)
 
-    def wrapped(q, k, v, k_pages, v_pages, block_tables, context_lens, positions, segment_ids, scale):
-        body = jax.shard_map(lambda *a: per_chip(*a, scale=scale), mesh=mesh, out_specs=HEADS, check_vma=False,
-                             in_specs=(HEADS, kv, kv, kv, kv, P(), P(), P(), P()))
-        return body(q, k, v, k_pages, v_pages, block_tables, context_lens, positions, segment_ids)
+    def wrapped(q, k, v, kv_pages, meta, *, scale):
+        meta_spec = jax.tree.map(lambda _: P(), meta)
+        body = jax.shard_map(
+            functools.partial(per_chip, scale=scale),
+            mesh=mesh,
+            out_specs=HEADS,
+            check_vma=False,
+            in_specs=(HEADS, kv, kv, (kv, kv), meta_spec),
+        )
+        return body(q, k, v, kv_pages, meta)
 
     return wrapped

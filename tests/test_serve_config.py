@@ -8,9 +8,16 @@ from pathlib import Path
 
 import pytest
 
-from jaxserve.config import (CONFIG_DIR, DEFAULT_GIN_FILE, ENGINE_FIELDS, SERVER_FIELDS, ServeConfig, load_config,
-                             operative_config_str)
-from jaxserve.engine import EngineConfig
+from jaxserve.engine.engine_config import EngineConfig
+from jaxserve.serve_config import (
+    CONFIG_DIR,
+    DEFAULT_GIN_FILE,
+    ENGINE_FIELDS,
+    SERVER_FIELDS,
+    ServeConfig,
+    load_config,
+    operative_config_str,
+)
 
 PRESETS = {  # file -> (checkpoint, kv-math preset, tensor_parallel_size)
     "llama-3.1-8b-instruct.gin": ("/models/Llama-3.1-8B-Instruct", "llama-3.1-8b", 1),
@@ -68,9 +75,16 @@ def test_every_engine_field_is_configurable_with_the_engine_defaults():
 
 
 def test_gin_params_override_files_in_order_and_overrides_win():
-    cfg = load_config(["llama-3.1-8b-instruct.gin"],
-                      ["ServeConfig.max_slots = 8", "ServeConfig.max_slots = 12", "ServeConfig.prefill_buckets = [8, 16]",
-                       "ServeConfig.speculative_model = None", "ServeConfig.model = '/data/llama'"])
+    cfg = load_config(
+        ["llama-3.1-8b-instruct.gin"],
+        [
+            "ServeConfig.max_slots = 8",
+            "ServeConfig.max_slots = 12",
+            "ServeConfig.prefill_buckets = [8, 16]",
+            "ServeConfig.speculative_model = None",
+            "ServeConfig.model = '/data/llama'",
+        ],
+    )
     assert cfg.max_slots == 12 and cfg.prefill_buckets == (8, 16) and cfg.speculative_model is None
     assert cfg.model == "/data/llama" and cfg.engine_config().prefill_buckets == (8, 16)
     cfg = load_config(["llama-3.1-8b-instruct.gin"], ["ServeConfig.max_slots = 8"], {"max_slots": 3, "port": 0})
@@ -80,9 +94,11 @@ def test_gin_params_override_files_in_order_and_overrides_win():
 
 
 def test_include_and_search_path(tmp_path, monkeypatch):
-    (tmp_path / "mine.gin").write_text("include 'llama-3.1-70b-instruct.gin'\n"
-                                       "include 'base/tpu.gin'\n"
-                                       "ServeConfig.model = '~/ckpt/70b'\nServeConfig.port = 6000\n")
+    (tmp_path / "mine.gin").write_text(
+        "include 'llama-3.1-70b-instruct.gin'\n"
+        "include 'base/tpu.gin'\n"
+        "ServeConfig.model = '~/ckpt/70b'\nServeConfig.port = 6000\n"
+    )
     cfg = load_config([tmp_path / "mine.gin"])
     assert cfg.tensor_parallel_size == 8 and cfg.page_size == 64 and cfg.port == 6000
     assert cfg.metrics_port == 9090  # two includes deep: 70b -> base/server.gin
@@ -100,21 +116,44 @@ def test_to_gin_round_trips(tmp_path):
         cfg.replace(max_slots=0)
 
 
-@pytest.mark.parametrize("params, files, message", [
-    (["ServeConfig.max_slotz = 4"], [], r"gin binding 'ServeConfig.max_slotz = 4'.*'max_slotz'.*did you mean 'max_slots'"),
-    (["EngineConfig.max_slots = 4"], [], r"gin binding 'EngineConfig.max_slots = 4': No configurable matching 'EngineConfig'"),
-    (["ServeConfig.max_slots = 0"], [], r"ServeConfig.max_slots = 0: max_slots must be >= 1.*--gin_param"),
-    (["ServeConfig.attention_impl = 'cuda'"], [], r"ServeConfig.attention_impl = 'cuda': attention_impl must be"),
-    (["ServeConfig.prefill_buckets = (64, 16)"], [], r"ServeConfig.prefill_buckets = \(64, 16\): prefill_buckets must"),
-    (["ServeConfig.max_slots = '4'"], [], r"ServeConfig.max_slots must be int, got '4' \(str\)"),
-    (["ServeConfig.enable_prefix_caching = 1"], [], r"ServeConfig.enable_prefix_caching must be bool"),
-    (["ServeConfig.dtype = bfloat16"], [], r"gin binding 'ServeConfig.dtype = bfloat16'.*string values need quotes"),
-    (["ServeConfig.prefill_buckets = [16, 32"], [], r"gin binding 'ServeConfig.prefill_buckets = \[16, 32'"),
-    (["ServeConfig.port = 70000"], [], r"ServeConfig.port must be in \[0, 65535\], got 70000"),
-    (["ServeConfig.tls_cert = '/c.pem'"], [], r"tls_cert and ServeConfig.tls_key must be set together"),
-    (["ServeConfig.kv_math_preset = 'gpt-5'"], [], r"kv_math_preset must be one of"),
-    ([], ["no-such-config.gin"], r"gin file 'no-such-config.gin' not found \(searched: the current directory, .*configs\)"),
-])
+@pytest.mark.parametrize(
+    "params, files, message",
+    [
+        (
+            ["ServeConfig.max_slotz = 4"],
+            [],
+            r"gin binding 'ServeConfig.max_slotz = 4'.*'max_slotz'.*did you mean 'max_slots'",
+        ),
+        (
+            ["EngineConfig.max_slots = 4"],
+            [],
+            r"gin binding 'EngineConfig.max_slots = 4': No configurable matching 'EngineConfig'",
+        ),
+        (["ServeConfig.max_slots = 0"], [], r"ServeConfig.max_slots = 0: max_slots must be >= 1.*--gin_param"),
+        (["ServeConfig.attention_impl = 'cuda'"], [], r"ServeConfig.attention_impl = 'cuda': attention_impl must be"),
+        (
+            ["ServeConfig.prefill_buckets = (64, 16)"],
+            [],
+            r"ServeConfig.prefill_buckets = \(64, 16\): prefill_buckets must",
+        ),
+        (["ServeConfig.max_slots = '4'"], [], r"ServeConfig.max_slots must be int, got '4' \(str\)"),
+        (["ServeConfig.enable_prefix_caching = 1"], [], r"ServeConfig.enable_prefix_caching must be bool"),
+        (
+            ["ServeConfig.dtype = bfloat16"],
+            [],
+            r"gin binding 'ServeConfig.dtype = bfloat16'.*string values need quotes",
+        ),
+        (["ServeConfig.prefill_buckets = [16, 32"], [], r"gin binding 'ServeConfig.prefill_buckets = \[16, 32'"),
+        (["ServeConfig.port = 70000"], [], r"ServeConfig.port must be in \[0, 65535\], got 70000"),
+        (["ServeConfig.tls_cert = '/c.pem'"], [], r"tls_cert and ServeConfig.tls_key must be set together"),
+        (["ServeConfig.kv_math_preset = 'gpt-5'"], [], r"kv_math_preset must be one of"),
+        (
+            [],
+            ["no-such-config.gin"],
+            r"gin file 'no-such-config.gin' not found \(searched: the current directory, .*configs\)",
+        ),
+    ],
+)
 def test_bad_bindings_name_the_culprit(params, files, message):
     with pytest.raises(ValueError, match=message):
         load_config(files, params)

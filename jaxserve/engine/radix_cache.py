@@ -21,7 +21,7 @@ import heapq
 import itertools
 from typing import Sequence as Seq
 
-from jaxserve.paged_cache import PageAllocator
+from jaxserve.engine.allocator import PageAllocator
 
 
 @dataclasses.dataclass(eq=False)
@@ -50,11 +50,10 @@ class RadixCache:
         self.queried_tokens = 0
         self.hit_tokens = 0
         self.num_cached_pages = 0
-        self.evicted_paths: list[tuple[tuple[int, ...], tuple[int, ...]]] | None = None  # (parent path, leaf) when a list
 
     # -- lookup ------------------------------------------------------------------------
     def _key(self, tokens: Seq[int], i: int) -> tuple[int, ...]:
-        return tuple(tokens[i: i + self.ps])
+        return tuple(tokens[i : i + self.ps])
 
     def match(self, tokens: Seq[int]) -> Match:
         """Longest cached prefix of `tokens`; shares its pages and locks its path."""
@@ -66,8 +65,11 @@ class RadixCache:
             if child is None:
                 break
             k = 0  # whole pages of child that match
-            while k < len(child.pages) and tuple(tokens[pos + k * self.ps: pos + (k + 1) * self.ps]) == \
-                    child.tokens[k * self.ps:(k + 1) * self.ps]:
+            while (
+                k < len(child.pages)
+                and tuple(tokens[pos + k * self.ps : pos + (k + 1) * self.ps])
+                == child.tokens[k * self.ps : (k + 1) * self.ps]
+            ):
                 k += 1
             if k < len(child.pages):
                 child = self._split(child, k)
@@ -76,7 +78,7 @@ class RadixCache:
             node = child
         # A partial page: the longest common prefix with any child's first page.
         best, best_child = 0, None
-        rest = tokens[pos: pos + self.ps]
+        rest = tokens[pos : pos + self.ps]
         for key, child in node.children.items():
             n = 0
             while n < len(rest) and n < self.ps and key[n] == rest[n]:
@@ -103,7 +105,7 @@ class RadixCache:
         """Split node after k pages; returns the new upper node (holding the first k pages)."""
         upper = Node(node.tokens[: k * self.ps], node.pages[:k], node.parent, {}, node.lock_ref, node.last_access)
         node.parent.children[upper.tokens[: self.ps]] = upper
-        node.tokens, node.pages, node.parent = node.tokens[k * self.ps:], node.pages[k:], upper
+        node.tokens, node.pages, node.parent = node.tokens[k * self.ps :], node.pages[k:], upper
         upper.children[node.tokens[: self.ps]] = node
         return upper
 
@@ -134,15 +136,19 @@ class RadixCache:
             key = self._key(tokens, pos)
             child = node.children.get(key)
             if child is None:
-                new = Node(tuple(tokens[pos: n_pages * self.ps]), list(pages[i:n_pages]), node, {}, 0, now)
+                new = Node(tuple(tokens[pos : n_pages * self.ps]), list(pages[i:n_pages]), node, {}, 0, now)
                 for p in new.pages:
                     self.alloc.share(p)
                 self.num_cached_pages += len(new.pages)
                 node.children[key] = new
                 return pos
             k = 0
-            while k < len(child.pages) and i + k < n_pages and \
-                    tuple(tokens[pos + k * self.ps: pos + (k + 1) * self.ps]) == child.tokens[k * self.ps:(k + 1) * self.ps]:
+            while (
+                k < len(child.pages)
+                and i + k < n_pages
+                and tuple(tokens[pos + k * self.ps : pos + (k + 1) * self.ps])
+                == child.tokens[k * self.ps : (k + 1) * self.ps]
+            ):
                 k += 1
             if k < len(child.pages):
                 child = self._split(child, k)
@@ -166,8 +172,6 @@ class RadixCache:
                 if self.alloc.refcount[p] == 0:
                     freed += 1
             self.num_cached_pages -= len(node.pages)
-            if self.evicted_paths is not None:
-                self.evicted_paths.append((self._path_tokens(parent), node.tokens))
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(heap, (parent.last_access, id(parent), parent))
         return freed
@@ -184,13 +188,6 @@ class RadixCache:
                 stack.extend(n.children.values())
             elif n is not self.root:
                 yield n
-
-    def _path_tokens(self, node: Node) -> tuple[int, ...]:
-        parts = []
-        while node is not None and node is not self.root:
-            parts.append(node.tokens)
-            node = node.parent
-        return tuple(t for part in reversed(parts) for t in part)
 
     def pages(self) -> list[int]:
         out, stack = [], [self.root]

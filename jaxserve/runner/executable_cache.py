@@ -48,20 +48,35 @@ def _count(name: str, *_args, **_kw) -> None:
             _events[name] += 1
 
 
-jax.monitoring.register_event_duration_secs_listener(_count)  # compiles, traces
-jax.monitoring.register_event_listener(_count)  # persistent-cache hits
+_listening = False
+
+
+def start_counting() -> None:
+    """Register the listeners that count compiles, traces and persistent-cache hits (once,
+    on first use rather than at import: importing a module changes no global state).
+    Every Step starts counting when it is made, so nothing an engine compiles is missed."""
+    global _listening
+    with _events_lock:
+        if _listening:
+            return
+        _listening = True
+    jax.monitoring.register_event_duration_secs_listener(_count)  # compiles, traces
+    jax.monitoring.register_event_listener(_count)  # persistent-cache hits
 
 
 def compile_count() -> int:
-    """XLA compilations in this process so far (executables restored from JAX's persistent
-    cache included): the tripwire for compiles after warm-up."""
+    """XLA compilations in this process since counting started (executables restored from
+    JAX's persistent cache included): the tripwire for compiles after warm-up."""
+    start_counting()
     return _events[_BACKEND_COMPILE]
 
 
 def trace_count() -> int:
-    """Functions traced to jaxprs in this process so far: a restart that loads its compiled
+    """Functions traced to jaxprs since counting started: a restart that loads its compiled
     steps from the executable store traces none of them."""
+    start_counting()
     return _events[_TRACE]
+
 
 SUBDIR = "jaxserve-executables"
 _TRACED_PACKAGES = ("jaxserve", "pallas_kernels")
@@ -85,9 +100,20 @@ def environment_digest() -> str:
 
     flags = sorted((k, repr(v)) for k, v in getattr(jax.config, "values", {}).items() if "cache" not in k)
     devices = [(d.platform, d.device_kind, d.id, d.process_index) for d in jax.devices()]
-    parts = (sys.version, jax.__version__, jaxlib.__version__, flax.__version__, np.__version__,
-             jax.default_backend(), jax.devices()[0].client.platform_version, devices, jax.process_count(),
-             os.environ.get("XLA_FLAGS", ""), os.environ.get("LIBTPU_INIT_ARGS", ""), flags)
+    parts = (
+        sys.version,
+        jax.__version__,
+        jaxlib.__version__,
+        flax.__version__,
+        np.__version__,
+        jax.default_backend(),
+        jax.devices()[0].client.platform_version,
+        devices,
+        jax.process_count(),
+        os.environ.get("XLA_FLAGS", ""),
+        os.environ.get("LIBTPU_INIT_ARGS", ""),
+        flags,
+    )
     return hashlib.sha256(repr(parts).encode()).hexdigest()
 
 
@@ -118,7 +144,9 @@ class ExecutableStore:
         self.devices = list(devices) if devices is not None else jax.devices()[:1]
         self.dir.mkdir(parents=True, exist_ok=True)
         ids = [d.id for d in self.devices]
-        self._prefix = hashlib.sha256(f"{source_digest()}\n{environment_digest()}\n{context}\n{ids}".encode()).hexdigest()
+        self._prefix = hashlib.sha256(
+            f"{source_digest()}\n{environment_digest()}\n{context}\n{ids}".encode()
+        ).hexdigest()
         self.loaded = 0
         self.saved = 0
 
@@ -132,8 +160,9 @@ class ExecutableStore:
             return None
         try:
             payload, in_tree, out_tree = pickle.loads(path.read_bytes())
-            compiled = serialize_executable.deserialize_and_load(payload, in_tree, out_tree,
-                                                                 execution_devices=self.devices)
+            compiled = serialize_executable.deserialize_and_load(
+                payload, in_tree, out_tree, execution_devices=self.devices
+            )
         except Exception as e:  # a truncated or foreign file: compile instead, then overwrite it
             log.warning("ignoring unreadable compiled step %s (%s: %s)", path, type(e).__name__, e)
             return None
@@ -146,8 +175,9 @@ class ExecutableStore:
         except Exception as e:  # a cache must never stop serving; the executable is still used
             # e.g. XLA:CPU cannot serialize a sort it has already run, which happens when
             # jax's in-process cache hands back an executable another engine executed.
-            log.info("%s: this executable cannot be serialized, a restart compiles it (%s: %s)",
-                     name, type(e).__name__, e)
+            log.info(
+                "%s: this executable cannot be serialized, a restart compiles it (%s: %s)", name, type(e).__name__, e
+            )
             return
         path = self.path(name, signature)
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
@@ -168,6 +198,7 @@ class Step:
     checks every argument and raises on a mismatch."""
 
     def __init__(self, name: str, jitted: Callable, store: ExecutableStore | None = None, fixed: int = 0):
+        start_counting()
         self.name = name
         self.jitted = jitted
         self.store = store
@@ -175,8 +206,10 @@ class Step:
         self._compiled: dict[Any, jax.stages.Compiled] = {}
 
     def __call__(self, *args, **static):
-        key = (tuple(sorted(static.items())),
-               tuple((np.shape(x), _dtype(x)) for x in jax.tree.leaves(args[self.fixed:])))
+        key = (
+            tuple(sorted(static.items())),
+            tuple((np.shape(x), _dtype(x)) for x in jax.tree.leaves(args[self.fixed :])),
+        )
         exe = self._compiled.get(key)
         if exe is None:
             exe = self._compiled[key] = self._get(args, static)

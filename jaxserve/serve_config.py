@@ -31,15 +31,22 @@ from typing import Any, Sequence
 
 import gin
 
-from jaxserve.engine import EngineConfig
+from jaxserve.engine.engine_config import EngineConfig
+from jaxserve.models.registry import DEFAULT_MODEL
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CONFIG_DIR = REPO_ROOT / "configs"
 DEFAULT_GIN_FILE = CONFIG_DIR / "default.gin"
-DEFAULT_MODEL = REPO_ROOT / "assets" / "models" / "default" / "target"
 
-__all__ = ["ServeConfig", "load_config", "operative_config_str", "CONFIG_DIR", "DEFAULT_GIN_FILE",
-           "ENGINE_FIELDS", "SERVER_FIELDS"]
+__all__ = [
+    "ServeConfig",
+    "load_config",
+    "operative_config_str",
+    "CONFIG_DIR",
+    "DEFAULT_GIN_FILE",
+    "ENGINE_FIELDS",
+    "SERVER_FIELDS",
+]
 
 # Fields that hold a filesystem path: "~" is expanded at construction.
 _PATH_FIELDS = ("model", "compilation_cache_dir", "token_file", "tls_cert", "tls_key")
@@ -49,10 +56,13 @@ ENGINE_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Engine
 
 # (name, type, default, help) of the fields that are not EngineConfig's.
 _MODEL_FIELDS = [
-    ("model", str | None, None,
-     "checkpoint directory (Hugging Face layout); None = the shipped default model"),
-    ("kv_math_preset", str | None, None,
-     "kv-math shape preset (e.g. 'llama-3.1-8b') used by `jaxserve kv-math` when the checkpoint is not local"),
+    ("model", str | None, None, "checkpoint directory (Hugging Face layout); None = the shipped default model"),
+    (
+        "kv_math_preset",
+        str | None,
+        None,
+        "kv-math shape preset (e.g. 'llama-3.1-8b') used by `jaxserve kv-math` when the checkpoint is not local",
+    ),
 ]
 _SERVER_FIELDS = [
     ("host", str, "127.0.0.1", "address the gRPC server binds"),
@@ -124,8 +134,9 @@ class _ServeConfigMethods:
             try:
                 value = _coerce(hints[f.name], value)
             except TypeError:
-                raise ValueError(f"ServeConfig.{f.name} must be {_type_name(hints[f.name])}, "
-                                 f"got {value!r} ({type(value).__name__})") from None
+                raise ValueError(
+                    f"ServeConfig.{f.name} must be {_type_name(hints[f.name])}, got {value!r} ({type(value).__name__})"
+                ) from None
             if f.name in _PATH_FIELDS and isinstance(value, str):
                 value = os.path.expanduser(value)
             object.__setattr__(self, f.name, value)
@@ -144,8 +155,9 @@ class _ServeConfigMethods:
             from jaxserve.kv_math import PRESETS
 
             if self.kv_math_preset.lower() not in PRESETS:
-                raise ValueError(f"ServeConfig.kv_math_preset must be one of {', '.join(PRESETS)}, "
-                                 f"got {self.kv_math_preset!r}")
+                raise ValueError(
+                    f"ServeConfig.kv_math_preset must be one of {', '.join(PRESETS)}, got {self.kv_math_preset!r}"
+                )
         try:
             self.engine_config()
         except ValueError as e:
@@ -164,9 +176,15 @@ class _ServeConfigMethods:
         return EngineConfig(**self.engine_options())
 
     def server_options(self) -> dict[str, Any]:
-        """Keyword arguments of jaxserve.server.serve, less token and TLS (read from their files by the caller)."""
-        return dict(host=self.host, port=self.port, metrics_port=self.metrics_port, max_waiting=self.max_waiting,
-                    grace_s=self.grace, default_max_tokens=self.default_max_tokens)
+        """Keyword arguments of jaxserve.serving.grpc_server.serve, less token and TLS (read from their files by the caller)."""
+        return dict(
+            host=self.host,
+            port=self.port,
+            metrics_port=self.metrics_port,
+            max_waiting=self.max_waiting,
+            grace_s=self.grace,
+            default_max_tokens=self.default_max_tokens,
+        )
 
     @property
     def model_path(self) -> Path:
@@ -204,16 +222,23 @@ _ServeConfig = dataclasses.make_dataclass(
     [(n, h, dataclasses.field(default=d)) for n, h, d, _ in _MODEL_FIELDS]
     + [(f.name, _ENGINE_HINTS[f.name], _engine_field(f)) for f in dataclasses.fields(EngineConfig)]
     + [(n, h, dataclasses.field(default=d)) for n, h, d, _ in _SERVER_FIELDS],
-    bases=(_ServeConfigMethods,), frozen=True)
+    bases=(_ServeConfigMethods,),
+    frozen=True,
+)
 _ServeConfig.__module__ = __name__
 _ServeConfig.__doc__ = (
     "Everything one deployment chooses: the checkpoint (`model`), every EngineConfig field, and the "
     "server's fields (host, port, metrics_port, max_waiting, grace, default_max_tokens, token_file, "
-    "tls_cert, tls_key). Gin-configurable as `ServeConfig`.")
+    "tls_cert, tls_key). Gin-configurable as `ServeConfig`."
+)
 ServeConfig = gin.configurable("ServeConfig", module="jaxserve.config")(_ServeConfig)
 
-if str(CONFIG_DIR) not in gin.config._LOCATION_PREFIXES:  # noqa: SLF001 (gin has no public getter)
-    gin.add_config_file_search_path(str(CONFIG_DIR))
+
+def _ensure_search_path() -> None:
+    """Gin files include each other relative to configs/: put it on gin's search path when a
+    config is loaded (not at import, which would change gin's global state for anyone)."""
+    if str(CONFIG_DIR) not in gin.config._LOCATION_PREFIXES:  # noqa: SLF001 (gin has no public getter)
+        gin.add_config_file_search_path(str(CONFIG_DIR))
 
 
 def _binding_field(binding: str) -> str | None:
@@ -224,11 +249,13 @@ def _binding_field(binding: str) -> str | None:
     return None
 
 
-def load_config(gin_files: Sequence[str | os.PathLike] = (), gin_params: Sequence[str] = (),
-                overrides: dict[str, Any] | None = None) -> ServeConfig:
+def load_config(
+    gin_files: Sequence[str | os.PathLike] = (), gin_params: Sequence[str] = (), overrides: dict[str, Any] | None = None
+) -> ServeConfig:
     """Parse gin files (in order), then bindings, then apply `overrides` (field -> value, e.g.
     explicit CLI flags) and build the ServeConfig. Clears gin's state first, so it can be
     called again. Raises ValueError naming the file, binding or field at fault."""
+    _ensure_search_path()
     with _quiet_gin():
         return _load_config(gin_files, gin_params, overrides)
 

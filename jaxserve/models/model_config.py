@@ -14,6 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from jaxserve.kv_math import ModelShape
+
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
@@ -57,6 +59,21 @@ class ModelConfig:
             return min(self.max_position_embeddings, self.sliding_window)
         return self.max_position_embeddings
 
+    def shape(self) -> ModelShape:
+        """The shape kv-math sizes and times (bytes per token, weights streamed per step)."""
+        return ModelShape(
+            name=self.name or "custom",
+            num_layers=self.num_layers,
+            hidden_size=self.hidden_size,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            intermediate_size=self.intermediate_size,
+            vocab_size=self.vocab_size,
+            tie_word_embeddings=self.tie_word_embeddings,
+            max_position_embeddings=self.max_position_embeddings,
+        )
+
     def num_params(self) -> int:
         d, h, kv, hd, f = self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim, self.intermediate_size
         attn = d * h * hd * 2 + d * kv * hd * 2
@@ -67,7 +84,9 @@ class ModelConfig:
     def inv_freq(self) -> np.ndarray:
         """RoPE inverse frequencies in float32, computed exactly as transformers does."""
         dim = self.head_dim
-        inv = (1.0 / (self.rope_theta ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim))).astype(np.float32)
+        inv = (1.0 / (self.rope_theta ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim))).astype(
+            np.float32
+        )
         params = dict(self.rope_scaling)
         rtype = params.get("rope_type", "default")
         if rtype == "default":
@@ -97,7 +116,8 @@ class ModelConfig:
         if arch is None:
             raise ValueError(
                 f"config.json: architecture {archs or model_type!r} is not implemented by jaxserve "
-                f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+                f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+            )
         family = SUPPORTED_ARCHITECTURES[arch]
         rope = dict(getattr(hf, "rope_parameters", None) or {})
         theta = rope.pop("rope_theta", getattr(hf, "rope_theta", 10000.0))
@@ -146,10 +166,15 @@ class ModelConfig:
             raise ValueError(f"model: {str(cfg_file)!r} is missing (a Hugging Face checkpoint needs config.json)")
         raw = json.loads(cfg_file.read_text())
         archs = raw.get("architectures") or []
-        if not any(a in SUPPORTED_ARCHITECTURES for a in archs) and raw.get("model_type") not in ("llama", "mistral", "qwen2"):
+        if not any(a in SUPPORTED_ARCHITECTURES for a in archs) and raw.get("model_type") not in (
+            "llama",
+            "mistral",
+            "qwen2",
+        ):
             raise ValueError(
                 f"{cfg_file}: architecture {archs or raw.get('model_type')!r} is not implemented by jaxserve "
-                f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+                f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+            )
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "ModelConfig":

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from jaxserve.paged_cache import DUMMY_PAGE, OutOfPages, PageAllocator
+from jaxserve.engine.allocator import DUMMY_PAGE, OutOfPages, PageAllocator
 
 
 def test_dummy_page_is_never_handed_out():

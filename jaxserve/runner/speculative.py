@@ -26,8 +26,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxserve.models.llama import AttentionMetadata
-from jaxserve.sampling import argmax, probs, slot_key
+from jaxserve.runner.sampling import argmax, probs, slot_key
+from jaxserve.runner.step_batch import StepBatch
+from pallas_kernels.reference import AttentionMetadata
 
 TAG_DRAFT, TAG_ACCEPT, TAG_RESIDUAL = 11, 12, 13
 
@@ -37,22 +38,13 @@ def ngram_propose(tokens: Seq[int], k: int, max_n: int = 3, min_n: int = 1) -> l
     longest suffix (n from max_n down to min_n) of `tokens`."""
     n_tok = len(tokens)
     for n in range(min(max_n, n_tok - 1), min_n - 1, -1):
-        suffix = list(tokens[n_tok - n:])
+        suffix = list(tokens[n_tok - n :])
         for start in range(n_tok - n - 1, -1, -1):
-            if list(tokens[start:start + n]) == suffix:
-                follow = list(tokens[start + n: start + n + k])
+            if list(tokens[start : start + n]) == suffix:
+                follow = list(tokens[start + n : start + n + k])
                 if follow:
                     return follow
     return []
-
-
-def slot_mapping(block_tables, positions, valid, page_size: int):
-    """Flat page slots of positions [S, T] through block tables [S, W]; invalid -> dummy page 0."""
-    width = block_tables.shape[1]
-    idx = jnp.clip(positions // page_size, 0, width - 1)
-    page = jnp.take_along_axis(block_tables, idx, axis=1)
-    ok = valid & (positions < width * page_size)
-    return jnp.where(ok, page * page_size + positions % page_size, 0).astype(jnp.int32)
 
 
 def residual(p, q, rejected):
@@ -62,47 +54,59 @@ def residual(p, q, rejected):
     return r / jnp.maximum(r.sum(-1, keepdims=True), 1e-30)
 
 
-def draft_propose(graphdef, attn_fn, params, kv, last_tokens, positions, block_tables, active, temperature, top_k,
-                  top_p, seeds, counters, *, k: int, page_size: int, do_sample: bool):
-    """k+1 draft decode steps in one scan. Returns (kv, drafts [S, k], q [S, k, V] or None)."""
+def draft_propose(graphdef, attn_fn, params, kv, batch: StepBatch, *, do_sample: bool):
+    """k+1 draft decode steps in one scan over the batch's k+1 positions (the same positions
+    and KV slots the target verifies). Returns (kv, drafts [S, k], q [S, k, V] or None)."""
     model = nnx.merge(graphdef, params)
+    k = batch.tokens.shape[1] - 1
+    sp, active = batch.sampling, batch.active
 
-    def step(carry, i):
+    def step(carry, xs):
         kv, tok = carry
-        pos = positions + i
-        slots = slot_mapping(block_tables, pos[:, None], active[:, None], page_size)
-        meta = AttentionMetadata(slots, block_tables, jnp.where(active, pos + 1, 0), jnp.zeros_like(slots))
-        logits, kv = model(tok[:, None], pos[:, None], kv, meta, attn_fn,
-                           logits_index=jnp.zeros_like(tok))
+        i, pos, slots = xs
+        meta = AttentionMetadata(
+            slots[:, None],
+            batch.attn.block_tables,
+            jnp.where(active, pos + 1, 0),
+            pos[:, None],
+            jnp.zeros_like(slots)[:, None],
+        )
+        logits, kv = model(tok[:, None], pos[:, None], kv, meta, attn_fn, logits_index=jnp.zeros_like(tok))
         if do_sample:
-            q = probs(logits, temperature, top_k, top_p)
-            keys = jax.vmap(lambda s, c: slot_key(s, c, TAG_DRAFT))(seeds, counters + i)
+            q = probs(logits, sp.temperature, sp.top_k, sp.top_p)
+            keys = jax.vmap(lambda s, c: slot_key(s, c, TAG_DRAFT))(sp.seeds, sp.counters + i)
             drawn = jax.vmap(lambda key, row: jax.random.categorical(key, jnp.log(row)))(keys, q).astype(jnp.int32)
-            nxt = jnp.where(temperature > 0, drawn, argmax(logits))
+            nxt = jnp.where(sp.temperature > 0, drawn, argmax(logits))
         else:
             q = jnp.zeros((tok.shape[0], 0), jnp.float32)
             nxt = argmax(logits)
         return (kv, nxt), (nxt, q)
 
-    (kv, _), (drafts, qs) = jax.lax.scan(step, (kv, last_tokens), jnp.arange(k + 1))
+    xs = (jnp.arange(k + 1), batch.positions.T, batch.attn.slot_mapping.T)
+    (kv, _), (drafts, qs) = jax.lax.scan(step, (kv, batch.tokens[:, 0]), xs)
     q = jnp.swapaxes(qs[:k], 0, 1) if do_sample else None
     return kv, jnp.swapaxes(drafts[:k], 0, 1), q
 
 
-def verify(graphdef, attn_fn, params, kv, last_tokens, drafts, positions, block_tables, active, num_drafts, draft_q,
-           temperature, top_k, top_p, seeds, counters, *, page_size: int, do_sample: bool):
-    """Score [last, d1..dk] at positions L-1..L-1+k (positions [S] holds L-1) for every slot
-    and apply the acceptance rule. Returns (kv, out_tokens [S, k+1], n_out [S]): the first n_out
-    tokens are emitted (the accepted drafts, then the corrected or bonus token)."""
-    s, k = drafts.shape
-    t = k + 1
-    tokens = jnp.concatenate([last_tokens[:, None], drafts], axis=1)
-    positions = positions[:, None] + jnp.arange(t, dtype=positions.dtype)[None, :]
+def verify(graphdef, attn_fn, params, kv, batch: StepBatch, drafts, draft_q, *, do_sample: bool):
+    """Score [last, d1..dk] at positions L-1..L-1+k for every slot and apply the acceptance
+    rule. The drafts are `drafts` [S, k] (a draft model's, on the device) or, when None,
+    the host's in batch.tokens[:, 1:], of which batch.num_drafts are real. Returns (kv,
+    out_tokens [S, k+1], n_out [S]): the first n_out tokens are emitted (the accepted
+    drafts, then the corrected or bonus token)."""
+    s, t = batch.tokens.shape
+    k = t - 1
+    sp = batch.sampling
+    temperature, top_k, top_p, seeds, counters = sp.temperature, sp.top_k, sp.top_p, sp.seeds, sp.counters
+    if drafts is None:
+        drafts, num_drafts = batch.tokens[:, 1:], batch.num_drafts
+        tokens = batch.tokens
+    else:
+        num_drafts = jnp.where(batch.active, k, 0).astype(jnp.int32)
+        tokens = jnp.concatenate([batch.tokens[:, :1], drafts], axis=1)
     model = nnx.merge(graphdef, params)
-    slots = slot_mapping(block_tables, positions, active[:, None], page_size)
-    meta = AttentionMetadata(slots, block_tables, jnp.where(active, positions[:, -1] + 1, 0), jnp.zeros_like(slots))
     idx = jnp.broadcast_to(jnp.arange(t), (s, t))
-    logits, kv = model(tokens, positions, kv, meta, attn_fn)  # [S, T, V]
+    logits, kv = model(tokens, batch.positions, kv, batch.attn, attn_fn)  # [S, T, V]
     has_draft = jnp.arange(k)[None, :] < num_drafts[:, None]
     target_argmax = argmax(logits.reshape(s * t, -1)).reshape(s, t)
     greedy_ok = drafts == target_argmax[:, :k]
@@ -115,7 +119,9 @@ def verify(graphdef, attn_fn, params, kv, last_tokens, drafts, positions, block_
         else:
             q_full = draft_q
         qd = jnp.take_along_axis(q_full, drafts[..., None], axis=-1)[..., 0]
-        keys = jax.vmap(lambda sd, c: jax.vmap(lambda j: slot_key(sd, c + j, TAG_ACCEPT))(jnp.arange(k)))(seeds, counters)
+        keys = jax.vmap(lambda sd, c: jax.vmap(lambda j: slot_key(sd, c + j, TAG_ACCEPT))(jnp.arange(k)))(
+            seeds, counters
+        )
         u = jax.vmap(jax.vmap(jax.random.uniform))(keys)
         sample_ok = u * qd < pd  # u < p/q, safe when q = 0
         ok = jnp.where(temperature[:, None] > 0, sample_ok, greedy_ok) & has_draft
@@ -160,6 +166,8 @@ class SpecStats:
         self.accepted[: n_out - 1] += 1
 
     def as_dict(self) -> dict:
-        return {"spec_mean_accepted": self.emitted / self.steps if self.steps else 0.0,
-                "spec_acceptance_by_position": [float(a / p) if p else 0.0 for a, p in zip(self.accepted, self.proposed)],
-                "spec_target_steps": self.steps}
+        return {
+            "spec_mean_accepted": self.emitted / self.steps if self.steps else 0.0,
+            "spec_acceptance_by_position": [float(a / p) if p else 0.0 for a, p in zip(self.accepted, self.proposed)],
+            "spec_target_steps": self.steps,
+        }

@@ -11,7 +11,6 @@ import jax
 import jax.numpy as jnp
 
 
-
 def argmax(logits):
     """First index of the row maximum. XLA's CPU argmax (a variadic reduce) is ~4x slower
     than a max followed by a min over matching indices."""
@@ -49,10 +48,13 @@ def slot_key(seed, counter, tag: int):
     return jax.random.fold_in(key, tag)
 
 
-def sample(logits, temperature, top_k, top_p, seeds, counters, *, do_sample: bool, num_logprobs: int):
-    """logits [S, V] float32; per-slot temperature/top_k/top_p [S]; seeds uint32 [S, 2] and
-    counters int32 [S] make each slot's key. Returns (tokens [S], chosen logprob [S],
-    top ids [S, n], top logprobs [S, n]) with n = num_logprobs (0 for none)."""
+def sample(logits, sampling, *, do_sample: bool, num_logprobs: int):
+    """logits [S, V] float32; `sampling` (a step_batch.SamplingMetadata): per-slot
+    temperature/top_k/top_p [S]; seeds uint32 [S, 2] and counters int32 [S] make each slot's
+    key. Returns (tokens [S], chosen logprob [S], top ids [S, n], top logprobs [S, n]) with
+    n = num_logprobs (0 for none)."""
+    temperature, top_k, top_p = sampling.temperature, sampling.top_k, sampling.top_p
+    seeds, counters = sampling.seeds, sampling.counters
     greedy = argmax(logits)
     if do_sample:
         t = jnp.where(temperature > 0, temperature, 1.0)

@@ -12,10 +12,12 @@ from jaxserve.v1 import jaxserve_pb2_grpc as pb_grpc
 
 
 class Client:
-    def __init__(self, target: str = "127.0.0.1:50051", token: str | None = None,
-                 root_cert: bytes | None = None):
-        self.channel = (grpc.secure_channel(target, grpc.ssl_channel_credentials(root_cert)) if root_cert
-                        else grpc.insecure_channel(target))
+    def __init__(self, target: str = "127.0.0.1:50051", token: str | None = None, root_cert: bytes | None = None):
+        self.channel = (
+            grpc.secure_channel(target, grpc.ssl_channel_credentials(root_cert))
+            if root_cert
+            else grpc.insecure_channel(target)
+        )
         self.stub = pb_grpc.JaxServeStub(self.channel)
         self.metadata = (("authorization", f"Bearer {token}"),) if token else ()
 
@@ -27,11 +29,11 @@ class Client:
             req.token_ids.ids.extend(prompt)
         return req
 
-    def generate(self, prompt: str | Sequence[int], timeout: float | None = None, request_id: str = "",
-                 **sampling) -> Iterator[pb.GenerateResponse]:
+    def generate(
+        self, prompt: str | Sequence[int], timeout: float | None = None, request_id: str = "", **sampling
+    ) -> Iterator[pb.GenerateResponse]:
         """Stream the responses; cancel the returned iterator (`.cancel()`) to abort."""
-        return self.stub.Generate(self.request(prompt, request_id, **sampling), timeout=timeout,
-                                  metadata=self.metadata)
+        return self.stub.Generate(self.request(prompt, request_id, **sampling), timeout=timeout, metadata=self.metadata)
 
     def complete(self, prompt: str | Sequence[int], **kw) -> tuple[str, list[int], pb.GenerateResponse]:
         text, ids, last = "", [], None

@@ -1,0 +1,8 @@
+"""The engine: requests in, token deltas out, with no arrays in sight.
+
+`core.EngineCore` steps the scheduler, the KV manager and the model runner and detokenizes;
+`client.EngineClient` runs that loop in a thread for the server frontends. The scheduler,
+KV manager, page allocator, radix tree, request types and tokenizer glue are plain Python,
+testable without jax. Above: the frontends (`jaxserve.serving`, `jaxserve.llm`). Below: the
+runner, which it hands token ids and page ids.
+"""

@@ -1,0 +1,161 @@
+"""The engine client: what every server frontend (gRPC today, HTTP next) talks to.
+
+It owns the engine loop thread (which alone calls `EngineCore.step`) and routes each
+request's outputs to the asyncio queue of the call that submitted it. Frontends never see
+the scheduler, the KV manager or the runner: they `submit` a prompt with its sampling
+parameters and async-iterate the outputs, `abort` by id, and read `model_info` and
+`stats`. Validation and tokenization run in a worker thread, so a large prompt never
+stalls the frontend's event loop (and the other requests' streams on it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import threading
+from typing import AsyncIterator, Callable
+from typing import Sequence as Seq
+
+from jaxserve.engine.core import EngineCore, ModelInfo
+from jaxserve.engine.request import RequestOutput, SamplingParams
+
+log = logging.getLogger("jaxserve.engine")
+
+
+class QueueFull(Exception):
+    """More requests wait than the client's max_waiting: refuse (RESOURCE_EXHAUSTED / 429)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+
+
+def split_logprobs(lp: dict[int, float]) -> tuple[TokenLogprob, list[TokenLogprob]]:
+    """A step's logprobs dict (the chosen token first, then the alternatives) as (chosen,
+    alternatives most likely first): the one conversion every frontend formats from."""
+    items = list(lp.items())
+    chosen, rest = items[0], sorted(items[1:], key=lambda kv: -kv[1])
+    return TokenLogprob(*chosen), [TokenLogprob(t, v) for t, v in rest]
+
+
+class RequestStream:
+    """One submitted request: its prompt's token ids and an async iterator of its outputs.
+    An engine failure arrives as the exception it raised."""
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], queue: asyncio.Queue):
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self._queue = queue
+        self.finished = False
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[RequestOutput]:
+        while not self.finished:
+            out = await self._queue.get()
+            if isinstance(out, BaseException):
+                self.finished = True
+                raise out
+            self.finished = out.finished
+            yield out
+
+
+class EngineClient:
+    def __init__(self, core: EngineCore, max_waiting: int = 256, on_step: Callable[[dict], None] | None = None):
+        self.core = core
+        self.max_waiting = max_waiting
+        self.on_step = on_step  # called with the engine's stats after every step (metrics)
+        self._routes: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
+
+    # -- lifecycle ---------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop = True
+        self._wake.set()
+        self._thread.join(timeout=30)
+
+    # -- requests ----------------------------------------------------------------------
+    async def submit(
+        self,
+        prompt: str | Seq[int],
+        params: SamplingParams | Callable[[int], SamplingParams],
+        request_id: str | None = None,
+    ) -> RequestStream:
+        """Validate, tokenize (in a worker thread) and queue a request. `params` may be a
+        function of the prompt's token count (a default max_tokens that fills the context).
+        Raises ValueError naming the field, or QueueFull."""
+        loop = asyncio.get_running_loop()
+        seq = await loop.run_in_executor(None, self._make_sequence, prompt, params, request_id)
+        q: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            if seq.request_id in self._routes:
+                raise ValueError(f"request_id: {seq.request_id!r} is already in use")
+            if len(self._routes) - self.core.num_running >= self.max_waiting:
+                raise QueueFull(f"the waiting queue is full ({self.max_waiting} requests)")
+            self._routes[seq.request_id] = (loop, q)
+        self.core.add(seq)
+        self._wake.set()
+        return RequestStream(seq.request_id, seq.prompt_ids, q)
+
+    def _make_sequence(self, prompt, params, request_id):
+        if callable(params):
+            ids = self.core.tokenize(prompt)
+            return self.core.make_sequence(ids, params(len(ids)), request_id)
+        return self.core.make_sequence(prompt, params, request_id)
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a request in flight; its slot and pages are free within one engine step."""
+        with self._lock:
+            found = request_id in self._routes
+        if found:
+            self.core.abort(request_id)
+            self._wake.set()
+        return found
+
+    @property
+    def in_flight(self) -> list[str]:
+        with self._lock:
+            return list(self._routes)
+
+    def model_info(self) -> ModelInfo:
+        return self.core.model_info()
+
+    def stats(self) -> dict:
+        return self.core.stats()
+
+    # -- the loop ----------------------------------------------------------------------
+    def _deliver(self, out: RequestOutput | BaseException, request_id: str, last: bool) -> None:
+        with self._lock:
+            route = self._routes.pop(request_id, None) if last else self._routes.get(request_id)
+        if route is not None:
+            loop, q = route
+            loop.call_soon_threadsafe(q.put_nowait, out)
+
+    def _run(self) -> None:
+        while not self._stop:
+            if not self.core.has_unfinished():
+                self._wake.wait(0.05)
+                self._wake.clear()
+                continue
+            try:
+                outputs = self.core.step()
+            except Exception as e:  # keep serving: fail what was in flight, not the process
+                log.exception("engine step failed")
+                for rid in self.in_flight:
+                    self.core.abort(rid)
+                    self._deliver(e, rid, last=True)
+                continue
+            for out in outputs:
+                self._deliver(out, out.request_id, last=out.finished)
+            if self.on_step is not None:
+                self.on_step(self.core.stats())

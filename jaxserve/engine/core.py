@@ -1,0 +1,342 @@
+"""The engine core: one scheduler, one KV manager, one model runner and the detokenizers,
+stepped by one thread.
+
+Every frontend reaches it the same way: `make_sequence` validates and tokenizes (one
+validation path, raising ValueError naming the field), `add` and `abort` go through a
+thread-safe inbox drained at the start of each step, and `step` returns each touched
+request's `RequestOutput` delta (one output conversion). The offline `LLM` calls `step` in
+the caller's thread; `EngineClient` runs it in a background thread for the servers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import queue
+import sys
+import threading
+import uuid
+from pathlib import Path
+from typing import Sequence as Seq
+
+import numpy as np
+
+from jaxserve.engine import allocator as allocator_mod
+from jaxserve.engine.allocator import PageAllocator
+from jaxserve.engine.engine_config import EngineConfig
+from jaxserve.engine.kv_manager import KVManager
+from jaxserve.engine.radix_cache import RadixCache
+from jaxserve.engine.request import MAX_LOGPROBS, RequestOutput, SamplingParams, Sequence, Status
+from jaxserve.engine.scheduler import Scheduler
+from jaxserve.engine.tokenizer import IncrementalDetokenizer, load_tokenizer
+from jaxserve.models.registry import DEFAULT_DRAFT, DEFAULT_MODEL
+
+log = logging.getLogger("jaxserve.engine")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelInfo:
+    """What a frontend reports about the served model (gRPC GetModelInfo, HTTP /v1/models)."""
+
+    model_name: str
+    context_length: int
+    vocab_size: int
+    features: tuple[str, ...]
+    max_slots: int
+    page_size: int
+    num_kv_pages: int
+    has_tokenizer: bool
+
+
+class EngineCore:
+    def __init__(
+        self, model: str | Path | None = None, *, warmup: bool = True, log_progress: bool = False, **engine_options
+    ):
+        from jaxserve.models.loader import load_model
+        from jaxserve.runner import model_runner
+        from jaxserve.runner.executable_cache import compile_count
+        from jaxserve.runner.step_batch import DUMMY_PAGE
+
+        assert DUMMY_PAGE == allocator_mod.DUMMY_PAGE, "the allocator and the runner disagree on the dummy page"
+        self._compile_count = compile_count
+        path = Path(model) if model is not None else DEFAULT_MODEL
+        self.cfg = EngineConfig(**engine_options)
+        module, self.model_cfg = load_model(path, dtype=self.cfg.dtype)
+        self.model_path = path
+        self.tokenizer = load_tokenizer(path)
+        draft, draft_cfg = self._load_draft()
+        import jax
+        from flax import nnx
+
+        weight_bytes = sum(
+            x.size * x.dtype.itemsize for m in (module, draft) if m is not None for x in jax.tree.leaves(nnx.state(m))
+        )
+        rc = model_runner.resolve(self.model_cfg, draft_cfg, self.cfg, weight_bytes, MAX_LOGPROBS)
+        self.runner = model_runner.ModelRunner(module, self.model_cfg, rc, draft, draft_cfg)
+        self.max_model_len = rc.max_model_len
+        log.info(
+            "KV cache: %d pages x %d tokens (%.1f MiB), %d slots, max_model_len %d, attention %s",
+            rc.num_pages,
+            rc.page_size,
+            rc.num_pages * rc.page_size * model_runner.kv_bytes_per_token(rc, self.model_cfg, draft_cfg) / 2**20,
+            rc.max_slots,
+            rc.max_model_len,
+            rc.attention_impl,
+        )
+        self.spec_k = self.runner.spec_k
+        self.speculative_name = None
+        self.spec_stats = None
+        if self.spec_k:
+            from jaxserve.runner.speculative import SpecStats
+
+            self.speculative_name = "ngram" if draft is None else Path(self.cfg.speculative_model).name
+            self.spec_stats = SpecStats(self.spec_k)
+        allocator = PageAllocator(rc.num_pages, self.cfg.page_size)
+        self.kv = KVManager(allocator, RadixCache(allocator) if self.cfg.enable_prefix_caching else None)
+        self.scheduler = Scheduler(
+            self.kv,
+            self.cfg.max_slots,
+            self.max_model_len,
+            max_prefill_tokens=self.cfg.max_prefill_tokens,
+            max_prefill_chunk=rc.prefill_buckets[-1],
+            eos_token_ids=self._eos_ids(),
+            lookahead=self.spec_k,
+        )
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._arrival = itertools.count()
+        self._rng = np.random.default_rng(self.cfg.seed)
+        self._lock = threading.Lock()
+        if self.runner.is_follower:
+            # Another host's process: replay the leader's runner calls (its warm-up included)
+            # until it shuts down. The scheduler and the frontends run on process 0 only.
+            self.runner.follow_leader()
+            self._compiles_at_warmup = compile_count()
+            return
+        if warmup:
+            say = (lambda m: print(f"[jaxserve] {m}", file=sys.stderr, flush=True)) if log_progress else None
+            secs = self.runner.warmup(say)
+            store = self.runner.store
+            log.info(
+                "warm-up compiled every bucket in %.1fs%s",
+                secs,
+                f" ({store.loaded} executables loaded from {store.dir}, {store.saved} compiled and saved)"
+                if store is not None
+                else "",
+            )
+        self._compiles_at_warmup = compile_count()
+
+    def _load_draft(self):
+        spec = self.cfg.speculative_model
+        if spec is None or spec == "ngram":
+            return None, None
+        from jaxserve.models.loader import load_model
+
+        draft, dcfg = load_model(DEFAULT_DRAFT if spec == "default" else spec, dtype=self.cfg.dtype)
+        if dcfg.vocab_size != self.model_cfg.vocab_size:
+            raise ValueError(
+                f"speculative_model: the draft's vocabulary ({dcfg.vocab_size}) differs from the "
+                f"target's ({self.model_cfg.vocab_size})"
+            )
+        return draft, dcfg
+
+    def _eos_ids(self) -> tuple[int, ...]:
+        ids = set(self.model_cfg.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return tuple(sorted(ids))
+
+    def compiles_since_warmup(self) -> int:
+        return self._compile_count() - self._compiles_at_warmup
+
+    @property
+    def is_follower(self) -> bool:
+        return self.runner.is_follower
+
+    def shutdown(self) -> None:
+        """With several processes, release the followers (they return from their constructor)."""
+        self.runner.release_followers()
+
+    # -- requests ----------------------------------------------------------------------
+    def tokenize(self, prompt: str | Seq[int]) -> list[int]:
+        """Prompt token ids, validated; ValueError naming the field."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"prompt: {self.model_path} has no tokenizer; send token ids instead of text")
+            if not prompt:
+                raise ValueError("prompt: must not be empty")
+            ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+            if not ids:
+                raise ValueError("prompt: the text tokenizes to no tokens")
+            return ids
+        ids = [int(t) for t in prompt]
+        if not ids:
+            raise ValueError("prompt: must not be empty")
+        bad = [t for t in ids if not 0 <= t < self.model_cfg.vocab_size]
+        if bad:
+            raise ValueError(
+                f"prompt_token_ids: token id {bad[0]} is outside the vocabulary [0, {self.model_cfg.vocab_size})"
+            )
+        return ids
+
+    def make_sequence(
+        self, prompt: str | Seq[int], params: SamplingParams | None = None, request_id: str | None = None
+    ) -> Sequence:
+        """Validate and tokenize; raises ValueError naming the field before anything is scheduled."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        ids = self.tokenize(prompt)
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"max_tokens: the prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) "
+                f"exceeds max_model_len ({self.max_model_len})"
+            )
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop: stop strings need a tokenizer; use stop_token_ids")
+        with self._lock:  # frontends validate in worker threads
+            seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**63))
+            arrival = next(self._arrival)
+        return Sequence(
+            request_id=request_id or uuid.uuid4().hex, prompt_ids=ids, params=params, seed=seed, arrival=arrival
+        )
+
+    def add(self, seq: Sequence) -> str:
+        """Queue a sequence made by make_sequence (thread-safe)."""
+        self._inbox.put(("add", seq))
+        return seq.request_id
+
+    def abort(self, request_id: str) -> None:
+        """Takes effect at the start of the next step: the slot and pages are free within one step."""
+        self._inbox.put(("abort", request_id))
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or not self._inbox.empty()
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    def flush_prefix_cache(self) -> int:
+        """Drop every cached prefix no running request uses; returns pages freed."""
+        return self.kv.flush_prefix_cache()
+
+    def stats(self) -> dict:
+        pc, alloc = self.kv.prefix_cache, self.kv.alloc
+        return {
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "kv_pages_total": alloc.capacity,
+            "kv_pages_free": alloc.num_free,
+            "kv_pages_used": alloc.capacity - alloc.num_free,
+            "preemptions": self.scheduler.num_preemptions,
+            "prefix_cache_hit_tokens": pc.hit_tokens if pc else 0,
+            "prefix_cache_queried_tokens": pc.queried_tokens if pc else 0,
+            "prefix_cache_hit_rate": pc.hit_rate if pc else 0.0,
+            "prefix_cache_pages": pc.num_cached_pages if pc else 0,
+            **(self.spec_stats.as_dict() if self.spec_stats else {}),
+        }
+
+    def model_info(self) -> ModelInfo:
+        features = [f"attention:{self.runner.attention_impl}"]
+        if self.kv.prefix_cache is not None:
+            features.append("prefix_caching")
+        if self.speculative_name:
+            features.append(f"speculative:{self.speculative_name}")
+        return ModelInfo(
+            self.model_path.name,
+            self.max_model_len,
+            self.model_cfg.vocab_size,
+            tuple(features),
+            self.cfg.max_slots,
+            self.cfg.page_size,
+            self.kv.capacity,
+            self.tokenizer is not None,
+        )
+
+    # -- the loop ----------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """One scheduler step. Returns each touched request's output since its last one."""
+        finished_now: list[Sequence] = []
+        rejected: list[RequestOutput] = []
+        while not self._inbox.empty():
+            op, arg = self._inbox.get()
+            if op == "add":
+                if arg.request_id in self._detok:  # the id of a live request: the newcomer is aborted
+                    arg.status, arg.finish_reason = Status.FINISHED, "abort"
+                    rejected.append(RequestOutput(arg.request_id, arg.prompt_ids, [], "", "abort"))
+                    log.warning("duplicate request id %s rejected", arg.request_id)
+                    continue
+                stop_ids = self.scheduler.eos | set(arg.params.stop_token_ids)
+                self._detok[arg.request_id] = IncrementalDetokenizer(self.tokenizer, stop_ids)
+                self.scheduler.add(arg)
+            elif op == "abort":
+                seq = self.scheduler.abort(arg)
+                if seq is not None:
+                    finished_now.append(seq)
+        plan = self.scheduler.schedule()
+        if plan.copies:
+            self.runner.copy_pages(plan.copies)
+        if plan.prefills:
+            from jaxserve.runner.step_batch import Chunk
+
+            self.runner.prefill([Chunk(c.seq.all_ids[c.start : c.end], c.start, c.seq.pages) for c in plan.prefills])
+        if not plan.decodes:
+            sampled = {}
+        elif self.spec_k and not any(s.params.logprobs is not None for s in plan.decodes):
+            sampled = self._speculate(plan.decodes)
+        else:  # logprobs come from the plain decode step
+            sampled = self._decode(plan.decodes)
+        touched = self.scheduler.update(plan, sampled)
+        return [self._output(seq) for seq in touched + finished_now] + rejected
+
+    @staticmethod
+    def _chunk(seq: Sequence, tokens: list[int]):
+        """A decoding sequence as the runner sees it: tokens fed from its last position."""
+        from jaxserve.runner.step_batch import Chunk
+
+        p = seq.params
+        return Chunk(
+            tokens, seq.length - 1, seq.pages, (p.temperature, p.top_k, p.top_p, seq.seed, len(seq.output_ids))
+        )
+
+    def _decode(self, seqs: list[Sequence]) -> dict[str, list[tuple[int, dict[int, float] | None]]]:
+        want_lp = any(s.params.logprobs is not None for s in seqs)
+        r = self.runner.decode(
+            [self._chunk(s, [s.all_ids[-1]]) for s in seqs], self.runner.cfg.max_logprobs if want_lp else 0
+        )
+        out = {}
+        for i, seq in enumerate(seqs):
+            n = seq.params.logprobs
+            tok = int(r.tokens[i])
+            lp = None
+            if n is not None:
+                lp = {tok: float(r.logprobs[i])}
+                for j in range(n):
+                    lp.setdefault(int(r.top_ids[i, j]), float(r.top_logprobs[i, j]))
+            out[seq.request_id] = [(tok, lp)]
+        return out
+
+    def _speculate(self, seqs: list[Sequence]) -> dict[str, list[tuple[int, None]]]:
+        if self.runner.draft is None:
+            from jaxserve.runner.speculative import ngram_propose
+
+            rows = [self._chunk(s, [s.all_ids[-1]] + ngram_propose(s.all_ids, self.spec_k)) for s in seqs]
+        else:
+            rows = [self._chunk(s, [s.all_ids[-1]]) for s in seqs]
+        out, n_out, num_drafts = self.runner.speculate(rows)
+        result = {}
+        for i, seq in enumerate(seqs):
+            self.spec_stats.record(int(num_drafts[i]), int(n_out[i]))
+            result[seq.request_id] = [(int(t), None) for t in out[i, : n_out[i]]]
+        return result
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        d = self._detok[seq.request_id]
+        if d.update(seq):
+            self.scheduler.finish(seq, "stop")
+        out = d.delta(seq)
+        if seq.status is Status.FINISHED:
+            self._detok.pop(seq.request_id, None)
+        return out

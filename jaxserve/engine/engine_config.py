@@ -1,0 +1,38 @@
+"""EngineConfig: what one engine is built with. Plain Python (no jax), so the gin layer and
+the CLI can validate a deployment without loading weights or touching a device."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    max_slots: int = 16
+    page_size: int = 16
+    max_model_len: int | None = None  # default: the model's context, capped at 2048
+    num_pages: int | None = None  # default: sized from kv_cache_memory_bytes
+    kv_cache_memory_bytes: int | None = None  # default: accelerator memory left, or 2 GiB on CPU
+    memory_fraction: float = 0.9
+    prefill_buckets: tuple[int, ...] = (16, 32, 64, 128, 256, 512)
+    max_prefill_tokens: int = 512  # per scheduler step, across sequences
+    dtype: str | None = None  # "float32" | "bfloat16"; default by backend
+    attention_impl: str | None = None  # "xla" | "pallas"; default pallas on TPU/GPU, xla on CPU
+    interpret: bool | None = None  # run Pallas kernels interpreted (default: on CPU)
+    enable_prefix_caching: bool = True
+    speculative_model: str | None = None  # a draft checkpoint directory, or "ngram" (prompt lookup)
+    num_speculative_tokens: int = 4
+    tensor_parallel_size: int = 1
+    compilation_cache_dir: str | None = None  # persistent XLA cache: a restart skips compilation
+    seed: int = 0
+
+    def __post_init__(self):
+        for name in ("max_slots", "page_size", "max_prefill_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.attention_impl not in (None, "xla", "pallas"):
+            raise ValueError(f"attention_impl must be 'xla' or 'pallas', got {self.attention_impl!r}")
+        if list(self.prefill_buckets) != sorted(set(self.prefill_buckets)) or self.prefill_buckets[0] < 1:
+            raise ValueError(f"prefill_buckets must be increasing positive sizes, got {self.prefill_buckets}")
+        if self.speculative_model not in (None, "ngram") and self.num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")

@@ -1,0 +1,99 @@
+"""Text in and out: the checkpoint's tokenizer, and incremental detokenization with stop
+strings that are never partly streamed.
+
+Plain Python over a transformers tokenizer; no jax. The engine core runs it off the
+frontends' event loops (in its own thread, or the frontends' worker threads for prompts).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, Collection
+
+from jaxserve.engine.request import RequestOutput, Sequence, Status
+
+_GENERIC_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def load_tokenizer(path: Path) -> Any | None:
+    """The checkpoint's own tokenizer, or None: token-id prompts still work without one."""
+    path = Path(path)
+    if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
+        return None
+    if (path / "tokenizer.json").is_file() and _tokenizer_class(path) in _GENERIC_TOKENIZERS:
+        # The class AutoTokenizer would pick, without importing the auto machinery: that
+        # imports every model config and, where torch is installed, torch (about 1.5 s a start).
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+        return TokenizersBackend.from_pretrained(str(path))
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def _tokenizer_class(path: Path) -> str | None:
+    try:
+        return json.loads((path / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+@dataclasses.dataclass
+class IncrementalDetokenizer:
+    """One request's text so far (vLLM's prefix/read offsets): decode a short window so each
+    step costs O(1) tokens, hold back text that ends inside a UTF-8 character, and hold back
+    the last len(longest stop) - 1 characters while they could still start a stop string."""
+
+    tokenizer: Any | None
+    stop_token_ids: Collection[int]  # EOS and the request's stop tokens: never part of the text
+    prefix_offset: int = 0
+    read_offset: int = 0
+    text: str = ""
+    sent_text: int = 0
+    sent_tokens: int = 0
+    sent_logprobs: int = 0
+
+    def update(self, seq: Sequence) -> bool:
+        """Decode the sequence's new tokens. True when a stop string ended the text (the
+        caller finishes the request with reason "stop")."""
+        if self.tokenizer is None:
+            return False
+        tok = self.tokenizer
+        ids = seq.output_ids
+        if seq.finish_reason == "stop" and ids and ids[-1] in self.stop_token_ids:
+            ids = ids[:-1]  # the stop token itself is not text
+        while self.read_offset < len(ids):
+            prefix = tok.decode(ids[self.prefix_offset : self.read_offset], skip_special_tokens=True)
+            new = tok.decode(ids[self.prefix_offset :], skip_special_tokens=True)
+            if len(new) > len(prefix) and not new.endswith("\ufffd"):
+                self.text += new[len(prefix) :]
+                self.prefix_offset, self.read_offset = self.read_offset, len(ids)
+            else:
+                break
+        stops = seq.params.stop
+        if stops and seq.finish_reason != "abort":
+            window_start = max(0, self.sent_text - max(map(len, stops)))
+            hits = [i for i in (self.text.find(s, window_start) for s in stops) if i >= 0]
+            if hits:
+                self.text = self.text[: min(hits)]
+                return True
+        return False
+
+    def delta(self, seq: Sequence) -> RequestOutput:
+        """What the request produced since its last output."""
+        finished = seq.status is Status.FINISHED
+        hold = 0 if finished or not seq.params.stop else max(map(len, seq.params.stop)) - 1
+        end = max(self.sent_text, len(self.text) - hold)
+        out = RequestOutput(
+            request_id=seq.request_id,
+            prompt_token_ids=seq.prompt_ids,
+            token_ids=seq.output_ids[self.sent_tokens :],
+            text=self.text[self.sent_text : end],
+            finish_reason=seq.finish_reason,
+            logprobs=seq.logprobs[self.sent_logprobs :] if seq.params.logprobs is not None else None,
+            num_cached_prompt_tokens=seq.num_cached_prompt_tokens,
+        )
+        self.sent_text, self.sent_tokens, self.sent_logprobs = end, len(seq.output_ids), len(seq.logprobs)
+        return out

@@ -1,0 +1,490 @@
+"""The device side: jitted prefill, decode, speculative and page-copy steps over fixed shapes.
+
+Pure functions of arrays, jitted with the model graph and config static and the KV cache
+donated. The runner never sees a request: it takes `step_batch.Chunk`s (token ids, a start
+position, a block table, sampling controls), turns them into one padded `StepBatch` and
+runs it. Every dynamic size is padded to a bucket, so warm-up compiles everything serving
+will ever run.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import functools
+import logging
+import time
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxserve import kv_math
+from jaxserve.models.model_config import ModelConfig
+from jaxserve.parallel.multihost import to_host
+from jaxserve.runner import step_batch
+from jaxserve.runner.executable_cache import ExecutableStore, Step
+from jaxserve.runner.sampling import sample
+from jaxserve.runner.step_batch import DUMMY_PAGE, Chunk, StepBatch
+from pallas_kernels import reference
+
+log = logging.getLogger("jaxserve.runner")
+
+
+def pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
+    out, b = [], lo
+    while b < hi:
+        out.append(b)
+        b *= 2
+    out.append(hi)
+    return tuple(out)
+
+
+def bucket_for(buckets: tuple[int, ...], n: int) -> int:
+    i = bisect.bisect_left(buckets, n)
+    if i == len(buckets):
+        raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
+    return buckets[i]
+
+
+def _attention_fn(impl: str, interpret: bool, mode: str) -> Callable:
+    """The attention of one step kind: "prefill" (fresh prompt), "context" (a chunk that
+    continues a sequence) or "decode"."""
+    if impl == "xla":
+        return functools.partial(reference.attention, mode=mode)
+    from pallas_kernels import paged_attention as pk
+
+    return functools.partial(pk.attention, mode=mode, interpret=interpret)
+
+
+def _prefill_step(graphdef, attn_fn, params, kv, batch: StepBatch):
+    model = nnx.merge(graphdef, params)
+    _, kv = model(
+        batch.tokens, batch.positions, kv, batch.attn, attn_fn, logits_index=jnp.zeros((batch.num_rows,), jnp.int32)
+    )
+    return kv  # logits unused: XLA drops the vocabulary projection
+
+
+def _decode_step(graphdef, attn_fn, params, kv, batch: StepBatch):
+    model = nnx.merge(graphdef, params)
+    return model(
+        batch.tokens, batch.positions, kv, batch.attn, attn_fn, logits_index=jnp.zeros((batch.num_rows,), jnp.int32)
+    )
+
+
+def _copy_pages(kv, src, dst):
+    return tuple((k.at[dst].set(k[src]), v.at[dst].set(v[src])) for k, v in kv)
+
+
+@dataclasses.dataclass
+class DecodeResult:
+    tokens: np.ndarray  # [S]
+    logprobs: np.ndarray | None  # [S]
+    top_ids: np.ndarray | None  # [S, n]
+    top_logprobs: np.ndarray | None
+
+
+def replicated(method: Callable) -> Callable:
+    """A runner call every process must make: with several processes, the leader first
+    hands its host inputs to the others (multihost.StepBroadcaster)."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args):
+        if self.broadcaster is not None and self.broadcaster.leader:
+            self.broadcaster.send(method.__name__, args)
+        return method(self, *args)
+
+    return wrapper
+
+
+def pin_kv(fn: Callable, sharding, kv_out: int | None) -> Callable:
+    """Wrap a step so the KV cache it returns keeps `sharding` (tensor parallelism): the next
+    call then sees the same input sharding, so donation holds and nothing recompiles."""
+    if sharding is None:
+        return fn
+
+    def wrapped(*args, **kw):
+        out = fn(*args, **kw)
+        if kv_out is None:
+            return jax.lax.with_sharding_constraint(out, sharding)
+        out = list(out)
+        out[kv_out] = jax.lax.with_sharding_constraint(out[kv_out], sharding)
+        return tuple(out)
+
+    return wrapped
+
+
+class _Weights:
+    """One model on the device: its parameters, its KV page pool and its jitted steps.
+    The target and a speculative draft each have one; both use the same page ids."""
+
+    def __init__(
+        self,
+        name: str,
+        module: nnx.Module,
+        cfg: ModelConfig,
+        num_pages: int,
+        page_size: int,
+        dtype,
+        attention_impl: str,
+        interpret: bool,
+        mesh=None,
+        store: ExecutableStore | None = None,
+    ):
+        self.cfg = cfg
+        self.graphdef, self.params = nnx.split(module)
+        shape = (num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
+        self.kv_sharding = None
+        if mesh is not None:
+            from jax.sharding import NamedSharding
+
+            from jaxserve.parallel import sharding as shd
+
+            self.params = shd.shard_params(self.params, cfg, mesh)
+            self.kv_sharding = NamedSharding(mesh, shd.kv_spec(cfg, mesh.shape[shd.AXIS]))
+        zeros = jax.jit(
+            lambda: tuple((jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.num_layers)),
+            out_shardings=self.kv_sharding,
+        )
+        self.kv = zeros()
+        self.attn = {m: _attention_fn(attention_impl, interpret, m) for m in ("prefill", "context", "decode")}
+        if mesh is not None and attention_impl == "pallas":
+            from jaxserve.parallel import sharding as shd
+
+            self.attn = {m: shd.shard_attention(fn, cfg, mesh) for m, fn in self.attn.items()}
+        step = lambda fn, mode, kv_out: Step(
+            f"{name}-{fn.__name__.strip('_')}-{mode}",
+            jax.jit(  # noqa: E731
+                pin_kv(functools.partial(fn, self.graphdef, self.attn[mode]), self.kv_sharding, kv_out),
+                donate_argnums=(1,),
+            ),
+            store,
+            fixed=2,
+        )
+        self.prefill = step(_prefill_step, "prefill", None)
+        self.prefill_ctx = step(_prefill_step, "context", None)
+        self.decode = step(_decode_step, "decode", 1)
+        self.copy = Step(
+            f"{name}-copy", jax.jit(pin_kv(_copy_pages, self.kv_sharding, None), donate_argnums=(0,)), store, fixed=1
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class RunnerConfig:
+    """What the runner needs of the engine's options, resolved for this backend."""
+
+    max_slots: int
+    page_size: int
+    max_model_len: int
+    num_pages: int
+    prefill_buckets: tuple[int, ...]
+    dtype: str
+    attention_impl: str
+    interpret: bool
+    max_logprobs: int = 0  # the top-n alternatives a decode step computes when any row asks for logprobs
+    num_speculative_tokens: int = 0  # k of a speculative step; 0 = no speculation
+    tensor_parallel_size: int = 1
+    store_context: str | None = None  # with compilation_cache_dir: the key of the executable store
+    compilation_cache_dir: str | None = None
+
+
+class ModelRunner:
+    """The target model (and a speculative draft) on the device, with every jitted step."""
+
+    def __init__(
+        self,
+        model: nnx.Module,
+        model_cfg: ModelConfig,
+        cfg: RunnerConfig,
+        draft: nnx.Module | None = None,
+        draft_cfg: ModelConfig | None = None,
+    ):
+        self.model_cfg = model_cfg
+        self.cfg = cfg
+        self.dtype = jnp.dtype(cfg.dtype)
+        self.attention_impl = cfg.attention_impl
+        self.max_model_len = cfg.max_model_len
+        ps = cfg.page_size
+        self.max_pages_per_seq = -(-self.max_model_len // ps)
+        # Block tables have one fixed width: the attention loop's trip count follows the
+        # longest live context, so no per-length buckets (and compiles) are needed.
+        self.table_width = -(-self.max_pages_per_seq // 2) * 2
+        self.prefill_buckets = cfg.prefill_buckets
+        self.num_pages = cfg.num_pages
+        self.mesh = None
+        if cfg.tensor_parallel_size > 1:
+            from jaxserve.parallel import sharding as shd
+
+            for c in (model_cfg, draft_cfg):
+                if c is not None:
+                    shd.check_divisible(c, cfg.tensor_parallel_size)
+            self.mesh = shd.make_mesh(cfg.tensor_parallel_size)
+        from jaxserve.parallel import multihost
+
+        self.broadcaster = multihost.StepBroadcaster() if multihost.is_multiprocess() else None
+        self.store = None  # compiled steps kept across restarts; with several processes JAX's cache does it
+        if cfg.compilation_cache_dir and self.broadcaster is None:
+            try:
+                devices = list(self.mesh.devices.flat) if self.mesh is not None else None  # None: the default device
+                self.store = ExecutableStore(cfg.compilation_cache_dir, cfg.store_context or repr(cfg), devices)
+            except OSError as e:
+                log.warning("compiled steps are not kept across restarts: %s", e)
+        build = lambda n, m, c: _Weights(
+            n,
+            m,
+            c,
+            self.num_pages,
+            ps,
+            self.dtype,
+            self.attention_impl,  # noqa: E731
+            cfg.interpret,
+            self.mesh,
+            self.store,
+        )
+        self.target = build("target", model, model_cfg)
+        self.draft = build("draft", draft, draft_cfg) if draft is not None else None
+        self.models = [w for w in (self.target, self.draft) if w is not None]
+        replicate = None
+        if self.mesh is not None:
+            from jax.sharding import NamedSharding, PartitionSpec
+
+            replicate = NamedSharding(self.mesh, PartitionSpec())
+        self._sample = Step(
+            "sample",
+            jax.jit(sample, static_argnames=("do_sample", "num_logprobs"), out_shardings=replicate),
+            self.store,
+        )
+        self.copy_batch = max(8, cfg.max_slots)
+        # Decode runs over the live sequences only, padded to a power-of-two batch: the slot
+        # a request holds is host bookkeeping, the device addresses KV through pages.
+        self.batch_buckets = pow2_buckets(min(8, cfg.max_slots), cfg.max_slots)
+        self.spec_k = cfg.num_speculative_tokens
+        if self.spec_k:
+            from jaxserve.runner import speculative
+
+            t = self.target
+            self._verify = Step(
+                "verify",
+                jax.jit(
+                    pin_kv(functools.partial(speculative.verify, t.graphdef, t.attn["context"]), t.kv_sharding, 0),
+                    donate_argnums=(1,),
+                    static_argnames=("do_sample",),
+                ),
+                self.store,
+                fixed=2,
+            )
+            if self.draft is not None:
+                d = self.draft
+                self._propose = Step(
+                    "propose",
+                    jax.jit(
+                        pin_kv(
+                            functools.partial(speculative.draft_propose, d.graphdef, d.attn["decode"]), d.kv_sharding, 0
+                        ),
+                        donate_argnums=(1,),
+                        static_argnames=("do_sample",),
+                    ),
+                    self.store,
+                    fixed=2,
+                )
+
+    @property
+    def kv(self):
+        return self.target.kv
+
+    @property
+    def is_follower(self) -> bool:
+        """A process other than 0 of several: it only replays process 0's runner calls."""
+        return self.broadcaster is not None and not self.broadcaster.leader
+
+    def follow_leader(self) -> None:
+        """On a follower process: replay the leader's calls (its warm-up included) until it stops."""
+        self.broadcaster.follow(self)
+
+    def release_followers(self) -> None:
+        """On the leader: let the followers return from follow_leader."""
+        if self.broadcaster is not None and self.broadcaster.leader:
+            self.broadcaster.send("stop", ())
+
+    def batch(self, rows: Sequence[Sequence[Chunk]], num_rows: int, num_tokens: int, table_width: int) -> StepBatch:
+        return step_batch.build(
+            rows, num_rows=num_rows, num_tokens=num_tokens, table_width=table_width, page_size=self.cfg.page_size
+        )
+
+    # -- steps -------------------------------------------------------------------------
+    @replicated
+    def prefill(self, chunks: list[Chunk]) -> None:
+        """Fill KV (of the target and the draft) for chunks of a sequence's tokens.
+
+        Fresh prompts (start 0) are packed into one row of a bucket, each its own segment,
+        so short prompts share one call and padding stays below one bucket step. A chunk that
+        continues a sequence runs alone and attends to the pages already written."""
+        for c in chunks:
+            if c.start:
+                self._run_prefill([c], "prefill_ctx", self.table_width)
+        cap = self.prefill_buckets[-1]
+        pack, used = [], 0
+        for c in (c for c in chunks if c.start == 0):
+            if used + len(c.tokens) > cap:
+                self._run_prefill(pack, "prefill", 1)
+                pack, used = [], 0
+            pack.append(c)
+            used += len(c.tokens)
+        if pack:
+            self._run_prefill(pack, "prefill", 1)
+
+    def _run_prefill(self, chunks: list[Chunk], fn_name: str, table_width: int) -> None:
+        t = bucket_for(self.prefill_buckets, sum(len(c.tokens) for c in chunks))
+        batch = self.batch([chunks], 1, t, table_width)
+        for w in self.models:
+            w.kv = getattr(w, fn_name)(w.params, w.kv, batch)
+
+    def _decode_batch(self, rows: list[Chunk], num_tokens: int) -> tuple[list[int], StepBatch]:
+        """Rows sorted by context length, longest first (the attention groups rows by length),
+        padded to a batch bucket. Returns (row order, batch): batch row i is rows[order[i]]."""
+        order = sorted(range(len(rows)), key=lambda i: -(rows[i].start + 1))
+        s = bucket_for(self.batch_buckets, len(rows))
+        return order, self.batch([[rows[i]] for i in order], s, num_tokens, self.table_width)
+
+    @replicated
+    def decode(self, rows: list[Chunk], num_logprobs: int) -> DecodeResult:
+        """One step of the target over one token per row; row i of the result is rows[i].
+        num_logprobs: 0, or cfg.max_logprobs (the one static top-n the sampler compiles)."""
+        order, batch = self._decode_batch(rows, 1)
+        t = self.target
+        logits, t.kv = t.decode(t.params, t.kv, batch)
+        do_sample = bool(np.any(batch.active & (batch.sampling.temperature > 0)))
+        out = self._sample(logits, batch.sampling, do_sample=do_sample, num_logprobs=num_logprobs)
+        inverse = np.argsort(order)
+        return DecodeResult(*(None if x is None else to_host(x)[inverse] for x in out))
+
+    @replicated
+    def speculate(self, rows: list[Chunk]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """One speculative step: each row's tokens are [last] (the draft model proposes on the
+        device) or [last, host proposals...]; the target verifies all k+1 positions in one
+        pass. Returns (tokens [R, k+1], n_out [R], num_drafts [R]) in the order of `rows`:
+        row i emits tokens[i, :n_out[i]]."""
+        k = self.spec_k
+        rows = [
+            dataclasses.replace(
+                c,
+                tokens=list(c.tokens[: k + 1]) + [0] * (k + 1 - len(c.tokens[: k + 1])),
+                num_drafts=min(len(c.tokens) - 1, k) if self.draft is None else k,
+            )
+            for c in rows
+        ]
+        order, batch = self._decode_batch(rows, k + 1)
+        do_sample = bool(np.any(batch.active & (batch.sampling.temperature > 0)))
+        drafts, q = None, None
+        if self.draft is not None:
+            d = self.draft
+            d.kv, drafts, q = self._propose(d.params, d.kv, batch, do_sample=do_sample)
+        t = self.target
+        t.kv, out, n_out = self._verify(t.params, t.kv, batch, drafts, q, do_sample=do_sample)
+        inverse = np.argsort(order)
+        num_drafts = np.asarray([c.num_drafts for c in rows], np.int32)
+        return to_host(out)[inverse], to_host(n_out)[inverse], num_drafts
+
+    @replicated
+    def copy_pages(self, pairs: list[tuple[int, int]]) -> None:
+        for i in range(0, len(pairs), self.copy_batch):
+            chunk = pairs[i : i + self.copy_batch]
+            src = np.zeros((self.copy_batch,), np.int32)
+            dst = np.zeros((self.copy_batch,), np.int32)
+            src[: len(chunk)] = [a for a, _ in chunk]
+            dst[: len(chunk)] = [b for _, b in chunk]
+            for w in self.models:
+                w.kv = w.copy(w.kv, src, dst)
+
+    # -- warm-up -----------------------------------------------------------------------
+    def warmup(self, progress: Callable[[str], None] | None = None) -> float:
+        """Compile every shape serving can produce; all writes go to the dummy page."""
+        t0 = time.perf_counter()
+        ps = self.cfg.page_size
+        jobs = [("prefill", t, start) for t in self.prefill_buckets for start in (0, ps)]
+        for b in self.batch_buckets:
+            jobs += [("decode", b, (do_sample, nlp)) for do_sample in (False, True) for nlp in (0, 1)]
+            if self.spec_k:
+                jobs += [("speculate", b, (do_sample, 0)) for do_sample in (False, True)]
+        for i, (kind, a, b) in enumerate(jobs):
+            if progress:
+                progress(f"compiling {kind} {a} {b if b is not None else ''} ({i + 1}/{len(jobs)})")
+            if kind == "prefill":
+                self.prefill([Chunk([0] * a, b, [DUMMY_PAGE] * (self.max_pages_per_seq + a // ps + 2))])
+                continue
+            # a rows pick bucket a: one live row on the dummy pages, the rest empty
+            n_tok = 1 + self.spec_k if kind == "speculate" else 1
+            live = Chunk([0] * n_tok, 0, [DUMMY_PAGE] * self.max_pages_per_seq, (1.0 if b[0] else 0.0, 0, 1.0, 0, 0))
+            rows = [live] + [Chunk([0] * n_tok, 0, [], (0.0, 0, 1.0, 0, 0))] * (a - 1)
+            if kind == "decode":
+                self.decode(rows, self.cfg.max_logprobs if b[1] else 0)
+            else:
+                self.speculate(rows)
+        self.copy_pages([(DUMMY_PAGE, DUMMY_PAGE)])
+        jax.block_until_ready([w.kv for w in self.models])
+        return time.perf_counter() - t0
+
+
+def resolve(
+    model_cfg: ModelConfig, draft_cfg: ModelConfig | None, engine_cfg, weight_bytes: int, max_logprobs: int
+) -> RunnerConfig:
+    """The engine's options resolved for this backend and model: dtype, attention, the pool
+    size (from memory and kv-math), buckets. Raises ValueError when one max-length request
+    cannot fit."""
+    backend = jax.default_backend()
+    cfg = engine_cfg
+    dtype = jnp.dtype(cfg.dtype or ("float32" if backend == "cpu" else "bfloat16"))
+    max_model_len = min(cfg.max_model_len or min(model_cfg.max_context, 2048), model_cfg.max_context)
+    ps = cfg.page_size
+    max_pages_per_seq = -(-max_model_len // ps)
+    fits = [b for b in cfg.prefill_buckets if b < max_model_len]
+    bigger = [b for b in cfg.prefill_buckets if b >= max_model_len]
+    kv_bytes_per_token = sum(
+        kv_math.kv_bytes_per_token(c.shape(), kv_dtype=_KV_DTYPE[dtype.name])
+        for c in (model_cfg, draft_cfg)
+        if c is not None
+    )
+    num_pages = cfg.num_pages or _pool_pages(cfg, ps * kv_bytes_per_token, max_pages_per_seq, weight_bytes)
+    if num_pages < max_pages_per_seq + 1:
+        raise ValueError(
+            f"KV cache too small: one request of max_model_len={max_model_len} needs "
+            f"{max_pages_per_seq} pages of {ps} tokens ({max_pages_per_seq * ps * kv_bytes_per_token / 2**20:.1f} MiB "
+            f"at {kv_bytes_per_token} bytes/token) plus the reserved page, but the pool has {num_pages} "
+            f"pages; raise num_pages / kv_cache_memory_bytes or lower max_model_len"
+        )
+    spec_k = cfg.num_speculative_tokens if cfg.speculative_model else 0
+    return RunnerConfig(
+        max_slots=cfg.max_slots,
+        page_size=ps,
+        max_model_len=max_model_len,
+        num_pages=num_pages,
+        prefill_buckets=tuple(fits + bigger[:1]),
+        dtype=dtype.name,
+        attention_impl=cfg.attention_impl or ("xla" if backend == "cpu" else "pallas"),
+        interpret=cfg.interpret if cfg.interpret is not None else backend == "cpu",
+        max_logprobs=min(max_logprobs, model_cfg.vocab_size),
+        num_speculative_tokens=spec_k,
+        tensor_parallel_size=cfg.tensor_parallel_size,
+        compilation_cache_dir=cfg.compilation_cache_dir,
+        store_context=f"{dataclasses.replace(cfg, compilation_cache_dir=None)!r} {model_cfg!r} {draft_cfg!r}",
+    )
+
+
+def kv_bytes_per_token(rc: RunnerConfig, *cfgs: ModelConfig | None) -> int:
+    return sum(kv_math.kv_bytes_per_token(c.shape(), kv_dtype=_KV_DTYPE[rc.dtype]) for c in cfgs if c is not None)
+
+
+def _pool_pages(cfg, bytes_per_page: int, max_pages_per_seq: int, weight_bytes: int) -> int:
+    budget = cfg.kv_cache_memory_bytes
+    if budget is None:
+        stats = jax.local_devices()[0].memory_stats() or {}  # every process: its own chips
+        if "bytes_limit" in stats:
+            budget = int(stats["bytes_limit"] * cfg.memory_fraction) - weight_bytes - stats.get("bytes_in_use", 0)
+        else:  # CPU: enough for every slot at full length, at most 2 GiB
+            budget = min(2 << 30, (cfg.max_slots * max_pages_per_seq + 1) * bytes_per_page)
+    return max(0, budget // bytes_per_page)
+
+
+_KV_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}

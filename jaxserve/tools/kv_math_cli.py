@@ -1,0 +1,273 @@
+"""``jaxserve kv-math``: the calculator's command line, its plot, and measurements of this
+host (bandwidth, matmul rate, the real engine step) that check the predictions.
+
+The math itself is ``jaxserve.kv_math`` (a pure library the engine imports); this module is
+a tool at the top of the stack, so it may build an engine to time it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from jaxserve import kv_math
+from jaxserve.kv_math import (
+    ACCELERATORS,
+    DEFAULT_ACTIVATION_RESERVE_FRACTION,
+    DEFAULT_PAGE_SIZE,
+    DTYPE_BYTES,
+    GB,
+    PRESETS,
+    WEIGHT_ONLY_DTYPES,
+    ModelShape,
+    Plan,
+    _ms,
+    _positive_int,
+    decode_step_bounds,
+    plan,
+    resolve_model,
+)
+
+
+def write_plot(p: Plan, path: str | Path) -> None:
+    """Tokens/s and cost against batch size: shows where batching stops paying and where memory ends."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    top = max(2, p.max_concurrent_requests)
+    batches = np.unique(np.geomspace(1, top * 1.5, 60).astype(int))
+    stats = [p.at_batch(int(b)) for b in batches]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    ax1.plot(batches, [s[1] for s in stats])
+    ax1.set(xlabel="batch (concurrent requests)", ylabel="tokens/s ceiling", xscale="log")
+    ax2.plot(batches, [s[2] if s[2] is not None else np.nan for s in stats])
+    ax2.set(xlabel="batch (concurrent requests)", ylabel="USD per 1M output tokens", xscale="log", yscale="log")
+    for ax in (ax1, ax2):
+        ax.axvline(p.max_concurrent_requests, color="red", ls="--", label=f"max batch {p.max_concurrent_requests}")
+        ax.axvspan(p.max_concurrent_requests, batches[-1], color="grey", alpha=0.15, label="KV does not fit")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    fig.suptitle(
+        f"{p.model} on {p.num_chips} x {p.accelerator}, {p.context_len:,}-token context, "
+        f"weights {p.weight_dtype}, KV {p.kv_dtype}"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+# --------------------------------------------------------------------------- host measurement
+def measure_host(size_bytes: int = 512 * 1024 * 1024, repeats: int = 5) -> dict[str, float]:
+    """Measure the bandwidth and FLOP/s that predict_decode_step needs, on this machine.
+
+    Bandwidth is the faster of a numpy sum (one core) and a jitted jax sum (all cores),
+    since the engine streams weights through XLA; best of ``repeats`` runs.
+    """
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    def best(fn: Any) -> float:
+        fn()  # warm-up: page faults, compilation
+        times = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+        return min(times)
+
+    start = time.perf_counter()
+    x = jnp.ones(size_bytes // 4, jnp.float32)  # allocating once: page faults cost seconds on a small VM
+    a = np.asarray(x)  # a zero-copy view on the CPU backend
+    bw_numpy = a.nbytes / best(a.sum)
+    jsum = jax.jit(jnp.sum)
+    bw_jax = x.nbytes / best(lambda x=x: jsum(x).block_until_ready())
+    del a, x
+    lhs, rhs = jnp.ones((512, 4096), jnp.float32), jnp.ones((4096, 4096), jnp.float32)
+    mm = jax.jit(jnp.matmul)
+    flops = 2 * 512 * 4096 * 4096 / best(lambda: mm(lhs, rhs).block_until_ready())
+    return {
+        "memory_bandwidth": max(bw_numpy, bw_jax),
+        "memory_bandwidth_numpy": bw_numpy,
+        "memory_bandwidth_jax": bw_jax,
+        "matmul_flops_fp32": flops,
+        "seconds": time.perf_counter() - start,
+    }
+
+
+def measure_engine_step(model: ModelShape, batch: int, context_len: int, repeats: int = 5) -> float:
+    """Median seconds of the real jaxserve decode step (float32, every slot active at
+    `context_len`) for a random-weight model of this shape: the number the roofline predicts."""
+    import jax
+    from flax import nnx
+
+    from jaxserve.engine.engine_config import EngineConfig
+    from jaxserve.models.llama import LlamaForCausalLM
+    from jaxserve.models.model_config import ModelConfig
+    from jaxserve.runner import model_runner
+    from jaxserve.runner.step_batch import Chunk
+
+    cfg = ModelConfig(
+        architecture="LlamaForCausalLM",
+        vocab_size=model.vocab_size,
+        hidden_size=model.hidden_size,
+        intermediate_size=model.intermediate_size,
+        num_layers=model.num_layers,
+        num_heads=model.num_heads,
+        num_kv_heads=model.num_kv_heads,
+        head_dim=model.head_dim,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        max_position_embeddings=max(context_len + 1, 16),
+        tie_word_embeddings=model.tie_word_embeddings,
+    )
+    ps = 16
+    pages = -(-(context_len + 1) // ps)
+    engine_cfg = EngineConfig(
+        max_slots=batch,
+        page_size=ps,
+        max_model_len=pages * ps,
+        num_pages=batch * pages + 1,
+        dtype="float32",
+        attention_impl="xla",
+        enable_prefix_caching=False,
+    )
+    rc = model_runner.resolve(cfg, None, engine_cfg, weight_bytes=0, max_logprobs=0)
+    runner = model_runner.ModelRunner(LlamaForCausalLM(cfg, dtype="float32", rngs=nnx.Rngs(0)), cfg, rc)
+    rows = [
+        Chunk([0], context_len, list(range(1 + i * pages, 1 + (i + 1) * pages)), (0.0, 0, 1.0, 0, 0))
+        for i in range(batch)
+    ]
+    runner.decode(rows, 0)  # compile
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        runner.decode(rows, 0)
+        jax.block_until_ready(runner.kv)
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def _measure_host_report(model: ModelShape, context_len: int, as_json: bool) -> int:
+    host = measure_host()
+    rows = []
+    for b in (1, 8, 32):
+        mem, comp = decode_step_bounds(
+            model,
+            b,
+            context_len,
+            host["memory_bandwidth"],
+            host["matmul_flops_fp32"],
+            weight_dtype="fp32",
+            kv_dtype="fp32",
+        )
+        rows.append(
+            {
+                "batch": b,
+                "memory_bound_s": mem,
+                "compute_bound_s": comp,
+                "predicted_s": max(mem, comp),
+                "measured_engine_s": measure_engine_step(model, b, context_len),
+            }
+        )
+        rows[-1]["measured_over_predicted"] = rows[-1]["measured_engine_s"] / rows[-1]["predicted_s"]
+    if as_json:
+        print(json.dumps({"host": host, "model": model.name, "context_len": context_len, "steps": rows}, indent=2))
+        return 0
+    print(
+        f"host: memory bandwidth {host['memory_bandwidth'] / GB:.1f} GB/s (numpy sum "
+        f"{host['memory_bandwidth_numpy'] / GB:.1f}, jax sum {host['memory_bandwidth_jax'] / GB:.1f}), "
+        f"fp32 matmul {host['matmul_flops_fp32'] / 1e9:.0f} GFLOP/s  [{host['seconds']:.1f} s]"
+    )
+    print(f"predicted fp32 decode step, {model.name} ({model.num_params / 1e6:.1f}M params), context {context_len}:")
+    print(f"{'batch':>6} {'memory':>12} {'compute':>12} {'predicted':>12} {'engine':>12} {'ratio':>7}")
+    for r in rows:
+        print(
+            f"{r['batch']:>6} {_ms(r['memory_bound_s']):>12} {_ms(r['compute_bound_s']):>12} "
+            f"{_ms(r['predicted_s']):>12} {_ms(r['measured_engine_s']):>12} {r['measured_over_predicted']:>6.1f}x"
+        )
+    return 0
+
+
+# --------------------------------------------------------------------------- CLI
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="jaxserve kv-math", description=kv_math.__doc__.split("\n\n")[1])
+    ap.add_argument(
+        "--model",
+        default="llama-3.1-8b",
+        help=f"preset ({', '.join(PRESETS)}), checkpoint dir, config.json or workload JSON",
+    )
+    ap.add_argument("--accelerator", default="h100", help=", ".join(ACCELERATORS))
+    ap.add_argument("--chips", type=int, default=1, help="chips in the tensor-parallel group")
+    ap.add_argument("--kv-dtype", default="bf16", help=", ".join(d for d in DTYPE_BYTES if d not in WEIGHT_ONLY_DTYPES))
+    ap.add_argument("--weight-dtype", default="bf16", help=", ".join(DTYPE_BYTES))
+    ap.add_argument("--context", type=int, default=8192, help="tokens per request (prompt + output)")
+    ap.add_argument("--memory-fraction", type=float, default=0.9, help="share of HBM the server may use")
+    ap.add_argument(
+        "--activation-reserve-gb",
+        type=float,
+        default=None,
+        help=f"per chip, in GB (default {DEFAULT_ACTIVATION_RESERVE_FRACTION:.0%}% of HBM)",
+    )
+    ap.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE, help="tokens per KV page")
+    ap.add_argument("--price-per-chip-hour", type=float, default=None, help="USD (default: rough on-demand price)")
+    ap.add_argument("--mean-prompt", type=float, default=None)
+    ap.add_argument("--mean-output", type=float, default=None)
+    ap.add_argument("--workload", metavar="FILE", default=None, help="workload JSON with a requests list")
+    ap.add_argument("--json", action="store_true", help="print the plan as JSON")
+    ap.add_argument("--plot", metavar="FILE.png", default=None, help="tokens/s and cost against batch size")
+    ap.add_argument(
+        "--measure-host",
+        action="store_true",
+        help="measure this machine and predict fp32 decode steps at batch 1, 8, 32",
+    )
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Exit codes: 0 ok, 1 the configuration does not fit, 2 bad usage."""
+    try:
+        args = _parser().parse_args(argv)
+    except SystemExit as e:  # argparse has printed its message; hand back its code instead of exiting
+        return int(e.code or 0)
+    try:
+        model = resolve_model(args.model)
+        if args.measure_host:
+            return _measure_host_report(model, _positive_int("context_len", args.context), args.json)
+        reserve = None if args.activation_reserve_gb is None else args.activation_reserve_gb * GB
+        p = plan(
+            model,
+            args.accelerator,
+            args.chips,
+            args.kv_dtype,
+            args.weight_dtype,
+            args.context,
+            args.memory_fraction,
+            reserve,
+            args.page_size,
+            args.price_per_chip_hour,
+            args.mean_prompt,
+            args.mean_output,
+            args.workload,
+        )
+    except ValueError as e:
+        print(f"jaxserve kv-math: error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(p.to_dict(), indent=2) if args.json else p.to_text())
+    if not p.fits:
+        print(f"jaxserve kv-math: {p.reason}", file=sys.stderr)
+        return 1
+    if args.plot:
+        write_plot(p, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

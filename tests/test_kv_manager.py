@@ -1,0 +1,80 @@
+"""The KV manager without JAX: copy-on-write of shared pages, and random admit / grow /
+trim / free / evict sequences that keep every page's reference count equal to its owners."""
+
+from __future__ import annotations
+
+import random
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jaxserve.engine.allocator import PageAllocator
+from jaxserve.engine.kv_manager import KVManager
+from jaxserve.engine.radix_cache import RadixCache
+from jaxserve.engine.request import SamplingParams, Sequence, Status
+
+
+def test_copy_on_write_of_a_shared_partial_page():
+    alloc = PageAllocator(8, 4)
+    kv = KVManager(alloc)
+    shared = alloc.allocate()
+    alloc.share(shared)  # two owners, as after a fork or a prefix-cache hit
+    seq = Sequence("x", [3] * 6, SamplingParams(max_tokens=4), 0, 0)
+    seq.pages, seq.num_computed, seq.status, seq.slot = [shared], 2, Status.RUNNING, 0
+    copies: list = []
+    assert kv.allocate_slots(seq, seq.length, copies)
+    assert copies == [(shared, seq.pages[0])] and seq.pages[0] != shared
+    assert alloc.refcount[shared] == 1 and alloc.refcount[seq.pages[0]] == 1
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    seed=st.integers(0, 10**6),
+    num_pages=st.integers(6, 30),
+    prefix_caching=st.booleans(),
+    ops=st.lists(st.sampled_from(["admit", "grow", "grow", "trim", "free", "flush"]), max_size=80),
+)
+def test_random_operations_keep_page_ownership_exact(seed, num_pages, prefix_caching, ops):
+    rng = random.Random(seed)
+    alloc = PageAllocator(num_pages, 4)
+    kv = KVManager(alloc, RadixCache(alloc) if prefix_caching else None)
+    running: list[Sequence] = []
+    for i, op in enumerate(ops):
+        copies: list = []
+        if op == "admit":
+            seq = Sequence(
+                f"r{i}", [rng.randrange(3, 5) for _ in range(rng.randrange(1, 14))], SamplingParams(max_tokens=8), 0, i
+            )
+            if kv.admit(seq, copies, keep_reserve=bool(running)):
+                running.append(seq)
+                assert len(seq.pages) == kv.pages_for(seq.length)
+            else:
+                assert not seq.pages
+        elif op == "grow" and running:
+            seq = rng.choice(running)
+            seq.num_computed = seq.length - 1  # what the last step wrote
+            seq.output_ids.append(rng.randrange(3, 5))
+            lookahead = rng.choice([0, 3])
+            if kv.allocate_slots(seq, seq.length + lookahead, copies):
+                assert len(seq.pages) >= kv.pages_for(seq.length + lookahead)
+                written = seq.num_computed // 4
+                assert all(alloc.refcount[p] == 1 for p in seq.pages[written:]), "a shared page would be written"
+            kv.cache_computed(seq)
+        elif op == "trim" and running:
+            seq = rng.choice(running)
+            kv.trim(seq)
+            assert len(seq.pages) <= kv.pages_for(seq.length)
+        elif op == "free" and running:
+            seq = running.pop(rng.randrange(len(running)))
+            kv.free(seq)
+            assert not seq.pages
+        elif op == "flush":
+            kv.flush_prefix_cache()
+        for src, dst in copies:
+            assert src != dst and alloc.refcount[dst] >= 1
+        kv.check(running)
+    for seq in running:
+        kv.free(seq)
+    kv.flush_prefix_cache()
+    kv.check([])
+    assert alloc.num_free == alloc.capacity, "pages leaked"
