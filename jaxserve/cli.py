@@ -54,6 +54,7 @@ SERVER_FLAGS = {
     "--host": ("host", str, "address to bind"),
     "--port": ("port", int, "gRPC port; 0 picks a free port (printed at start)"),
     "--metrics-port": ("metrics_port", int, "Prometheus endpoint port"),
+    "--http-port": ("http_port", int, "also serve the OpenAI-compatible HTTP API on this port; 0 picks a free port"),
     "--token-file": ("token_file", str, "file holding the bearer token to require"),
     "--tls-cert": ("tls_cert", str, "PEM certificate chain"),
     "--tls-key": ("tls_key", str, "PEM private key"),
@@ -246,10 +247,15 @@ def cmd_client(args) -> int:
     sampling = dict(max_tokens=args.max_tokens, temperature=args.temperature)
     if args.seed is not None:
         sampling["seed"] = args.seed
-    if args.echo:
+    prompt = args.prompt
+    if args.chat:  # one user turn (after an optional system message), rendered by the server's template
+        prompt = ([{"role": "system", "content": args.system}] if args.system else []) + [
+            {"role": "user", "content": args.prompt}
+        ]
+    elif args.echo:
         print(args.prompt, end="", flush=True)
     last = None
-    for r in c.generate(args.prompt, timeout=args.timeout, **sampling):
+    for r in c.generate(prompt, timeout=args.timeout, **sampling):
         print(r.text, end="", flush=True)
         last = r
     print()
@@ -380,10 +386,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", metavar="COMMAND")
     p = sub.add_parser(
         "serve",
-        help="serve a model over gRPC",
+        help="serve a model over gRPC (and the OpenAI-compatible HTTP API with --http-port)",
         parents=[gin_parent],
         description="Load a model, compile every shape, serve gRPC (Generate, Abort, GetModelInfo, "
-        "health, reflection). Prints 'jaxserve: serving on HOST:PORT' once listening.",
+        "health, reflection) and, with --http-port, the OpenAI-compatible HTTP API (/v1/models, "
+        "/v1/completions, /v1/chat/completions, /health) from the same engine. Prints 'jaxserve: serving "
+        "on HOST:PORT' once listening (and 'jaxserve: OpenAI-compatible HTTP on http://HOST:PORT/v1').",
         epilog=GIN_HELP + " Without --gin_file: configs/default.gin.",
     )
     _add_engine_flags(p)
@@ -421,6 +429,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--timeout", type=float, default=None)
     p.add_argument("--echo", action="store_true", help="print the prompt first")
+    p.add_argument("--chat", action="store_true", help="send PROMPT as a user message (the server's chat template)")
+    p.add_argument("--system", default=None, help="with --chat: a system message before it")
     p.add_argument("--usage", action="store_true", help="print token counts at the end")
     p.set_defaults(fn=cmd_client)
     sub.add_parser(

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Iterable, Iterator
 from typing import Sequence as Seq
 
+from jaxserve.engine.chat import Conversation, is_conversation
 from jaxserve.engine.core import EngineCore
 from jaxserve.engine.request import RequestOutput, SamplingParams, Sequence
 
@@ -138,6 +139,21 @@ class LLM:
         for out in self._run_until({s.request_id for s in seqs}):
             _merge(results[out.request_id], out)
         return [results[s.request_id] for s in seqs]
+
+    def chat(
+        self,
+        messages: Seq[dict] | Seq[Seq[dict]],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Reply to one conversation (a list of {"role", "content"} dicts) or to each of a list of
+        them; each is rendered with the checkpoint's chat template, ending with the assistant's
+        generation prompt. ValueError naming `messages` if the checkpoint has no template."""
+        if not isinstance(messages, Seq) or isinstance(messages, str) or not messages:
+            raise ValueError(
+                "messages: must be a non-empty list of {'role', 'content'} dicts (or a list of such lists)"
+            )
+        conversations = [messages] if is_conversation(messages) else list(messages)
+        return self.generate([Conversation.of(c) for c in conversations], sampling_params)
 
     def stream(self, prompt: str | Seq[int], params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Yield incremental outputs of one request as they are produced (offline use)."""

@@ -68,6 +68,7 @@ _SERVER_FIELDS = [
     ("host", str, "127.0.0.1", "address the gRPC server binds"),
     ("port", int, 50051, "gRPC port; 0 picks a free one"),
     ("metrics_port", int | None, None, "Prometheus /metrics port; None = no metrics endpoint"),
+    ("http_port", int | None, None, "OpenAI-compatible HTTP port (same process and engine); None = gRPC only"),
     ("max_waiting", int, 256, "requests queued beyond the running ones before RESOURCE_EXHAUSTED"),
     ("grace", float, 30.0, "seconds SIGTERM waits for in-flight requests"),
     ("default_max_tokens", int, 256, "max_tokens of a request that sets none"),
@@ -142,8 +143,10 @@ class _ServeConfigMethods:
             object.__setattr__(self, f.name, value)
         if not 0 <= self.port <= 65535:
             raise ValueError(f"ServeConfig.port must be in [0, 65535], got {self.port}")
-        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
-            raise ValueError(f"ServeConfig.metrics_port must be in [0, 65535], got {self.metrics_port}")
+        for name in ("metrics_port", "http_port"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= 65535:
+                raise ValueError(f"ServeConfig.{name} must be in [0, 65535], got {value}")
         for name in ("max_waiting", "default_max_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ServeConfig.{name} must be >= 1, got {getattr(self, name)}")
@@ -181,6 +184,7 @@ class _ServeConfigMethods:
             host=self.host,
             port=self.port,
             metrics_port=self.metrics_port,
+            http_port=self.http_port,
             max_waiting=self.max_waiting,
             grace_s=self.grace,
             default_max_tokens=self.default_max_tokens,
@@ -228,7 +232,7 @@ _ServeConfig = dataclasses.make_dataclass(
 _ServeConfig.__module__ = __name__
 _ServeConfig.__doc__ = (
     "Everything one deployment chooses: the checkpoint (`model`), every EngineConfig field, and the "
-    "server's fields (host, port, metrics_port, max_waiting, grace, default_max_tokens, token_file, "
+    "server's fields (host, port, metrics_port, http_port, max_waiting, grace, default_max_tokens, token_file, "
     "tls_cert, tls_key). Gin-configurable as `ServeConfig`."
 )
 ServeConfig = gin.configurable("ServeConfig", module="jaxserve.config")(_ServeConfig)

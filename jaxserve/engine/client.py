@@ -17,6 +17,7 @@ import threading
 from typing import AsyncIterator, Callable
 from typing import Sequence as Seq
 
+from jaxserve.engine.chat import Conversation
 from jaxserve.engine.core import EngineCore, ModelInfo
 from jaxserve.engine.request import RequestOutput, SamplingParams
 
@@ -87,11 +88,11 @@ class EngineClient:
     # -- requests ----------------------------------------------------------------------
     async def submit(
         self,
-        prompt: str | Seq[int],
+        prompt: str | Seq[int] | Conversation,
         params: SamplingParams | Callable[[int], SamplingParams],
         request_id: str | None = None,
     ) -> RequestStream:
-        """Validate, tokenize (in a worker thread) and queue a request. `params` may be a
+        """Validate, tokenize or render the chat (in a worker thread) and queue a request. `params` may be a
         function of the prompt's token count (a default max_tokens that fills the context).
         Raises ValueError naming the field, or QueueFull."""
         loop = asyncio.get_running_loop()

@@ -24,6 +24,7 @@ import numpy as np
 
 from jaxserve.engine import allocator as allocator_mod
 from jaxserve.engine.allocator import PageAllocator
+from jaxserve.engine.chat import Conversation, render
 from jaxserve.engine.engine_config import EngineConfig
 from jaxserve.engine.kv_manager import KVManager
 from jaxserve.engine.radix_cache import RadixCache
@@ -159,8 +160,15 @@ class EngineCore:
         self.runner.release_followers()
 
     # -- requests ----------------------------------------------------------------------
-    def tokenize(self, prompt: str | Seq[int]) -> list[int]:
+    def render_chat(self, messages: Conversation | Seq[dict]) -> list[int]:
+        """Prompt token ids of a conversation, by the checkpoint's chat template (engine/chat.py);
+        ValueError naming `messages`. Frontends call it through tokenize, in worker threads."""
+        return render(self.tokenizer, Conversation.of(messages), self.model_path)
+
+    def tokenize(self, prompt: str | Seq[int] | Conversation) -> list[int]:
         """Prompt token ids, validated; ValueError naming the field."""
+        if isinstance(prompt, Conversation):
+            return self.render_chat(prompt)
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError(f"prompt: {self.model_path} has no tokenizer; send token ids instead of text")
@@ -181,7 +189,10 @@ class EngineCore:
         return ids
 
     def make_sequence(
-        self, prompt: str | Seq[int], params: SamplingParams | None = None, request_id: str | None = None
+        self,
+        prompt: str | Seq[int] | Conversation,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
     ) -> Sequence:
         """Validate and tokenize; raises ValueError naming the field before anything is scheduled."""
         params = params or SamplingParams()

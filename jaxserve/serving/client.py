@@ -21,21 +21,39 @@ class Client:
         self.stub = pb_grpc.JaxServeStub(self.channel)
         self.metadata = (("authorization", f"Bearer {token}"),) if token else ()
 
-    def request(self, prompt: str | Sequence[int], request_id: str = "", **sampling) -> pb.GenerateRequest:
+    def request(
+        self, prompt: str | Sequence[int] | Sequence[dict], request_id: str = "", **sampling
+    ) -> pb.GenerateRequest:
+        """prompt: text, token ids, or chat messages ({"role", "content"} dicts, rendered by the
+        server's chat template)."""
         req = pb.GenerateRequest(request_id=request_id, sampling=pb.SamplingParams(**sampling))
         if isinstance(prompt, str):
             req.text = prompt
+        elif prompt and isinstance(prompt[0], dict):
+            req.messages.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"]) for m in prompt)
         else:
             req.token_ids.ids.extend(prompt)
         return req
 
     def generate(
-        self, prompt: str | Sequence[int], timeout: float | None = None, request_id: str = "", **sampling
+        self,
+        prompt: str | Sequence[int] | Sequence[dict],
+        timeout: float | None = None,
+        request_id: str = "",
+        **sampling,
     ) -> Iterator[pb.GenerateResponse]:
         """Stream the responses; cancel the returned iterator (`.cancel()`) to abort."""
         return self.stub.Generate(self.request(prompt, request_id, **sampling), timeout=timeout, metadata=self.metadata)
 
-    def complete(self, prompt: str | Sequence[int], **kw) -> tuple[str, list[int], pb.GenerateResponse]:
+    def chat(
+        self, messages: Sequence[dict], timeout: float | None = None, request_id: str = "", **sampling
+    ) -> Iterator[pb.GenerateResponse]:
+        """Stream the assistant's reply to a conversation: [{"role": "user", "content": "..."}, ...]."""
+        return self.generate(list(messages), timeout=timeout, request_id=request_id, **sampling)
+
+    def complete(
+        self, prompt: str | Sequence[int] | Sequence[dict], **kw
+    ) -> tuple[str, list[int], pb.GenerateResponse]:
         text, ids, last = "", [], None
         for r in self.generate(prompt, **kw):
             text += r.text

@@ -20,6 +20,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from jaxserve.engine.chat import Conversation
 from jaxserve.engine.client import EngineClient, QueueFull, split_logprobs
 from jaxserve.engine.request import SamplingParams
 from jaxserve.serving.metrics import Metrics
@@ -71,8 +72,13 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
         which = request.WhichOneof("prompt")
         try:
             if which is None:
-                raise ValueError("prompt: one of text or token_ids is required")
-            prompt: Any = request.text if which == "text" else list(request.token_ids.ids)
+                raise ValueError("prompt: one of text, token_ids or messages is required")
+            if which == "messages":  # rendered by the chat template in the engine client's worker thread
+                prompt: Any = Conversation.of(
+                    [{"role": m.role, "content": m.content} for m in request.messages.messages]
+                )
+            else:
+                prompt = request.text if which == "text" else list(request.token_ids.ids)
             stream = await self.engine.submit(prompt, self._params(request), request.request_id or uuid.uuid4().hex)
         except ValueError as e:
             self.metrics.requests.labels("invalid").inc()
@@ -82,22 +88,12 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         rid = stream.request_id
         n_prompt = len(stream.prompt_token_ids)
-        self.metrics.prompt_tokens.inc(n_prompt)
-        start = last = time.perf_counter()
-        first_at, completion, done = None, 0, False
+        timer = self.metrics.request(n_prompt)
+        done = False
         try:
             try:
                 async for out in stream:
-                    now = time.perf_counter()
-                    if out.token_ids:
-                        if first_at is None:
-                            first_at = now
-                            self.metrics.ttft.observe(now - start)
-                        else:
-                            self.metrics.itl.observe(now - last)
-                        last = now
-                    completion += len(out.token_ids)
-                    self.metrics.generation_tokens.inc(len(out.token_ids))
+                    timer.tokens(len(out.token_ids))
                     resp = pb.GenerateResponse(request_id=rid, text=out.text, token_ids=out.token_ids)
                     for lp in out.logprobs or []:
                         chosen, top = split_logprobs(lp)
@@ -112,21 +108,19 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
                         resp.usage.CopyFrom(
                             pb.Usage(
                                 prompt_tokens=n_prompt,
-                                completion_tokens=completion,
+                                completion_tokens=timer.completion,
                                 cached_prompt_tokens=out.num_cached_prompt_tokens,
                             )
                         )
-                        self.metrics.requests.labels(out.finish_reason).inc()
-                        if first_at is not None and completion > 1:
-                            self.metrics.tpot.observe((now - first_at) / (completion - 1))
+                        timer.finish(out.finish_reason)
                     yield resp
             except Exception as e:  # the engine step failed
                 done = True
-                self.metrics.requests.labels("error").inc()
+                timer.finish("error")
                 await context.abort(grpc.StatusCode.INTERNAL, f"engine error: {e}")
         finally:
             if not done:  # the client cancelled or its deadline passed: free the slot and pages now
-                self.metrics.requests.labels("cancelled").inc()
+                timer.finish("cancelled")
                 self.engine.abort(rid)
 
     async def Abort(self, request, context):
@@ -188,14 +182,19 @@ class Server:
         max_waiting: int = 256,
         default_max_tokens: int = 256,
         grace_s: float = 30.0,
+        http_port: int | None = None,
     ):
-        """engine: an EngineCore (or an LLM, whose core is used): the server runs its loop."""
+        """engine: an EngineCore (or an LLM, whose core is used): the server runs its loop.
+        http_port: also serve the OpenAI-compatible HTTP API (http_server.py) on this port, in
+        the same event loop over the same engine client (0 picks a free port)."""
         self.metrics = Metrics()
         self.engine = EngineClient(getattr(engine, "core", engine), max_waiting, on_step=self.metrics.update_engine)
         self.servicer = JaxServeServicer(self.engine, self.metrics, default_max_tokens)
         self.host, self.port, self.metrics_port = host, port, metrics_port
         self.token, self.tls = token, (tls_cert, tls_key) if tls_cert else None
         self.grace_s = grace_s
+        self.default_max_tokens = default_max_tokens
+        self.http_port, self.http = http_port, None
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
         self._server: grpc.aio.Server | None = None
         self._metrics_http = None
@@ -219,6 +218,12 @@ class Server:
         self._server = server
         if self.metrics_port is not None:
             self._metrics_http = self.metrics.serve(self.metrics_port, self.host)
+        if self.http_port is not None:
+            from jaxserve.serving.http_server import HttpFrontend  # FastAPI and uvicorn only when asked for
+
+            self.http = HttpFrontend(self.engine, self.metrics, self.token, self.default_max_tokens, self.tls)
+            self.http_port = await self.http.start(self.host, self.http_port)
+            log.info("OpenAI-compatible HTTP on %s:%d", self.host, self.http_port)
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         log.info("jaxserve listening on %s:%d", self.host, self.port)
         return self.port
@@ -233,6 +238,8 @@ class Server:
         """Stop accepting, let in-flight requests finish within the grace period, then abort
         the rest: each of their streams ends with a final ABORT message, not a broken call."""
         self.servicer.draining = True
+        if self.http is not None:
+            self.http.draining = True
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         deadline = time.monotonic() + self.grace_s
         while self.engine.in_flight and time.monotonic() < deadline:
@@ -246,6 +253,8 @@ class Server:
     async def stop(self, grace: float | None = None) -> None:
         if self._server is not None:
             await self._server.stop(grace)
+        if self.http is not None:
+            await self.http.stop()
         self.engine.stop()
         if self._metrics_http is not None:
             self._metrics_http[0].shutdown()
@@ -261,6 +270,8 @@ async def _serve_forever(server: Server) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stopping.set)
     print(f"jaxserve: serving on {server.host}:{server.port}", flush=True)
+    if server.http is not None:
+        print(f"jaxserve: OpenAI-compatible HTTP on http://{server.host}:{server.http_port}/v1", flush=True)
     await stopping.wait()
     log.info("signal received: draining")
     await server.drain()

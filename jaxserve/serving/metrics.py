@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -51,3 +53,37 @@ class Metrics:
 
     def serve(self, port: int, host: str = "127.0.0.1"):
         return start_http_server(port, addr=host, registry=self.registry)
+
+    def request(self, prompt_tokens: int) -> "RequestMetrics":
+        """Start timing one request (both frontends record the same metrics the same way)."""
+        return RequestMetrics(self, prompt_tokens)
+
+
+class RequestMetrics:
+    """One request's TTFT, inter-token gaps, TPOT, token counts and outcome."""
+
+    def __init__(self, metrics: Metrics, prompt_tokens: int):
+        self.m = metrics
+        self.start = self.last = time.perf_counter()
+        self.first_at: float | None = None
+        self.completion = 0
+        metrics.prompt_tokens.inc(prompt_tokens)
+
+    def tokens(self, n: int) -> None:
+        """An output with n new tokens was sent."""
+        if n:
+            now = time.perf_counter()
+            if self.first_at is None:
+                self.first_at = now
+                self.m.ttft.observe(now - self.start)
+            else:
+                self.m.itl.observe(now - self.last)
+            self.last = now
+            self.completion += n
+            self.m.generation_tokens.inc(n)
+
+    def finish(self, outcome: str) -> None:
+        """outcome: a finish reason, or cancelled / invalid / rejected / error."""
+        self.m.requests.labels(outcome).inc()
+        if self.first_at is not None and self.completion > 1:
+            self.m.tpot.observe((self.last - self.first_at) / (self.completion - 1))
