@@ -1,6 +1,7 @@
 """Time the Pallas attention kernels against the jnp reference and jax.nn.dot_product_attention.
 
     python scripts/bench_kernels.py [--json results.json] [--backend tpu|gpu] [--reps N]
+    python scripts/bench_kernels.py --native-cpu [--native-head-dims 32,64,128] [--json ...]
 
 On a GPU or TPU: flash attention at B=1,2,4 x seq 1024/2048/4096, 32 query heads over 8 KV
 heads, head_dim 128, bfloat16; paged decode at batch 64, context 4096, page size 16. On the
@@ -11,6 +12,18 @@ says so.
 Reports the median time, achieved TFLOP/s for flash (causal: 4*B*H*S*S*D/2 FLOPs) and GB/s
 for paged decode (bytes of K/V in the live contexts, each read once), and the largest
 difference from the reference, so a first run on new hardware is also a correctness check.
+
+``--native-cpu`` runs only the CPU section instead: the native C++ paged-attention kernel
+(pallas_kernels/native.py, through XLA FFI) against today's XLA path on the CPU
+(``reference.attention(..., mode="decode")``, the chunked online-softmax loop). It first
+measures this host's streaming read bandwidth in the same run (a jitted sum over a 512 MB
+float32 array, best of 5), then times decode at rows 1/8/16/32/64 x contexts 512/1000/2048,
+8 query heads over 4 KV heads, page size 16, float32, head_dim 32 (the shipped model) and
+64/128. The KV pool is larger than the last-level cache, each row's pages are scattered
+(random page order), and consecutive calls use disjoint sets of pages covering more than
+3x the last-level cache, so every call reads its KV from memory. Reported: median ms, GB/s of
+live KV (K and V of the live contexts, each read once), that as a fraction of the measured
+streaming bandwidth, and the speedup native/XLA.
 """
 
 from __future__ import annotations
@@ -20,6 +33,8 @@ import dataclasses
 import functools
 import json
 import math
+import os
+import platform as host_platform
 import statistics
 import sys
 import time
@@ -29,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 
 from pallas_kernels import reference  # noqa: E402
 from pallas_kernels.flash_attention import flash_attention  # noqa: E402
@@ -73,11 +89,14 @@ def bench_flash(cases, backends, dtype, interpret, reps) -> list[Row]:
         cfg = f"B={b} S={s} H={h}/{kvh} D={d} {jnp.dtype(dtype).name}"
         ref_fn = jax.jit(lambda q, k, v: reference.causal_attention(q, k, v, scale))
         want = ref_fn(q, k, v)
-        impls = {f"pallas-{be}": jax.jit(functools.partial(flash_attention, scale=scale, backend=be,
-                                                           interpret=interpret)) for be in backends}
+        impls = {
+            f"pallas-{be}": jax.jit(functools.partial(flash_attention, scale=scale, backend=be, interpret=interpret))
+            for be in backends
+        }
         impls["reference (jnp)"] = ref_fn
         impls["jax.nn.dot_product_attention"] = jax.jit(
-            lambda q, k, v: jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True))
+            lambda q, k, v: jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True)
+        )
         for name, fn in impls.items():
             try:
                 ms = median_ms(fn, q, k, v, reps=reps)
@@ -88,6 +107,19 @@ def bench_flash(cases, backends, dtype, interpret, reps) -> list[Row]:
             rows.append(Row("flash (causal prefill)", cfg, name, ms, flops / ms / 1e9, None, diff))
             print(f"  {rows[-1]}", file=sys.stderr)
     return rows
+
+
+def xla_decode(q, kp, vp, bt, lens, *, scale):
+    """Decode (q [B, H, D], one query per row at position lens-1) through the XLA serving path."""
+    pos = lens[:, None] - 1
+    meta = reference.AttentionMetadata(
+        slot_mapping=jnp.zeros_like(pos),
+        block_tables=bt,
+        context_lens=lens,
+        positions=pos,
+        segment_ids=jnp.zeros_like(pos),
+    )
+    return reference.attention(q[:, None], None, None, (kp, vp), meta, scale=scale, mode="decode")[:, 0]
 
 
 def bench_paged(cases, backends, dtype, interpret, reps) -> list[Row]:
@@ -105,14 +137,20 @@ def bench_paged(cases, backends, dtype, interpret, reps) -> list[Row]:
         scale = 1 / math.sqrt(d)
         nbytes = 2 * b * ctx * kvh * d * jnp.dtype(dtype).itemsize
         cfg = f"B={b} ctx={ctx} page={ps} H={h}/{kvh} D={d} {jnp.dtype(dtype).name}"
-        oracle = jax.jit(lambda q, kp, vp, bt, lens: reference.paged_attention(
-            q[:, None], kp, vp, bt, lens, lens[:, None] - 1, scale)[:, 0])
+        oracle = jax.jit(
+            lambda q, kp, vp, bt, lens: reference.paged_attention(
+                q[:, None], kp, vp, bt, lens, lens[:, None] - 1, scale
+            )[:, 0]
+        )
         want = oracle(q, kp, vp, bt, lens)
-        impls = {f"pallas-{be}": jax.jit(functools.partial(paged_decode_attention, scale=scale, backend=be,
-                                                           interpret=interpret)) for be in backends}
+        impls = {
+            f"pallas-{be}": jax.jit(
+                functools.partial(paged_decode_attention, scale=scale, backend=be, interpret=interpret)
+            )
+            for be in backends
+        }
         impls["reference gather (jnp)"] = oracle
-        impls["reference serving path (XLA)"] = jax.jit(lambda q, kp, vp, bt, lens: reference.attention(
-            q[:, None], None, None, kp, vp, bt, lens, lens[:, None] - 1, None, scale, mode="decode")[:, 0])
+        impls["reference serving path (XLA)"] = jax.jit(functools.partial(xla_decode, scale=scale))
         # Dense attention over an already contiguous cache: what paging costs, gather excluded.
         kc = reference.gather_pages(kp, bt)
         vc = reference.gather_pages(vp, bt)
@@ -128,20 +166,228 @@ def bench_paged(cases, backends, dtype, interpret, reps) -> list[Row]:
             print(f"  {rows[-1]}", file=sys.stderr)
         try:
             ms = median_ms(dense, q, kc, vc, reps=reps)
-            rows.append(Row("paged decode", cfg, "jax.nn.dot_product_attention (contiguous)", ms, None,
-                            nbytes / ms / 1e6, max_diff(dense(q, kc, vc), want)))
+            rows.append(
+                Row(
+                    "paged decode",
+                    cfg,
+                    "jax.nn.dot_product_attention (contiguous)",
+                    ms,
+                    None,
+                    nbytes / ms / 1e6,
+                    max_diff(dense(q, kc, vc), want),
+                )
+            )
         except Exception as e:
             print(f"  dense {cfg}: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
     return rows
 
 
+# -- CPU: the native FFI kernel against the XLA path -------------------------------------------
+
+
+@dataclasses.dataclass
+class NativeRow:
+    head_dim: int
+    rows: int
+    context: int
+    native_ms: float
+    xla_ms: float
+    native_gbps: float
+    xla_gbps: float
+    native_frac: float  # of the measured streaming bandwidth
+    xla_frac: float
+    speedup: float  # XLA time / native time
+    max_abs_diff: float
+
+
+def stream_read_gbps(mb: int = 512, reps: int = 5) -> float:
+    """This host's streaming read rate now: a jitted sum over an mb-MB float32 array, best of reps."""
+    x = jnp.ones((mb * 2**20 // 4,), jnp.float32)
+    f = jax.jit(jnp.sum)
+    f(x).block_until_ready()
+    best = math.inf
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        f(x).block_until_ready()
+        best = min(best, time.perf_counter() - t0)
+    nbytes = x.nbytes
+    del x
+    return nbytes / best / 1e9
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return host_platform.processor() or host_platform.machine()
+
+
+def last_level_cache_bytes() -> int:
+    for index in (3, 2):
+        try:
+            size = Path(f"/sys/devices/system/cpu/cpu0/cache/index{index}/size").read_text().strip()
+            return int(size.rstrip("KMG")) * {"K": 2**10, "M": 2**20, "G": 2**30}.get(size[-1], 1)
+        except (OSError, ValueError):
+            continue
+    return 32 * 2**20
+
+
+def _median_cold_ms(fn, q, kp, vp, tables, lens, reps: int) -> float:
+    """Median wall time of fn over reps calls, each on the next set of pages (round robin)."""
+    jax.block_until_ready(fn(q, kp, vp, tables[0], lens))
+    times = []
+    for i in range(reps):
+        bt = tables[(i + 1) % len(tables)]
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(q, kp, vp, bt, lens))
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def bench_native_cpu(
+    head_dims=(32, 64, 128),
+    batch_rows=(1, 8, 16, 32, 64),
+    contexts=(512, 1000, 2048),
+    reps: int = 11,
+    heads: int = 8,
+    kv_heads: int = 4,
+    page: int = 16,
+    pool_mb: int = 512,
+) -> tuple[float, list[NativeRow]]:
+    from pallas_kernels import native
+
+    if not native.available():
+        raise SystemExit(f"the native CPU kernels are unavailable: {native.unavailable_reason()}")
+    llc = last_level_cache_bytes()
+    bw = stream_read_gbps()
+    print(
+        f"  streaming read: {bw:.1f} GB/s; last-level cache {llc / 2**20:.0f} MB; kernel ISA {native.cpu_isa()}",
+        file=sys.stderr,
+    )
+    width = -(-max(contexts) // page)  # block-table width (even, as the XLA path wants)
+    width += width % 2
+    out = []
+    for d in head_dims:
+        token_bytes = kv_heads * d * 4  # one token of K (or V), float32
+        biggest = max(batch_rows) * max(contexts) * token_bytes
+        num_pages = 1 + max(pool_mb * 2**20 // 2, biggest * 5 // 4) // (page * token_bytes)
+        key = jax.random.split(jax.random.PRNGKey(d), 3)
+        kp = jax.random.normal(key[0], (num_pages, page, kv_heads, d), jnp.float32)
+        vp = jax.random.normal(key[1], (num_pages, page, kv_heads, d), jnp.float32)
+        rng = np.random.default_rng(d)
+        scale = 1 / math.sqrt(d)
+        nat = jax.jit(
+            lambda q, kp, vp, bt, lens: native.paged_attention(
+                q[:, None], kp, vp, bt, lens, lens[:, None] - 1, scale
+            ).squeeze(1)
+        )
+        xla = jax.jit(functools.partial(xla_decode, scale=scale))
+        for b in batch_rows:
+            q = jax.random.normal(jax.random.PRNGKey(b), (b, heads, d), jnp.float32)
+            for ctx in contexts:
+                need = -(-ctx // page)
+                live = 2 * b * ctx * token_bytes
+                # Disjoint page sets, together over 3x the last-level cache (or as many as fit).
+                n_sets = int(max(1, min(math.ceil(3 * llc / live), (num_pages - 1) // (b * need), 256)))
+                perm = 1 + rng.permutation(num_pages - 1)
+                tables = []
+                for i in range(n_sets):
+                    bt = np.zeros((b, width), np.int32)  # padding entries -> the dummy page 0
+                    bt[:, :need] = perm[i * b * need : (i + 1) * b * need].reshape(b, need)
+                    tables.append(jnp.asarray(bt))
+                lens = jnp.full((b,), ctx, jnp.int32)
+                diff = float(jnp.max(jnp.abs(nat(q, kp, vp, tables[0], lens) - xla(q, kp, vp, tables[0], lens))))
+                n_ms = _median_cold_ms(nat, q, kp, vp, tables, lens, reps)
+                x_ms = _median_cold_ms(xla, q, kp, vp, tables, lens, reps)
+                row = NativeRow(
+                    d,
+                    b,
+                    ctx,
+                    n_ms,
+                    x_ms,
+                    live / n_ms / 1e6,
+                    live / x_ms / 1e6,
+                    live / n_ms / 1e6 / bw,
+                    live / x_ms / 1e6 / bw,
+                    x_ms / n_ms,
+                    diff,
+                )
+                out.append(row)
+                print(f"  {row}", file=sys.stderr)
+        del kp, vp
+    return bw, out
+
+
+def native_markdown(bw: float, rows: list[NativeRow]) -> str:
+    out = [
+        f"Streaming read bandwidth measured in this run: **{bw:.1f} GB/s**. Decode, 8 query heads over "
+        "4 KV heads, page size 16, float32, KV read from memory (pages scattered, pool > last-level cache).",
+        "",
+        "| head_dim | rows | context | native ms | XLA ms | native GB/s | native / stream | XLA GB/s | "
+        "XLA / stream | speedup | max abs diff |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        out.append(
+            f"| {r.head_dim} | {r.rows} | {r.context} | {r.native_ms:.3f} | {r.xla_ms:.3f} | "
+            f"{r.native_gbps:.1f} | {r.native_frac:.2f} | {r.xla_gbps:.1f} | {r.xla_frac:.2f} | "
+            f"{r.speedup:.1f}x | {r.max_abs_diff:.1e} |"
+        )
+    return "\n".join(out)
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x)
+
+
+def main_native_cpu(args) -> int:
+    cpu = jax.devices("cpu")[0]
+    with jax.default_device(cpu):
+        kw = {
+            "head_dims": _ints(args.native_head_dims),
+            "batch_rows": _ints(args.native_rows),
+            "contexts": _ints(args.native_contexts),
+        }
+        if args.reps:
+            kw["reps"] = args.reps
+        print(f"jax {jax.__version__}, CPU: {cpu_name()}, {os.cpu_count()} cores", file=sys.stderr)
+        bw, rows = bench_native_cpu(**kw)
+    print(
+        f"\n**CPU: native FFI paged attention vs the XLA path** (jax {jax.__version__}, {cpu_name()}, "
+        f"{os.cpu_count()} cores, median of {kw.get('reps', 11)} calls)\n"
+    )
+    print(native_markdown(bw, rows))
+    if args.json:
+        args.json.write_text(
+            json.dumps(
+                {
+                    "jax": jax.__version__,
+                    "platform": "cpu",
+                    "cpu": cpu_name(),
+                    "cores": os.cpu_count(),
+                    "stream_read_gbps": bw,
+                    "results": [dataclasses.asdict(r) for r in rows],
+                },
+                indent=2,
+            )
+        )
+    return 0
+
+
 def markdown(rows: list[Row]) -> str:
     fmt = lambda x, spec: "" if x is None else format(x, spec)
-    out = ["| kernel | config | implementation | median ms | TFLOP/s | GB/s | max abs diff vs reference |",
-           "| --- | --- | --- | ---: | ---: | ---: | ---: |"]
+    out = [
+        "| kernel | config | implementation | median ms | TFLOP/s | GB/s | max abs diff vs reference |",
+        "| --- | --- | --- | ---: | ---: | ---: | ---: |",
+    ]
     for r in rows:
-        out.append(f"| {r.kernel} | {r.config} | {r.impl} | {r.median_ms:.3f} | {fmt(r.tflops, '.2f')} | "
-                   f"{fmt(r.gbps, '.1f')} | {fmt(r.max_abs_diff, '.2e')} |")
+        out.append(
+            f"| {r.kernel} | {r.config} | {r.impl} | {r.median_ms:.3f} | {fmt(r.tflops, '.2f')} | "
+            f"{fmt(r.gbps, '.1f')} | {fmt(r.max_abs_diff, '.2e')} |"
+        )
     return "\n".join(out)
 
 
@@ -149,8 +395,18 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", type=Path, help="also write the results here")
     ap.add_argument("--backend", choices=["tpu", "gpu"], help="kernel lowering (default: the platform's; both on CPU)")
-    ap.add_argument("--reps", type=int, help="timed calls per measurement (default 20, 3 on CPU)")
+    ap.add_argument("--reps", type=int, help="timed calls per measurement (default 20, 3 on CPU; 11 native CPU)")
+    ap.add_argument(
+        "--native-cpu",
+        action="store_true",
+        help="only the CPU section: the native FFI paged-attention kernel vs the XLA path",
+    )
+    ap.add_argument("--native-head-dims", default="32,64,128", help="head dims for --native-cpu (comma list)")
+    ap.add_argument("--native-rows", default="1,8,16,32,64", help="decode rows for --native-cpu (comma list)")
+    ap.add_argument("--native-contexts", default="512,1000,2048", help="context lengths for --native-cpu")
     args = ap.parse_args(argv)
+    if args.native_cpu:
+        return main_native_cpu(args)
 
     platform = jax.default_backend()
     on_cpu = platform == "cpu"
@@ -165,18 +421,32 @@ def main(argv=None) -> int:
         dtype, reps, interpret = jnp.bfloat16, args.reps or 20, False
         flash_cases = [(b, s, 32, 8, 128) for b in (1, 2, 4) for s in (1024, 2048, 4096)]
         paged_cases = [(64, 4096, 16, 32, 8, 128)]
-    note = ("CPU: the kernels run in INTERPRET mode at small sizes, float32. These numbers only show that "
-            "they run; they say nothing about GPU/TPU performance." if on_cpu else
-            f"{device}: compiled kernels, bfloat16.")
+    note = (
+        "CPU: the kernels run in INTERPRET mode at small sizes, float32. These numbers only show that "
+        "they run; they say nothing about GPU/TPU performance."
+        if on_cpu
+        else f"{device}: compiled kernels, bfloat16."
+    )
     print(f"jax {jax.__version__}, platform {platform} ({device}). {note}", file=sys.stderr)
     rows = bench_flash(flash_cases, backends, dtype, interpret, reps)
     rows += bench_paged(paged_cases, backends, dtype, interpret, reps)
     print(f"\n**{note}** jax {jax.__version__}, {device}, median of {reps} calls.\n")
     print(markdown(rows))
     if args.json:
-        args.json.write_text(json.dumps({"jax": jax.__version__, "platform": platform, "device": device,
-                                         "interpret": interpret, "reps": reps, "note": note,
-                                         "results": [dataclasses.asdict(r) for r in rows]}, indent=2))
+        args.json.write_text(
+            json.dumps(
+                {
+                    "jax": jax.__version__,
+                    "platform": platform,
+                    "device": device,
+                    "interpret": interpret,
+                    "reps": reps,
+                    "note": note,
+                    "results": [dataclasses.asdict(r) for r in rows],
+                },
+                indent=2,
+            )
+        )
     return 0
 
 

@@ -1,0 +1,744 @@
+// Paged attention on the CPU, called from jitted JAX through XLA FFI.
+//
+// Semantics are exactly those of pallas_kernels/reference.py::paged_attention:
+//   q [B, T, H, D]; k/v pages [num_pages, page_size, KVH, D]; block_tables [B, P] int32;
+//   context_lens [B] int32; positions [B, T] int32.  Key j of row b is visible to query t iff
+//   j < context_lens[b] and j <= positions[b, t].  A query that sees nothing gets zeros.
+//   Grouped-query attention: H = KVH * G; query head h uses KV head h / G.
+// Pages are float32 or bfloat16 (read and widened to float32 here); q is float32 or bfloat16;
+// all arithmetic and accumulation is float32; the output has q's dtype.
+//
+// Work split: one work item = (row b, a block of KV heads, a block of up to 32 queries).  The
+// item walks the row's pages in block-table order, a chunk of whole pages (64 tokens) at a time:
+// it reads each K and V vector of its KV heads once and uses it for all G query heads of that KV
+// head and all queries of the block, with an online softmax per chunk; while it reads a chunk it
+// prefetches the next.  Items are taken from a shared atomic counter by the calling thread and
+// by tasks queued on XLA's own CPU thread pool; the caller returns only when every item is done,
+// and is correct even if the pool never runs a task (a late task finds no item and touches
+// nothing).
+//
+// No key at or beyond the row's last visible position (min(context_len, max position + 1)) is
+// ever read: the tail of the last page and the pages past the end may hold anything, NaN
+// included.  Block-table entries are clamped into the pool, context lengths to the table width.
+//
+// Vector code uses GCC/Clang vector extensions, written once for a vector of N float lanes and
+// compiled three times on x86-64: baseline (SSE2, N = 4), AVX2+FMA (N = 8) and AVX-512 (N = 16);
+// the variant is chosen at run time from CPUID (JAXSERVE_CPU_ISA=generic|avx2|avx512 lowers it).
+// Other hosts get the baseline (N = 4: NEON on aarch64).  Head dims 16, 32, 64, 96, 128 and 256
+// take the vector path, specialised for the head dim; any other head dim takes a scalar path.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <thread>
+#include <type_traits>
+#include <utility>
+
+#include "xla/ffi/api/ffi.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define JS_X86 1
+#endif
+
+namespace ffi = xla::ffi;
+
+#define JS_INLINE inline __attribute__((always_inline))
+#define JS_EXPORT extern "C" __attribute__((visibility("default")))
+
+namespace {
+
+constexpr float kNeg = -1e30f;  // running max starts here (as the reference's mask value)
+constexpr int64_t kRound = 16;  // score rows and chunks are padded to a multiple of this
+
+// Vectors of N lanes.
+template <int N>
+struct VT {
+  typedef float F __attribute__((vector_size(4 * N)));
+  typedef int32_t I __attribute__((vector_size(4 * N)));
+  typedef uint32_t U __attribute__((vector_size(4 * N)));
+  typedef uint16_t H __attribute__((vector_size(2 * N)));
+};
+template <int N>
+using Vf = typename VT<N>::F;
+
+template <int N>
+JS_INLINE Vf<N> splat(float x) {
+  return Vf<N>{} + x;
+}
+template <int N>
+JS_INLINE Vf<N> vload(const float* p) {
+  Vf<N> v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+template <int N>
+JS_INLINE Vf<N> vload(const uint16_t* p) {  // bfloat16 -> float32 is a 16-bit shift
+  typename VT<N>::H h;
+  std::memcpy(&h, p, sizeof h);
+  typename VT<N>::U u = __builtin_convertvector(h, typename VT<N>::U) << 16;
+  return (Vf<N>)u;
+}
+template <int N>
+JS_INLINE void vstore(float* p, Vf<N> v) {
+  std::memcpy(p, &v, sizeof v);
+}
+JS_INLINE float widen(float x) { return x; }
+JS_INLINE float widen(uint16_t x) {
+  uint32_t u = uint32_t(x) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+JS_INLINE uint16_t to_bf16(float f) {  // round to nearest even, NaN stays NaN
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40u);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return uint16_t(u >> 16);
+}
+
+template <int N, int... I>
+JS_INLINE Vf<N / 2> lower_half(Vf<N> v, std::integer_sequence<int, I...>) {
+  return __builtin_shufflevector(v, v, I...);
+}
+template <int N, int... I>
+JS_INLINE Vf<N / 2> upper_half(Vf<N> v, std::integer_sequence<int, I...>) {
+  return __builtin_shufflevector(v, v, (I + N / 2)...);
+}
+template <int N>
+JS_INLINE float hsum(Vf<N> v) {
+  if constexpr (N == 4) {
+    return (v[0] + v[2]) + (v[1] + v[3]);
+  } else {
+    constexpr auto seq = std::make_integer_sequence<int, N / 2>{};
+    return hsum<N / 2>(lower_half<N>(v, seq) + upper_half<N>(v, seq));
+  }
+}
+template <int N>
+JS_INLINE Vf<N> vmax(Vf<N> a, Vf<N> b) {
+  return a > b ? a : b;
+}
+template <int N>
+JS_INLINE float hmax(Vf<N> v) {
+  if constexpr (N == 4) {
+    return std::max(std::max(v[0], v[1]), std::max(v[2], v[3]));
+  } else {
+    constexpr auto seq = std::make_integer_sequence<int, N / 2>{};
+    return hmax<N / 2>(vmax<N / 2>(lower_half<N>(v, seq), upper_half<N>(v, seq)));
+  }
+}
+
+// N dot products at once.  x[bitrev(j)] holds the N partial sums of dot product j; lane j of
+// the result is their total.  log2(N) levels; at level g each pair of vectors becomes one,
+// lanes [o, o+g) from the first and [o+g, o+2g) from the second of every block of 2g lanes,
+// summed with the other halves of those blocks: N-1 pairs of shuffles and an add in all,
+// instead of N horizontal sums.
+template <int N, int G, int Half>
+constexpr int level_lane(int i) {
+  const int o = i / (2 * G) * (2 * G), w = i % (2 * G);
+  return w < G ? o + w + Half * G : N + o + (w - G) + Half * G;
+}
+template <int N, int G, int... I>
+JS_INLINE Vf<N> reduce_pair(Vf<N> a, Vf<N> b, std::integer_sequence<int, I...>) {
+  return __builtin_shufflevector(a, b, level_lane<N, G, 0>(I)...) +
+         __builtin_shufflevector(a, b, level_lane<N, G, 1>(I)...);
+}
+template <int N, int G>
+JS_INLINE void reduce_levels(Vf<N>* x) {
+  for (int i = 0; i < G; ++i)
+    x[i] = reduce_pair<N, G>(x[2 * i], x[2 * i + 1], std::make_integer_sequence<int, N>{});
+  if constexpr (G > 1) reduce_levels<N, G / 2>(x);
+}
+template <int N>
+JS_INLINE Vf<N> reduce_dots(Vf<N>* x) {  // clobbers x
+  reduce_levels<N, N / 2>(x);
+  return x[0];
+}
+template <int N>
+constexpr int bitrev(int j) {
+  int r = 0;
+  for (int bit = 1, rbit = N / 2; bit < N; bit <<= 1, rbit >>= 1)
+    if (j & bit) r |= rbit;
+  return r;
+}
+
+// exp(x) for x <= 0 (Cephes expf: x = n ln2 + r, |r| <= ln2/2, degree-6 polynomial for e^r,
+// 2^n from the exponent bits); about 1 ulp.  Lanes below -87.3 give exactly 0.
+template <int N>
+JS_INLINE Vf<N> vexp(Vf<N> x) {
+  using V = Vf<N>;
+  const V lo = splat<N>(-87.33654f), hi = splat<N>(88.0f);
+  V xc = x < lo ? lo : x;
+  xc = xc > hi ? hi : xc;
+  V n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest
+  V r = xc - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  V y = splat<N>(1.9875691500e-4f);
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * (r * r) + r + 1.0f;
+  typename VT<N>::I e = (__builtin_convertvector(n, typename VT<N>::I) + 127) << 23;
+  y = y * (V)e;
+  return x < lo ? splat<N>(0.0f) : y;
+}
+
+struct Problem {
+  const void* q;
+  const void* k;
+  const void* v;
+  void* out;
+  const int32_t* bt;
+  const int32_t* lens;
+  const int32_t* pos;
+  int64_t B, T, H, KVH, G, D, P, num_pages, ps;
+  float scale;
+  bool q_bf16;
+  // Set by plan():
+  int64_t khi, n_khb;    // KV heads per item, KV-head blocks per row
+  int64_t tb, n_tb;      // queries per item, query blocks per row
+  int64_t n_items;
+  int64_t cps, cl, clp;  // pages per softmax chunk, its tokens, rounded up to kRound
+};
+
+// Tokens per online-softmax step: whole pages, at least one.  Larger chunks spread the
+// per-step cost (max, exp of the correction, rescaling) over more tokens.
+constexpr int64_t kChunkTokens = 64;
+
+// Work split for `workers` threads (the caller and workers - 1 pool tasks).
+void plan(Problem& pr, int64_t workers, int64_t kv_heads_per_item) {
+  pr.cps = std::max<int64_t>(1, kChunkTokens / pr.ps);
+  pr.cl = pr.cps * pr.ps;
+  pr.clp = (pr.cl + kRound - 1) / kRound * kRound;
+  pr.tb = pr.T <= 32 ? pr.T : 32;
+  pr.n_tb = (pr.T + pr.tb - 1) / pr.tb;
+  if (kv_heads_per_item > 0) {
+    pr.khi = std::min(kv_heads_per_item, pr.KVH);
+  } else {
+    // Whole rows (each page read front to back) when there are enough rows to share out;
+    // otherwise split the KV heads so that every thread gets several items.
+    const int64_t want = 4 * workers;
+    pr.khi = pr.KVH;
+    while (pr.B * pr.n_tb * ((pr.KVH + pr.khi - 1) / pr.khi) < want && pr.khi > 1) {
+      int64_t d = pr.khi - 1;
+      while (d > 1 && pr.KVH % d) --d;
+      pr.khi = d;
+    }
+  }
+  pr.n_khb = (pr.KVH + pr.khi - 1) / pr.khi;
+  pr.n_items = pr.B * pr.n_khb * pr.n_tb;
+}
+
+// Per-worker scratch, 64-byte aligned: scaled queries and accumulators [khi][tb*G][D], running
+// max / sum [khi][tb*G], scores / probabilities [tb*G][clp], one chunk of K and of V widened to
+// float32 [clp][D] (bfloat16 pages), per-query key limits [tb], the element offsets of the
+// tokens of this chunk and the next [2][clp].
+struct Scratch {
+  float* base = nullptr;
+  float *q, *acc, *m, *l, *s, *p, *kf, *vf;
+  int64_t *lim, *off;
+  explicit Scratch(const Problem& pr) {
+    auto up = [](int64_t n) { return (n + kRound - 1) / kRound * kRound; };
+    const int64_t rows = pr.khi * pr.tb * pr.G;
+    const int64_t nq = up(rows * pr.D), nm = up(rows), ns = up(pr.tb * pr.G * pr.clp);
+    const int64_t nk = up(pr.clp * pr.D), nl = up(pr.tb * 2), no = up(pr.clp * 4);
+    const size_t bytes = size_t(2 * nq + 2 * nm + 2 * ns + 2 * nk + nl + no) * sizeof(float);
+    base = static_cast<float*>(std::aligned_alloc(64, (bytes + 63) / 64 * 64));
+    if (!base) return;
+    std::memset(base, 0, bytes);
+    q = base;
+    acc = q + nq;
+    m = acc + nq;
+    l = m + nm;
+    s = l + nm;
+    p = s + ns;
+    kf = p + ns;
+    vf = kf + nk;
+    lim = reinterpret_cast<int64_t*>(vf + nk);
+    off = reinterpret_cast<int64_t*>(vf + nk + nl);
+  }
+  ~Scratch() { std::free(base); }
+  Scratch(const Scratch&) = delete;
+  Scratch& operator=(const Scratch&) = delete;
+};
+
+// Prefetch one token's K or V vector (d elements).
+template <class KT>
+JS_INLINE void prefetch_row(const KT* p, int64_t d) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t off = 0; off < d * int64_t(sizeof(KT)); off += 64) __builtin_prefetch(c + off, 0, 3);
+}
+
+// One work item.  KT: page element type (float, or uint16_t holding bfloat16).  N: vector lanes.
+// HD: the head dim (a multiple of N), or 0 for the scalar path (any head dim).
+template <class KT, int N, int HD>
+JS_INLINE void run_item(const Problem& pr, int64_t item, Scratch& sc) {
+  using V = Vf<N>;
+  constexpr bool kF32 = std::is_same_v<KT, float>;
+  constexpr int DV = HD / N;  // vectors per head
+  static_assert(HD % N == 0, "head dim must be a multiple of the vector width");
+  const int64_t per_b = pr.n_khb * pr.n_tb;
+  const int64_t b = item / per_b, rem = item % per_b;
+  const int64_t khb = rem / pr.n_tb, tbk = rem % pr.n_tb;
+  const int64_t T = pr.T, H = pr.H, G = pr.G, D = HD > 0 ? HD : pr.D, ps = pr.ps, KVH = pr.KVH;
+  const int64_t t0 = tbk * pr.tb, nt = std::min(pr.tb, T - t0);
+  const int64_t kh0 = khb * pr.khi, nkh = std::min(pr.khi, KVH - kh0);
+  const int64_t R = nt * G;  // query rows per KV head
+
+  const int64_t ctx = std::clamp<int64_t>(pr.lens[b], 0, pr.P * ps);
+  int64_t maxlim = 0;
+  for (int64_t t = 0; t < nt; ++t) {
+    int64_t lim = std::min<int64_t>(ctx, int64_t(pr.pos[b * T + t0 + t]) + 1);
+    lim = std::max<int64_t>(lim, 0);
+    sc.lim[t] = lim;
+    maxlim = std::max(maxlim, lim);
+  }
+
+  // Scaled queries (float32), zeroed accumulators.
+  for (int64_t kh = 0; kh < nkh; ++kh)
+    for (int64_t t = 0; t < nt; ++t)
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t row = kh * R + t * G + g;
+        const int64_t src = ((b * T + t0 + t) * H + (kh0 + kh) * G + g) * D;
+        float* dst = sc.q + row * D;
+        if (pr.q_bf16) {
+          const uint16_t* qs = static_cast<const uint16_t*>(pr.q) + src;
+          for (int64_t d = 0; d < D; ++d) dst[d] = widen(qs[d]) * pr.scale;
+        } else {
+          const float* qs = static_cast<const float*>(pr.q) + src;
+          for (int64_t d = 0; d < D; ++d) dst[d] = qs[d] * pr.scale;
+        }
+        std::memset(sc.acc + row * D, 0, sizeof(float) * D);
+        sc.m[row] = kNeg;
+        sc.l[row] = 0.0f;
+      }
+
+  const KT* kpool = static_cast<const KT*>(pr.k);
+  const KT* vpool = static_cast<const KT*>(pr.v);
+  const int64_t tstride = KVH * D;  // elements between consecutive tokens of a page
+  const int64_t pstride = ps * tstride;
+  const int32_t* bt = pr.bt + b * pr.P;
+  const int64_t cl = pr.cl, clp = pr.clp;
+  const int64_t nchunks = (maxlim + cl - 1) / cl;
+
+  // Element offsets (KV head 0) of the tokens of chunk c; returns how many there are.
+  auto fill = [&](int64_t c, int64_t* dst) {
+    const int64_t n = std::min(cl, maxlim - c * cl);
+    for (int64_t pg = 0; pg * ps < n; ++pg) {
+      const int64_t base = std::clamp<int64_t>(bt[c * pr.cps + pg], 0, pr.num_pages - 1) * pstride;
+      const int64_t m = std::min(ps, n - pg * ps);
+      for (int64_t i = 0; i < m; ++i) dst[pg * ps + i] = base + i * tstride;
+    }
+    return n;
+  };
+  int64_t* off = sc.off;
+  int64_t* off_next = sc.off + clp;
+  int64_t nvalid = nchunks > 0 ? fill(0, off) : 0;
+
+  for (int64_t ci = 0; ci < nchunks; ++ci) {
+    // While reading token j of this chunk, prefetch token j of the next one.
+    const int64_t n_next = ci + 1 < nchunks ? fill(ci + 1, off_next) : 0;
+    const int64_t start = ci * cl;
+
+    for (int64_t kh = 0; kh < nkh; ++kh) {
+      const int64_t hoff = (kh0 + kh) * D;
+      const float* qk = sc.q + kh * R * D;
+      float* ak = sc.acc + kh * R * D;
+      float* mk = sc.m + kh * R;
+      float* lk = sc.l + kh * R;
+
+      // bfloat16: widen the chunk's K rows to float32 once (float32 rows are read in place).
+      if constexpr (!kF32) {
+        for (int64_t j = 0; j < nvalid; ++j) {
+          if (j < n_next) prefetch_row(kpool + off_next[j] + hoff, D);
+          const KT* src = kpool + off[j] + hoff;
+          float* dst = sc.kf + j * D;
+          if constexpr (DV > 0) {
+            for (int c = 0; c < DV; ++c) vstore<N>(dst + c * N, vload<N>(src + c * N));
+          } else {
+            for (int64_t d = 0; d < D; ++d) dst[d] = widen(src[d]);
+          }
+        }
+      }
+      auto krow = [&](int64_t j) -> const float* {
+        if constexpr (kF32) return kpool + off[j] + hoff;
+        else return sc.kf + j * D;
+      };
+      auto vrow = [&](int64_t j) -> const float* {
+        if constexpr (kF32) return vpool + off[j] + hoff;
+        else return sc.vf + j * D;
+      };
+
+      // Scores S[r][j] = q_r . k_j for the live tokens of the chunk, N tokens at a time.
+      for (int64_t r = 0; r < R; ++r) {
+        const float* qr = qk + r * D;
+        float* srow = sc.s + r * clp;
+        const bool pf = kF32 && r == 0;
+        if constexpr (DV > 0) {
+          V qv[DV];
+          for (int c = 0; c < DV; ++c) qv[c] = vload<N>(qr + c * N);
+          for (int64_t j0 = 0; j0 < nvalid; j0 += N) {
+            const int64_t nj = std::min<int64_t>(N, nvalid - j0);
+            V part[N];
+            auto dot = [&](int jj) {
+              const int64_t j = j0 + jj;
+              if (pf && j < n_next) prefetch_row(kpool + off_next[j] + hoff, D);
+              const float* k = krow(j);
+              V a = qv[0] * vload<N>(k);
+              for (int c = 1; c < DV; ++c) a += qv[c] * vload<N>(k + c * N);
+              part[bitrev<N>(jj)] = a;
+            };
+            if (nj == N) {
+#pragma GCC unroll 16
+              for (int jj = 0; jj < N; ++jj) dot(jj);
+            } else {
+              for (int jj = 0; jj < N; ++jj) part[jj] = splat<N>(0.0f);
+              for (int jj = 0; jj < nj; ++jj) dot(jj);
+            }
+            vstore<N>(srow + j0, reduce_dots<N>(part));
+          }
+        } else {
+          for (int64_t j = 0; j < nvalid; ++j) {
+            if (pf && j < n_next) prefetch_row(kpool + off_next[j] + hoff, D);
+            const float* k = krow(j);
+            float a = 0.0f;
+            for (int64_t d = 0; d < D; ++d) a += qr[d] * k[d];
+            srow[j] = a;
+          }
+        }
+      }
+
+      // Online softmax over this chunk, per query row.
+      for (int64_t t = 0; t < nt; ++t) {
+        const int64_t nq = std::clamp<int64_t>(sc.lim[t] - start, 0, nvalid);
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t r = t * G + g;
+          float* srow = sc.s + r * clp;
+          float* prow = sc.p + r * clp;
+          if (nq == 0) {  // this query sees none of the chunk
+            for (int64_t c0 = 0; c0 < nvalid; c0 += N) vstore<N>(prow + c0, splat<N>(0.0f));
+            continue;
+          }
+          // Keys this query does not see (and the padding up to whole vectors) score kNeg,
+          // whose exp below is exactly 0.
+          for (int64_t j = nq; j < clp; ++j) srow[j] = kNeg;
+          V mv = splat<N>(kNeg);
+          for (int64_t c0 = 0; c0 < nq; c0 += N) mv = vmax<N>(mv, vload<N>(srow + c0));
+          const float m_old = mk[r];
+          const float m_new = std::max(m_old, hmax<N>(mv));
+          V sv = splat<N>(0.0f);
+          for (int64_t c0 = 0; c0 < nvalid; c0 += N) {
+            V e = vexp<N>(vload<N>(srow + c0) - m_new);
+            vstore<N>(prow + c0, e);
+            sv += e;
+          }
+          const float corr = vexp<N>(splat<N>(m_old - m_new))[0];
+          lk[r] = lk[r] * corr + hsum<N>(sv);
+          mk[r] = m_new;
+          float* ar = ak + r * D;
+          if constexpr (DV > 0) {
+            for (int c = 0; c < DV; ++c) vstore<N>(ar + c * N, vload<N>(ar + c * N) * corr);
+          } else {
+            for (int64_t d = 0; d < D; ++d) ar[d] *= corr;
+          }
+        }
+      }
+
+      // V rows as float32, as for K.
+      if constexpr (!kF32) {
+        for (int64_t j = 0; j < nvalid; ++j) {
+          if (j < n_next) prefetch_row(vpool + off_next[j] + hoff, D);
+          const KT* src = vpool + off[j] + hoff;
+          float* dst = sc.vf + j * D;
+          if constexpr (DV > 0) {
+            for (int c = 0; c < DV; ++c) vstore<N>(dst + c * N, vload<N>(src + c * N));
+          } else {
+            for (int64_t d = 0; d < D; ++d) dst[d] = widen(src[d]);
+          }
+        }
+      }
+
+      // acc[r] += sum_j P[r][j] v_j, the accumulator in registers (two sets: even and odd j).
+      for (int64_t r = 0; r < R; ++r) {
+        const float* prow = sc.p + r * clp;
+        float* ar = ak + r * D;
+        const bool pf = kF32 && r == 0;
+        if constexpr (DV > 0) {
+          V a0[DV], a1[DV];
+          for (int c = 0; c < DV; ++c) {
+            a0[c] = vload<N>(ar + c * N);
+            a1[c] = splat<N>(0.0f);
+          }
+          int64_t j = 0;
+          for (; j + 1 < nvalid; j += 2) {
+            if (pf && j < n_next) prefetch_row(vpool + off_next[j] + hoff, D);
+            if (pf && j + 1 < n_next) prefetch_row(vpool + off_next[j + 1] + hoff, D);
+            const float p0 = prow[j], p1 = prow[j + 1];
+            const float* v0 = vrow(j);
+            const float* v1 = vrow(j + 1);
+            for (int c = 0; c < DV; ++c) {
+              a0[c] += p0 * vload<N>(v0 + c * N);
+              a1[c] += p1 * vload<N>(v1 + c * N);
+            }
+          }
+          if (j < nvalid) {
+            if (pf && j < n_next) prefetch_row(vpool + off_next[j] + hoff, D);
+            const float p0 = prow[j];
+            const float* v0 = vrow(j);
+            for (int c = 0; c < DV; ++c) a0[c] += p0 * vload<N>(v0 + c * N);
+          }
+          for (int c = 0; c < DV; ++c) vstore<N>(ar + c * N, a0[c] + a1[c]);
+        } else {
+          for (int64_t j = 0; j < nvalid; ++j) {
+            if (pf && j < n_next) prefetch_row(vpool + off_next[j] + hoff, D);
+            const float pj = prow[j];
+            const float* v = vrow(j);
+            for (int64_t d = 0; d < D; ++d) ar[d] += pj * v[d];
+          }
+        }
+      }
+    }
+    std::swap(off, off_next);
+    nvalid = n_next;
+  }
+
+  // Normalise and write out in q's dtype; a query that saw nothing gets zeros.
+  for (int64_t kh = 0; kh < nkh; ++kh)
+    for (int64_t t = 0; t < nt; ++t)
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t row = kh * R + t * G + g;
+        const float inv = sc.l[row] > 0.0f ? 1.0f / sc.l[row] : 0.0f;
+        const float* ar = sc.acc + row * D;
+        const int64_t dst = ((b * T + t0 + t) * H + (kh0 + kh) * G + g) * D;
+        if (pr.q_bf16) {
+          uint16_t* o = static_cast<uint16_t*>(pr.out) + dst;
+          for (int64_t d = 0; d < D; ++d) o[d] = to_bf16(ar[d] * inv);
+        } else {
+          float* o = static_cast<float*>(pr.out) + dst;
+          for (int64_t d = 0; d < D; ++d) o[d] = ar[d] * inv;
+        }
+      }
+}
+
+using ItemFn = void (*)(const Problem&, int64_t, Scratch&);
+
+// The kernel compiled for three instruction sets, each with its own vector width; run_item is
+// always_inline, so each wrapper's copy is compiled for the wrapper's target.
+template <class KT, int HD>
+void item_generic(const Problem& pr, int64_t i, Scratch& sc) {
+  run_item<KT, 4, HD>(pr, i, sc);
+}
+#if JS_X86
+template <class KT, int HD>
+__attribute__((target("avx2,fma"))) void item_avx2(const Problem& pr, int64_t i, Scratch& sc) {
+  run_item<KT, 8, HD>(pr, i, sc);
+}
+template <class KT, int HD>
+__attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,avx2,fma"))) void item_avx512(
+    const Problem& pr, int64_t i, Scratch& sc) {
+  run_item<KT, 16, HD>(pr, i, sc);
+}
+#endif
+
+enum Isa { kGeneric = 0, kAvx2 = 1, kAvx512 = 2 };
+
+int detect_isa() {
+#if JS_X86
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq"))
+    return kAvx512;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return kAvx2;
+#endif
+  return kGeneric;
+}
+
+int initial_isa() {
+  int isa = detect_isa();
+  if (const char* env = std::getenv("JAXSERVE_CPU_ISA")) {
+    std::string s(env);
+    int want = s == "generic" ? kGeneric : s == "avx2" ? kAvx2 : s == "avx512" ? kAvx512 : isa;
+    isa = std::min(isa, want);
+  }
+  return isa;
+}
+
+std::atomic<int>& current_isa() {
+  static std::atomic<int> isa{initial_isa()};
+  return isa;
+}
+
+template <class KT, int HD>
+ItemFn pick_isa(int isa) {
+#if JS_X86
+  if (isa == kAvx512) return &item_avx512<KT, HD>;
+  if (isa == kAvx2) return &item_avx2<KT, HD>;
+#endif
+  (void)isa;
+  return &item_generic<KT, HD>;
+}
+
+template <class KT>
+ItemFn pick(int isa, int64_t d) {
+  switch (d) {
+    case 16: return pick_isa<KT, 16>(isa);
+    case 32: return pick_isa<KT, 32>(isa);
+    case 64: return pick_isa<KT, 64>(isa);
+    case 96: return pick_isa<KT, 96>(isa);
+    case 128: return pick_isa<KT, 128>(isa);
+    case 256: return pick_isa<KT, 256>(isa);
+    default: return pick_isa<KT, 0>(isa);
+  }
+}
+
+struct Shared {
+  Problem pr;
+  ItemFn fn;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+  std::atomic<bool> out_of_memory{false};
+};
+
+void work(Shared& sh) {
+  int64_t i = sh.next.fetch_add(1, std::memory_order_relaxed);
+  if (i >= sh.pr.n_items) return;  // nothing left: touch nothing (the call may have returned)
+  Scratch sc(sh.pr);
+  for (; i < sh.pr.n_items; i = sh.next.fetch_add(1, std::memory_order_relaxed)) {
+    if (sc.base) sh.fn(sh.pr, i, sc);
+    else sh.out_of_memory.store(true, std::memory_order_relaxed);
+    sh.done.fetch_add(1, std::memory_order_release);
+  }
+}
+
+JS_INLINE void cpu_relax() {
+#if JS_X86
+  _mm_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
+std::string dims_str(ffi::AnyBuffer::Dimensions d) {
+  std::string s = "[";
+  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
+  return s + "]";
+}
+
+ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                              ffi::AnyBuffer v, ffi::BufferR2<ffi::S32> bt,
+                              ffi::BufferR1<ffi::S32> lens, ffi::BufferR2<ffi::S32> pos,
+                              ffi::Result<ffi::AnyBuffer> out, float scale,
+                              int64_t kv_heads_per_item) {
+  auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), od = out->dimensions();
+  if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4 || od.size() != 4)
+    return ffi::Error::InvalidArgument("paged_attention: q, pages and output must be rank 4");
+  for (int i = 0; i < 4; ++i) {
+    if (kd[i] != vd[i])
+      return ffi::Error::InvalidArgument("paged_attention: k pages " + dims_str(kd) +
+                                         " and v pages " + dims_str(vd) + " differ");
+    if (qd[i] != od[i]) return ffi::Error::InvalidArgument("paged_attention: output shape");
+  }
+  const auto kt = k.element_type(), qt = q.element_type();
+  if (kt != v.element_type() || (kt != ffi::F32 && kt != ffi::BF16))
+    return ffi::Error::InvalidArgument("paged_attention: pages must both be float32 or bfloat16");
+  if ((qt != ffi::F32 && qt != ffi::BF16) || out->element_type() != qt)
+    return ffi::Error::InvalidArgument("paged_attention: q must be float32 or bfloat16, output the same");
+
+  Problem pr{};
+  pr.B = qd[0];
+  pr.T = qd[1];
+  pr.H = qd[2];
+  pr.D = qd[3];
+  pr.num_pages = kd[0];
+  pr.ps = kd[1];
+  pr.KVH = kd[2];
+  if (kd[3] != pr.D)
+    return ffi::Error::InvalidArgument("paged_attention: head dims of q " + dims_str(qd) +
+                                       " and pages " + dims_str(kd) + " differ");
+  if (pr.KVH <= 0 || pr.H % pr.KVH != 0)
+    return ffi::Error::InvalidArgument("paged_attention: query heads must be a multiple of KV heads");
+  auto btd = bt.dimensions(), ld = lens.dimensions(), pd = pos.dimensions();
+  if (btd[0] != pr.B || ld[0] != pr.B || pd[0] != pr.B || pd[1] != pr.T)
+    return ffi::Error::InvalidArgument("paged_attention: block_tables [B,P], context_lens [B], positions [B,T]");
+  pr.P = btd[1];
+  pr.G = pr.H / pr.KVH;
+  pr.scale = scale;
+  pr.q_bf16 = qt == ffi::BF16;
+  pr.q = q.untyped_data();
+  pr.k = k.untyped_data();
+  pr.v = v.untyped_data();
+  pr.out = out->untyped_data();
+  pr.bt = bt.typed_data();
+  pr.lens = lens.typed_data();
+  pr.pos = pos.typed_data();
+  if (pr.B == 0 || pr.T == 0 || pr.H == 0 || pr.D == 0) return ffi::Error::Success();
+  if (pr.num_pages == 0 || pr.ps == 0 || pr.P == 0) {  // nothing to attend to
+    std::memset(pr.out, 0, pr.B * pr.T * pr.H * pr.D * (pr.q_bf16 ? 2 : 4));
+    return ffi::Error::Success();
+  }
+  // As many workers as XLA's pool has threads (one per core by default): the caller and one
+  // pool task fewer than that, so that the workers do not outnumber the cores.
+  const int64_t workers = std::max<int64_t>(1, pool.num_threads());
+  plan(pr, workers, kv_heads_per_item);
+
+  const int isa = current_isa().load(std::memory_order_relaxed);
+  ItemFn fn = kt == ffi::F32 ? pick<float>(isa, pr.D) : pick<uint16_t>(isa, pr.D);
+
+  auto sh = std::make_shared<Shared>();
+  sh->pr = pr;
+  sh->fn = fn;
+  const int64_t helpers = std::min(workers - 1, pr.n_items - 1);
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([sh] { work(*sh); });
+  work(*sh);
+  for (int spins = 0; sh->done.load(std::memory_order_acquire) < pr.n_items; ++spins) {
+    if (spins < 256) cpu_relax();
+    else std::this_thread::yield();
+  }
+  if (sh->out_of_memory.load()) return ffi::Error::Internal("paged_attention: out of memory for scratch");
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+JS_EXPORT XLA_FFI_Error* JaxservePagedAttention(XLA_FFI_CallFrame* call_frame);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedAttention, PagedAttentionImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()               // q [B, T, H, D]
+                                  .Arg<ffi::AnyBuffer>()               // k pages
+                                  .Arg<ffi::AnyBuffer>()               // v pages
+                                  .Arg<ffi::BufferR2<ffi::S32>>()      // block_tables [B, P]
+                                  .Arg<ffi::BufferR1<ffi::S32>>()      // context_lens [B]
+                                  .Arg<ffi::BufferR2<ffi::S32>>()      // positions [B, T]
+                                  .Ret<ffi::AnyBuffer>()               // out [B, T, H, D]
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("kv_heads_per_item"));
+
+// Which vector code runs: 0 baseline, 1 AVX2+FMA, 2 AVX-512.
+JS_EXPORT int jaxserve_cpu_isa() { return current_isa().load(); }
+// The best instruction set this host supports.
+JS_EXPORT int jaxserve_cpu_best_isa() { return detect_isa(); }
+// Use at most `isa` (for tests of every variant on one host); returns the one now in use.
+JS_EXPORT int jaxserve_cpu_set_isa(int isa) {
+  current_isa().store(std::clamp(isa, 0, detect_isa()));
+  return current_isa().load();
+}
+// Bumped whenever the FFI signature changes, so a stale library is not used.
+JS_EXPORT int jaxserve_cpu_abi_version() { return 1; }
+
+// The sha256 of the source this library was built from (native.py passes it), so that a source
+// checkout rebuilds a library made from another version of this file.
+#ifndef JAXSERVE_SOURCE_SHA256
+#define JAXSERVE_SOURCE_SHA256 "unknown"
+#endif
+JS_EXPORT __attribute__((used)) const char jaxserve_cpu_source[] =
+    "jaxserve-source-sha256:" JAXSERVE_SOURCE_SHA256;

@@ -1,0 +1,243 @@
+"""Native CPU kernels called from jitted JAX through XLA FFI.
+
+``paged_attention`` is a drop-in for ``reference.paged_attention`` on the CPU, inside or
+outside ``jax.jit``: q [B, T, H, D] (float32 or bfloat16), pages [num_pages, page_size, KVH, D]
+(float32 or bfloat16), block_tables [B, P], context_lens [B], positions [B, T]; key j of row b
+is visible to query t iff j < context_lens[b] and j <= positions[b, t]; a query that sees
+nothing gets zeros (the reference would average every key there; no live query is like that).
+Arithmetic is float32; the result has q's dtype. The C++ kernel is
+``cpu/paged_attention.cc``: one work item per (row, KV head block), each K/V vector read once
+for all the query heads sharing it, online softmax per page, the next page prefetched, work
+shared with XLA's own CPU thread pool.
+
+The shared library ``cpu/_jaxserve_cpu.so`` is built by ``pip install`` (setup.py calls
+``build_library``). In a source checkout without it (or with a source newer than it) the first
+use builds it with the system C++ compiler, into the package if writable, else into the user
+cache. Where it cannot be built or loaded, ``available()`` is False and one warning is logged
+to ``jaxserve.kernels``; importing this module never raises.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+log = logging.getLogger("jaxserve.kernels")
+
+CPU_DIR = Path(__file__).resolve().parent / "cpu"
+SOURCE = CPU_DIR / "paged_attention.cc"
+LIB_NAME = "_jaxserve_cpu.so"
+TARGET = "jaxserve_paged_attention"
+ABI_VERSION = 1  # must match jaxserve_cpu_abi_version() in the .cc
+ISAS = ("generic", "avx2", "avx512")
+
+# -O3 and a portable baseline; the kernel carries its own AVX2 and AVX-512 variants, chosen at
+# run time. JAXSERVE_CPU_MARCH_NATIVE=1 adds -march=native (not portable to other hosts).
+CXX_FLAGS = [
+    "-O3",
+    "-std=c++17",
+    "-fPIC",
+    "-shared",
+    "-fvisibility=hidden",
+    "-ffp-contract=fast",
+    "-fno-math-errno",
+    "-Wno-psabi",
+]
+
+
+def ffi_include_dir() -> str:
+    try:
+        return jax.ffi.include_dir()
+    except Exception:  # pragma: no cover - jax without the ffi module
+        import jaxlib
+
+        return str(Path(jaxlib.__file__).parent / "include")
+
+
+def compiler() -> list[str] | None:
+    """The C++ compiler command: $CXX (may carry arguments, e.g. "ccache g++"), else c++/g++/clang++."""
+    cxx = shlex.split(os.environ.get("CXX", ""))
+    if cxx and shutil.which(cxx[0]):
+        return cxx
+    for c in ("c++", "g++", "clang++"):
+        if shutil.which(c):
+            return [c]
+    return None
+
+
+def source_digest(source: Path = SOURCE) -> str:
+    return hashlib.sha256(source.read_bytes()).hexdigest()
+
+
+def _marker(digest: str) -> bytes:  # embedded in the library (see JAXSERVE_SOURCE_SHA256 in the .cc)
+    return f"jaxserve-source-sha256:{digest}".encode()
+
+
+def build_library(out: Path, source: Path = SOURCE, include_dir: str | None = None) -> Path:
+    """Compile ``source`` into the shared library ``out`` (written atomically), stamped with the
+    source's sha256. Raises RuntimeError, with the compiler's output, on failure."""
+    cxx = compiler()
+    if cxx is None:
+        raise RuntimeError("no C++ compiler found (set CXX)")
+    flags = [*CXX_FLAGS, f'-DJAXSERVE_SOURCE_SHA256="{source_digest(source)}"']
+    if os.environ.get("JAXSERVE_CPU_MARCH_NATIVE") == "1":
+        flags.append("-march=native")
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", prefix=".build-", dir=out.parent)
+    os.close(fd)
+    cmd = [*cxx, *flags, "-isystem", include_dir or ffi_include_dir(), str(source), "-o", tmp]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{shlex.join(cmd)} failed:\n{proc.stderr[-4000:]}")
+        os.chmod(tmp, 0o755)
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+def _built_from(lib: Path, digest: str) -> bool:
+    try:
+        return _marker(digest) in lib.read_bytes()
+    except OSError:
+        return False
+
+
+def _locate() -> Path:
+    """The library to load; where the source is here too (a source checkout, or an install that
+    ships it) and the library is missing or was built from another version of it, build it
+    first: into the package if writable, else into the user cache."""
+    lib = CPU_DIR / LIB_NAME
+    if not SOURCE.exists():
+        if lib.exists():
+            return lib
+        raise RuntimeError(f"{lib} is missing (the C++ build failed or was skipped at install)")
+    digest = source_digest()
+    if _built_from(lib, digest):
+        return lib
+    why = "missing" if not lib.exists() else "built from another version of its source"
+    if os.access(CPU_DIR, os.W_OK):
+        target = lib
+    else:
+        base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "jaxserve"
+        target = base / f"_jaxserve_cpu-{digest[:16]}.so"
+        if _built_from(target, digest):
+            return target
+    log.info("native CPU kernels: %s is %s; building %s with the system C++ compiler", lib.name, why, target)
+    return build_library(target)
+
+
+_lock = threading.Lock()
+_state: dict = {}
+
+
+def _load():
+    """The loaded ctypes library with its FFI target registered, or None (reason in _state)."""
+    if "lib" in _state:
+        return _state["lib"]
+    with _lock:
+        if "lib" in _state:
+            return _state["lib"]
+        lib = None
+        try:
+            path = _locate()
+            lib = ctypes.CDLL(str(path))
+            _state["path"] = path
+            lib.jaxserve_cpu_abi_version.restype = ctypes.c_int
+            if lib.jaxserve_cpu_abi_version() != ABI_VERSION:
+                raise RuntimeError(
+                    f"{path} has ABI {lib.jaxserve_cpu_abi_version()}, expected {ABI_VERSION}; "
+                    "rebuild it (pip install -e .)"
+                )
+            for name in ("jaxserve_cpu_isa", "jaxserve_cpu_best_isa", "jaxserve_cpu_set_isa"):
+                getattr(lib, name).restype = ctypes.c_int
+            lib.jaxserve_cpu_set_isa.argtypes = [ctypes.c_int]
+            jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxservePagedAttention), platform="cpu")
+            log.debug("native CPU kernels: loaded %s (%s)", path, ISAS[lib.jaxserve_cpu_isa()])
+        except Exception as e:  # never raise from here: report once and fall back
+            lib = None
+            _state["error"] = f"{type(e).__name__}: {e}"
+            log.warning("native CPU kernels unavailable, the XLA path will be used: %s", _state["error"])
+        _state["lib"] = lib
+        return lib
+
+
+def available() -> bool:
+    """True when the native library is built, loaded and registered with XLA (CPU only)."""
+    return _load() is not None
+
+
+def unavailable_reason() -> str | None:
+    return None if available() else _state.get("error")
+
+
+def cpu_isa() -> str:
+    """The instruction set the kernel's vector code uses now: generic, avx2 or avx512."""
+    lib = _load()
+    return "unavailable" if lib is None else ISAS[lib.jaxserve_cpu_isa()]
+
+
+def set_cpu_isa(name: str) -> str:
+    """Use at most this instruction set (for testing every variant on one host); returns the
+    one now in use. The default is the best the host has (JAXSERVE_CPU_ISA lowers it)."""
+    lib = _load()
+    if lib is None:
+        raise RuntimeError(f"native CPU kernels unavailable: {_state.get('error')}")
+    return ISAS[lib.jaxserve_cpu_set_isa(ISAS.index(name))]
+
+
+_FLOATS = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+
+
+def paged_attention(q, k_pages, v_pages, block_tables, context_lens, positions, scale, *, kv_heads_per_item: int = 0):
+    """Same arguments and result as ``reference.paged_attention``; runs the native CPU kernel.
+
+    ``kv_heads_per_item`` (0 = automatic) sets how many KV heads one work item covers.
+    Raises RuntimeError where ``available()`` is False.
+    """
+    if _load() is None:
+        raise RuntimeError(f"native CPU kernels unavailable: {_state.get('error')}")
+    q = jnp.asarray(q)
+    out_dtype = q.dtype
+    if q.dtype not in _FLOATS:
+        q = q.astype(jnp.float32)
+    page_dtype = k_pages.dtype if k_pages.dtype in _FLOATS else jnp.dtype(jnp.float32)
+    k_pages = k_pages.astype(page_dtype)
+    v_pages = v_pages.astype(page_dtype)
+    try:
+        s = np.float32(float(scale))  # an F32 attribute (a Python float would arrive as F64)
+    except (TypeError, jax.errors.ConcretizationTypeError):  # a traced scale: fold it into q
+        q, s = q.astype(jnp.float32) * scale, np.float32(1.0)
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype), vmap_method="sequential")
+    out = call(
+        q,
+        k_pages,
+        v_pages,
+        jnp.asarray(block_tables, jnp.int32),
+        jnp.asarray(context_lens, jnp.int32),
+        jnp.asarray(positions, jnp.int32),
+        scale=s,
+        kv_heads_per_item=np.int64(kv_heads_per_item),
+    )
+    return out.astype(out_dtype)
+
+
+if __name__ == "__main__":  # python -m pallas_kernels.native [OUT.so]: build the library
+    logging.basicConfig(level=logging.INFO)
+    print(build_library(Path(sys.argv[1]) if len(sys.argv) > 1 else CPU_DIR / LIB_NAME))

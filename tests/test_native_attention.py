@@ -1,0 +1,266 @@
+"""The native CPU paged-attention kernel (pallas_kernels/native.py over cpu/paged_attention.cc,
+called through XLA FFI) against the jnp oracle ``reference.paged_attention``.
+
+Context lengths 1..2048 that end anywhere in a page, grouped-query ratios 1/2/4/8, head dims
+32/64/128 (and odd ones on the scalar path), page sizes 8/16/32, decode (T = 1) and chunks of
+T > 1 queries continuing a sequence (positions context_len-T .. context_len-1: chunked prefill,
+speculative verification), rows with context length 0 (all-zero output), float32 and bfloat16
+pages, every vector variant this host can run, always inside ``jax.jit`` with block tables
+wider than needed. Pages no live context reaches (unused pages, the dummy page 0 that padding
+entries of the block tables point at, the tail of each last page) hold NaN and must not change
+the result.
+
+The library is built by the install (setup.py) or on first use in a source checkout: if it is
+unavailable these tests fail, they do not skip.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pallas_kernels import native, reference
+
+TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}
+DUMMY = 0  # like the engine: padding entries of block tables point at page 0
+MAX_LEN = 2048
+
+
+def _randn(rng, shape, dtype=jnp.float32):
+    return jnp.asarray(rng.standard_normal(shape, dtype=np.float32)).astype(dtype)
+
+
+def _close(got, want, dtype):
+    tol = TOL[dtype]
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, atol=tol, rtol=tol)
+
+
+def _page_pool(rng, lens, ps, kvh, d, dtype, extra_pages=3, extra_cols=1):
+    """Scattered pages for slots of the given lengths: (clean k, clean v, poisoned k,
+    poisoned v, block_tables). Poisoned = NaN everywhere no live context reaches."""
+    need = [-(-n // ps) for n in lens]
+    width = max(max(need), 1) + extra_cols
+    num_pages = 1 + sum(need) + extra_pages
+    order = rng.permutation(np.arange(1, num_pages))
+    bt = np.full((len(lens), width), DUMMY, np.int32)
+    live = np.zeros((num_pages, ps), bool)
+    used = 0
+    for b, (n, p) in enumerate(zip(lens, need)):
+        bt[b, :p] = order[used : used + p]
+        used += p
+        j = np.arange(n)
+        live[bt[b, j // ps], j % ps] = True
+    k = _randn(rng, (num_pages, ps, kvh, d), dtype)
+    v = _randn(rng, (num_pages, ps, kvh, d), dtype)
+    dead = jnp.asarray(~live)[:, :, None, None]
+    return k, v, jnp.where(dead, jnp.nan, k), jnp.where(dead, jnp.nan, v), jnp.asarray(bt)
+
+
+_native = jax.jit(native.paged_attention, static_argnums=6)
+_oracle = jax.jit(reference.paged_attention, static_argnums=6)
+
+
+def _check(rng, lens, t, ratio, kvh, d, ps, dtype, extra_cols, q_dtype=None):
+    """Rows of the given context lengths, each with a chunk of t queries at positions
+    len-t .. len-1 (a row of length 0 is an inactive slot: its queries see nothing)."""
+    q_dtype = q_dtype or dtype
+    k, v, k_bad, v_bad, bt = _page_pool(rng, lens, ps, kvh, d, dtype, extra_cols=extra_cols)
+    q = _randn(rng, (len(lens), t, kvh * ratio, d), q_dtype)
+    cl = jnp.asarray(lens, jnp.int32)
+    pos = cl[:, None] - t + jnp.arange(t, dtype=jnp.int32)[None, :]
+    scale = 1 / math.sqrt(d)
+    out = _native(q, k_bad, v_bad, bt, cl, pos, scale)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    got = np.asarray(out.astype(jnp.float32))
+    # A query sees something iff its row is active and its position is not before the context
+    # (a row shorter than the chunk has such queries). The oracle averages every key there.
+    sees = (np.asarray(pos) >= 0) & (np.asarray(lens) > 0)[:, None]
+    assert (got[~sees] == 0).all(), "a query that sees no key must give zeros"
+    want = np.asarray(_oracle(q, k, v, bt, cl, pos, scale).astype(jnp.float32))
+    coarse = jnp.bfloat16 if jnp.bfloat16 in (dtype, q_dtype) else jnp.float32
+    _close(got[sees], want[sees], coarse)
+    return got
+
+
+def test_library_is_available():
+    """The install builds the library (a source checkout builds it on first use)."""
+    assert native.available(), native.unavailable_reason()
+    assert native.cpu_isa() in native.ISAS
+    if native.SOURCE.exists():  # the loaded library was built from this source
+        assert native._built_from(native._state["path"], native.source_digest())
+
+
+_lengths = st.one_of(st.integers(1, MAX_LEN), st.sampled_from([0, 1, 15, 16, 17, 63, 64, 65, MAX_LEN]))
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    data=st.data(),
+    dtype=st.sampled_from([jnp.float32, jnp.bfloat16]),
+    b=st.integers(1, 4),
+    kvh=st.sampled_from([1, 2]),
+    ratio=st.sampled_from([1, 2, 4, 8]),
+    d=st.sampled_from([32, 64, 128]),
+    ps=st.sampled_from([8, 16, 32]),
+    extra_cols=st.integers(0, 3),
+)
+def test_decode_matches_reference(data, dtype, b, kvh, ratio, d, ps, extra_cols):
+    lens = data.draw(st.lists(_lengths, min_size=b, max_size=b), label="context_lens")
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**16), label="seed"))
+    _check(rng, lens, 1, ratio, kvh, d, ps, dtype, extra_cols)
+
+
+@settings(max_examples=14, deadline=None)
+@given(
+    data=st.data(),
+    dtype=st.sampled_from([jnp.float32, jnp.bfloat16]),
+    b=st.integers(1, 3),
+    ratio=st.sampled_from([1, 2, 4, 8]),
+    d=st.sampled_from([32, 64, 128]),
+    ps=st.sampled_from([8, 16, 32]),
+    t=st.one_of(st.integers(2, 8), st.integers(30, 40)),  # > 32 spans two query blocks
+    extra_cols=st.integers(0, 2),
+)
+def test_chunk_matches_reference(data, dtype, b, ratio, d, ps, t, extra_cols):
+    """T > 1 queries continuing a sequence: query i sees keys 0 .. len-t+i (causal within the
+    chunk). Some rows may be inactive (length 0)."""
+    lens = data.draw(
+        st.lists(st.one_of(st.integers(t, MAX_LEN), st.just(0)), min_size=b, max_size=b), label="context_lens"
+    )
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**16), label="seed"))
+    _check(rng, lens, t, ratio, 2, d, ps, dtype, extra_cols)
+
+
+@pytest.mark.parametrize("isa", native.ISAS)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_every_vector_variant(isa, dtype):
+    """The baseline, AVX2 and AVX-512 builds of the kernel (those this host can run) agree
+    with the oracle, decode and chunk, a page size below the vector width."""
+    assert native.available(), native.unavailable_reason()
+    best = native.set_cpu_isa("avx512")
+    if native.ISAS.index(isa) > native.ISAS.index(best):
+        pytest.skip(f"this host cannot run {isa} (best: {best})")
+    try:
+        assert native.set_cpu_isa(isa) == isa
+        for t in (1, 5):
+            _check(np.random.default_rng(7), [300, 0, 41, 1], t, 4, 2, 64, 8, dtype, 1)
+            _check(np.random.default_rng(8), [1000, 17], t, 2, 4, 32, 16, dtype, 0)
+    finally:
+        native.set_cpu_isa("avx512")
+
+
+@pytest.mark.parametrize("d", [8, 16, 40, 96, 256])
+def test_other_head_dims(d):
+    """Head dims off the main list: 16/96/256 on the vector path, 8/40 on the scalar path."""
+    for t, dtype in ((1, jnp.float32), (3, jnp.bfloat16)):
+        _check(np.random.default_rng(d), [77, 0, 130], t, 2, 2, d, 16, dtype, 1)
+
+
+def test_mixed_dtypes():
+    """q and pages of different float types: the result has q's dtype; float16 works via a cast."""
+    rng = np.random.default_rng(11)
+    for q_dtype, page_dtype in ((jnp.float32, jnp.bfloat16), (jnp.bfloat16, jnp.float32)):
+        _check(rng, [200, 33], 1, 2, 2, 64, 16, page_dtype, 1, q_dtype=q_dtype)
+    k, v, _, _, bt = _page_pool(rng, [50], 16, 2, 32, jnp.float32)
+    q = _randn(rng, (1, 1, 4, 32), jnp.float16)
+    cl = jnp.asarray([50], jnp.int32)
+    out = _native(q, k, v, bt, cl, cl[:, None] - 1, 0.2)
+    assert out.dtype == jnp.float16
+    np.testing.assert_allclose(
+        np.asarray(out, np.float32),
+        np.asarray(reference.paged_attention(q.astype(jnp.float32), k, v, bt, cl, cl[:, None] - 1, 0.2)),
+        atol=2e-3,
+    )
+
+
+def test_many_rows_every_split():
+    """Many rows of mixed lengths (every thread busy) and every KV-heads-per-item split give
+    the same result."""
+    rng = np.random.default_rng(5)
+    lens = list(rng.integers(0, 1500, size=40))
+    k, v, k_bad, v_bad, bt = _page_pool(rng, lens, 16, 4, 32, jnp.float32)
+    q = _randn(rng, (40, 1, 8, 32))
+    cl = jnp.asarray(lens, jnp.int32)
+    pos = cl[:, None] - 1
+    live = np.asarray(lens) > 0
+    want = np.asarray(_oracle(q, k, v, bt, cl, pos, 0.17))[live]
+    for khi in (0, 1, 2, 4):
+        f = jax.jit(lambda *a, khi=khi: native.paged_attention(*a, 0.17, kv_heads_per_item=khi))
+        got = np.asarray(f(q, k_bad, v_bad, bt, cl, pos))
+        assert (got[~live] == 0).all()
+        _close(got[live], want, jnp.float32)
+
+
+def test_vmap_and_traced_scale():
+    """Under vmap (the FFI call runs once per element) and with a scale that is a traced
+    value (folded into q)."""
+    rng = np.random.default_rng(9)
+    k, v, k_bad, v_bad, bt = _page_pool(rng, [90, 40], 8, 2, 32, jnp.float32)
+    q = _randn(rng, (3, 2, 1, 4, 32))
+    cl = jnp.asarray([90, 40], jnp.int32)
+    pos = cl[:, None] - 1
+    got = jax.jit(jax.vmap(lambda q: native.paged_attention(q, k_bad, v_bad, bt, cl, pos, 0.3)))(q)
+    want = jax.vmap(lambda q: reference.paged_attention(q, k, v, bt, cl, pos, 0.3))(q)
+    _close(got, want, jnp.float32)
+    got = jax.jit(lambda q, s: native.paged_attention(q, k_bad, v_bad, bt, cl, pos, s))(q[0], jnp.float32(0.3))
+    _close(got, want[0], jnp.float32)
+
+
+def test_queries_that_see_nothing_give_zeros():
+    """A query whose position is before the context (e.g. padding of a chunk) gets zeros;
+    its neighbours are unaffected. Context lengths past the block table are clamped to it."""
+    rng = np.random.default_rng(2)
+    k, v, k_bad, v_bad, bt = _page_pool(rng, [40], 16, 2, 32, jnp.float32, extra_cols=0)
+    q = _randn(rng, (1, 3, 4, 32))
+    cl = jnp.asarray([40], jnp.int32)
+    pos = jnp.asarray([[-1, 10, 39]], jnp.int32)
+    got = np.asarray(_native(q, k_bad, v_bad, bt, cl, pos, 0.2))
+    assert (got[0, 0] == 0).all()
+    want = reference.paged_attention(q[:, 1:], k, v, bt, cl, pos[:, 1:], 0.2)
+    _close(got[:, 1:], want, jnp.float32)
+    # context_len beyond the table's 3 pages x 16 tokens: only the table's 48 keys exist
+    cl_long = jnp.asarray([1000], jnp.int32)
+    got = _native(q[:, 2:], k, v, bt, cl_long, jnp.asarray([[999]], jnp.int32), 0.2)
+    want = reference.paged_attention(q[:, 2:], k, v, bt, cl_long, jnp.asarray([[999]], jnp.int32), 0.2)
+    _close(got, want, jnp.float32)
+
+
+def test_unavailable_library_warns_once(monkeypatch, caplog):
+    """Where the library cannot be built or loaded: available() is False, one warning is
+    logged to jaxserve.kernels, and calling the kernel raises a clear error."""
+    saved = dict(native._state)
+    try:
+        native._state.clear()
+
+        def broken():
+            raise RuntimeError("no compiler here")
+
+        monkeypatch.setattr(native, "_locate", broken)
+        with caplog.at_level(logging.WARNING, logger="jaxserve.kernels"):
+            assert not native.available()
+            assert not native.available()
+        warnings = [r for r in caplog.records if r.name == "jaxserve.kernels"]
+        assert len(warnings) == 1 and "no compiler here" in warnings[0].getMessage()
+        with pytest.raises(RuntimeError, match="unavailable"):
+            native.paged_attention(
+                jnp.zeros((1, 1, 2, 8)),
+                jnp.zeros((2, 4, 1, 8)),
+                jnp.zeros((2, 4, 1, 8)),
+                jnp.zeros((1, 1), jnp.int32),
+                jnp.ones((1,), jnp.int32),
+                jnp.zeros((1, 1), jnp.int32),
+                1.0,
+            )
+    finally:
+        native._state.clear()
+        native._state.update(saved)
+    assert native.available()
