@@ -238,6 +238,21 @@ def paged_attention(q, k_pages, v_pages, block_tables, context_lens, positions, 
     return out.astype(out_dtype)
 
 
+def attention(q, k, v, kv_pages, meta, *, scale: float, mode: str):
+    """The serving path on the native kernel, same contract as ``reference.attention``:
+    "prefill" (fresh packed prompts attend only to themselves) stays on XLA's dense causal
+    attention (no pages to read); "context" and "decode" read the page pool through the block
+    tables in the native kernel."""
+    from pallas_kernels import reference
+
+    if mode == "prefill":
+        return reference.causal_attention(q, k, v, scale, meta.segment_ids)
+    if mode not in ("context", "decode"):
+        raise ValueError(f"mode must be 'prefill', 'decode' or 'context', got {mode!r}")
+    k_pages, v_pages = kv_pages
+    return paged_attention(q, k_pages, v_pages, meta.block_tables, meta.context_lens, meta.positions, scale)
+
+
 if __name__ == "__main__":  # python -m pallas_kernels.native [OUT.so]: build the library
     logging.basicConfig(level=logging.INFO)
     print(build_library(Path(sys.argv[1]) if len(sys.argv) > 1 else CPU_DIR / LIB_NAME))

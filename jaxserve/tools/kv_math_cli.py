@@ -102,9 +102,12 @@ def measure_host(size_bytes: int = 512 * 1024 * 1024, repeats: int = 5) -> dict[
     }
 
 
-def measure_engine_step(model: ModelShape, batch: int, context_len: int, repeats: int = 5) -> float:
+def measure_engine_step(
+    model: ModelShape, batch: int, context_len: int, repeats: int = 5, attention_impl: str | None = None
+) -> float:
     """Median seconds of the real jaxserve decode step (float32, every slot active at
-    `context_len`) for a random-weight model of this shape: the number the roofline predicts."""
+    `context_len`, the engine's default attention for this backend unless `attention_impl`)
+    for a random-weight model of this shape: the number the roofline predicts."""
     import jax
     from flax import nnx
 
@@ -136,7 +139,7 @@ def measure_engine_step(model: ModelShape, batch: int, context_len: int, repeats
         max_model_len=pages * ps,
         num_pages=batch * pages + 1,
         dtype="float32",
-        attention_impl="xla",
+        attention_impl=attention_impl,
         enable_prefix_caching=False,
     )
     rc = model_runner.resolve(cfg, None, engine_cfg, weight_bytes=0, max_logprobs=0)
@@ -175,9 +178,12 @@ def _measure_host_report(model: ModelShape, context_len: int, as_json: bool) -> 
                 "compute_bound_s": comp,
                 "predicted_s": max(mem, comp),
                 "measured_engine_s": measure_engine_step(model, b, context_len),
+                # the XLA attention path beside it, for comparison with the default
+                "measured_engine_xla_s": measure_engine_step(model, b, context_len, attention_impl="xla"),
             }
         )
         rows[-1]["measured_over_predicted"] = rows[-1]["measured_engine_s"] / rows[-1]["predicted_s"]
+        rows[-1]["xla_over_predicted"] = rows[-1]["measured_engine_xla_s"] / rows[-1]["predicted_s"]
     if as_json:
         print(json.dumps({"host": host, "model": model.name, "context_len": context_len, "steps": rows}, indent=2))
         return 0
@@ -187,11 +193,15 @@ def _measure_host_report(model: ModelShape, context_len: int, as_json: bool) -> 
         f"fp32 matmul {host['matmul_flops_fp32'] / 1e9:.0f} GFLOP/s  [{host['seconds']:.1f} s]"
     )
     print(f"predicted fp32 decode step, {model.name} ({model.num_params / 1e6:.1f}M params), context {context_len}:")
-    print(f"{'batch':>6} {'memory':>12} {'compute':>12} {'predicted':>12} {'engine':>12} {'ratio':>7}")
+    print(
+        f"{'batch':>6} {'memory':>12} {'compute':>12} {'predicted':>12} {'engine':>12} {'ratio':>7} "
+        f"{'engine, xla attn':>17} {'ratio':>7}"
+    )
     for r in rows:
         print(
             f"{r['batch']:>6} {_ms(r['memory_bound_s']):>12} {_ms(r['compute_bound_s']):>12} "
-            f"{_ms(r['predicted_s']):>12} {_ms(r['measured_engine_s']):>12} {r['measured_over_predicted']:>6.1f}x"
+            f"{_ms(r['predicted_s']):>12} {_ms(r['measured_engine_s']):>12} {r['measured_over_predicted']:>6.1f}x "
+            f"{_ms(r['measured_engine_xla_s']):>17} {r['xla_over_predicted']:>6.1f}x"
         )
     return 0
 
