@@ -140,7 +140,7 @@ def test_is_conversation():
 
 def test_default_model_template():
     """The shipped model's plain template (assets/models/default/target/chat_template.jinja):
-    a conversation as a Python file, answered by code after "# assistant:"."""
+    a conversation as a Python file of docstrings, answered by code after a blank line."""
     tok = load_tokenizer(DEFAULT_MODEL)
     conv = [
         {"role": "system", "content": "You write Python."},
@@ -150,8 +150,8 @@ def test_default_model_template():
     ]
     text = tok.apply_chat_template(conv, add_generation_prompt=True, tokenize=False)
     assert text == (
-        "<s># system:\n# You write Python.\n# user:\n# Add two numbers.\n# Return the sum.\n"
-        "# assistant:\ndef add(a, b):\n    return a + b</s>\n# user:\n# Now subtract.\n# assistant:\n"
+        '<s>"""system: You write Python.\n"""\n"""user: Add two numbers.\nReturn the sum.\n"""\n'
+        '\ndef add(a, b):\n    return a + b</s>\n"""user: Now subtract.\n"""\n\n'
     )
     ids = render(tok, Conversation.of(conv))
     assert ids == list(tok.apply_chat_template(conv, add_generation_prompt=True, return_dict=False))

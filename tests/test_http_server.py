@@ -269,7 +269,7 @@ BAD_CHAT = [
     (dict(max_tokens=0), "max_tokens"),
     (dict(max_completion_tokens=-3), "max_completion_tokens"),
     (dict(max_tokens=10**6), "max_tokens"),
-    (dict(n=2), "n"),
+    (dict(n=0), "n"),
     (dict(seed=-1), "seed"),
     (dict(logprobs=True, top_logprobs=99), "top_logprobs"),
     (dict(top_logprobs=2), "top_logprobs"),
@@ -295,7 +295,7 @@ BAD_COMPLETION = [
     (dict(suffix="x"), "suffix"),
     (dict(best_of=2), "best_of"),
     (dict(logprobs=-1), "logprobs"),
-    (dict(n=3), "n"),
+    (dict(n=65), "n"),
     (dict(max_tokens=-1), "max_tokens"),
 ]
 
@@ -369,7 +369,10 @@ def test_multi_turn_chat_reuses_the_previous_turns_kv(served):
     second = c.chat.completions.create(model=_model(st), messages=conv, max_tokens=4, temperature=0)
     page = OPTS["page_size"]
     cached = second.usage.prompt_tokens_details.cached_tokens
-    assert cached >= first.usage.prompt_tokens // page * page > 0  # at least turn one's whole pages
+    # Turn one's prompt is a prefix of turn two's text, but its last token may be tokenized
+    # differently there (a trailing blank line merges into one token at the end of a text):
+    # every whole page before it is reused.
+    assert cached >= (first.usage.prompt_tokens - 1) // page * page > 0
     assert llm.stats()["prefix_cache_hit_tokens"] - hits_before == cached
     assert llm.stats()["prefix_cache_hit_rate"] > 0
 

@@ -529,8 +529,8 @@ class HttpFrontend:
                 async for out in outputs:
                     n_out += len(out.token_ids)
                     last = out
-                    if not (out.text or out.finished or (out.logprobs and call.logprobs is not None)):
-                        continue
+                    if not (out.token_ids or out.text or out.finished):
+                        continue  # one chunk per engine output, like gRPC (text may be held back)
                     choice: dict[str, Any] = {"index": 0}
                     if chat:
                         choice["delta"] = {"content": out.text} if out.text else {}
