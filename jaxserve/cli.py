@@ -209,21 +209,58 @@ def cmd_serve(args) -> int:
     return 0
 
 
-def cmd_generate(args) -> int:
+def _generate_params(args):
+    """The SamplingParams of `jaxserve generate`, checked before any model loads."""
     from jaxserve.engine.request import SamplingParams
 
+    constraint = {}
+    if args.json_schema is not None:
+        constraint["json_schema"] = Path(args.json_schema).read_text()
+    if args.grammar is not None:
+        constraint["grammar"] = Path(args.grammar).read_text()
+    if args.regex is not None:
+        constraint["regex"] = args.regex
+    if args.json_object:
+        constraint["json_object"] = True
+    bias = {}
+    for item in args.logit_bias:
+        tok, _, val = item.partition("=")
+        try:
+            bias[int(tok)] = float(val)
+        except ValueError:
+            raise ValueError(f"logit_bias: expected TOKEN_ID=BIAS, got {item!r}") from None
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        n=args.n,
+        min_p=args.min_p,
+        min_tokens=args.min_tokens,
+        repetition_penalty=args.repetition_penalty,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        logit_bias=bias or None,
+        **constraint,
+    )
+
+
+def cmd_generate(args) -> int:
+    params = _generate_params(args)
     _, llm = _build_llm(args, ENGINE_FLAGS)
     if llm.is_follower:
         return 0
-    params = SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed
-    )
     try:
         for prompt in args.prompt:
-            print(prompt, end="", flush=True)
-            for out in llm.stream(prompt, params):
-                print(out.text, end="", flush=True)
-            print()
+            if params.n == 1:
+                print(prompt, end="", flush=True)
+                for out in llm.stream(prompt, params):
+                    print(out.text, end="", flush=True)
+                print()
+                continue
+            for out in llm.generate([prompt], params):  # n completions, one after the other
+                print(f"[{out.index}] {prompt}{out.text}")
     finally:
         llm.shutdown()
     return 0
@@ -412,6 +449,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None, help="sampling seed")
+    g = p.add_argument_group("sampling controls and constrained output (docs/sampling.md)")
+    g.add_argument("--n", type=int, default=1, help="completions of each prompt (they share its KV pages)")
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--min-tokens", type=int, default=0, help="EOS and stop tokens banned until this many tokens")
+    g.add_argument("--repetition-penalty", type=float, default=1.0, help="Hugging Face semantics; 1 is off")
+    g.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI semantics, in [-2, 2]")
+    g.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI semantics, in [-2, 2]")
+    g.add_argument(
+        "--logit-bias", action="append", default=[], metavar="TOKEN=BIAS", help="repeatable; -100 bans the token"
+    )
+    one = g.add_mutually_exclusive_group()
+    one.add_argument("--json-schema", metavar="FILE", help="the output is JSON valid under this JSON Schema file")
+    one.add_argument("--json-object", action="store_true", help="the output is a JSON object")
+    one.add_argument("--regex", help="the output matches this regular expression")
+    one.add_argument("--grammar", metavar="FILE", help="the output matches this Lark (or GBNF) grammar file")
     p.set_defaults(fn=cmd_generate)
     p = sub.add_parser(
         "client",

@@ -130,15 +130,18 @@ class LLM:
         seqs = [self.make_sequence(p, sp) for p, sp in zip(prompts, sampling_params)]  # validate all first
         for seq in seqs:
             self.submit(seq)
+        # One output per completion: n > 1 gives n consecutive outputs (index 0..n-1) for a prompt.
+        keys = [(s.request_id, i) for s in seqs for i in range(s.params.n)]
         results = {
-            s.request_id: RequestOutput(
-                s.request_id, s.prompt_ids, [], "", None, [] if s.params.logprobs is not None else None
+            (s.request_id, i): RequestOutput(
+                s.request_id, s.prompt_ids, [], "", None, [] if s.params.logprobs is not None else None, index=i
             )
             for s in seqs
+            for i in range(s.params.n)
         }
-        for out in self._run_until({s.request_id for s in seqs}):
-            _merge(results[out.request_id], out)
-        return [results[s.request_id] for s in seqs]
+        for out in self._run_until({s.request_id: s.params.n for s in seqs}):
+            _merge(results[(out.request_id, out.index)], out)
+        return [results[k] for k in keys]
 
     def chat(
         self,
@@ -158,16 +161,19 @@ class LLM:
     def stream(self, prompt: str | Seq[int], params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Yield incremental outputs of one request as they are produced (offline use)."""
         rid = self.add_request(prompt, params)
-        yield from self._run_until({rid})
+        yield from self._run_until({rid: (params or SamplingParams()).n})
 
-    def _run_until(self, ids: set[str]) -> Iterable[RequestOutput]:
-        pending = set(ids)
+    def _run_until(self, ids: dict[str, int]) -> Iterable[RequestOutput]:
+        """Step until each request id has finished its count of completions."""
+        pending = dict(ids)
         while pending:
             for out in self.step():
                 if out.request_id in ids:
                     yield out
                     if out.finished:
-                        pending.discard(out.request_id)
+                        pending[out.request_id] -= 1
+                        if not pending[out.request_id]:
+                            del pending[out.request_id]
 
 
 def _merge(acc: RequestOutput, delta: RequestOutput) -> None:

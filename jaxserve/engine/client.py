@@ -34,22 +34,29 @@ class TokenLogprob:
     logprob: float
 
 
-def split_logprobs(lp: dict[int, float]) -> tuple[TokenLogprob, list[TokenLogprob]]:
-    """A step's logprobs dict (the chosen token first, then the alternatives) as (chosen,
-    alternatives most likely first): the one conversion every frontend formats from."""
+def split_logprobs(lp: dict[int, float], n: int | None = None) -> tuple[TokenLogprob, list[TokenLogprob]]:
+    """A step's logprobs dict (the chosen token first, then the top-n, which may include it) as
+    (chosen, the n most likely tokens, most likely first: exactly n, the chosen one among them
+    when it is in the top n): the one conversion every frontend formats from. n: the
+    request's `logprobs` (None: every entry but the chosen one, the old behaviour)."""
     items = list(lp.items())
-    chosen, rest = items[0], sorted(items[1:], key=lambda kv: -kv[1])
-    return TokenLogprob(*chosen), [TokenLogprob(t, v) for t, v in rest]
+    if n is None:
+        rest = sorted(items[1:], key=lambda kv: -kv[1])
+    else:  # the chosen token ranks after an equally likely alternative
+        rest = sorted(items[1:] + items[:1], key=lambda kv: -kv[1])[:n]
+    return TokenLogprob(*items[0]), [TokenLogprob(t, v) for t, v in rest]
 
 
 class RequestStream:
     """One submitted request: its prompt's token ids and an async iterator of its outputs.
     An engine failure arrives as the exception it raised."""
 
-    def __init__(self, request_id: str, prompt_token_ids: list[int], queue: asyncio.Queue):
+    def __init__(self, request_id: str, prompt_token_ids: list[int], queue: asyncio.Queue, n: int = 1):
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self._queue = queue
+        self.n = n  # completions: outputs carry their `index`; the stream ends when all n have finished
+        self._unfinished = n
         self.finished = False
 
     def __aiter__(self) -> AsyncIterator[RequestOutput]:
@@ -61,7 +68,8 @@ class RequestStream:
             if isinstance(out, BaseException):
                 self.finished = True
                 raise out
-            self.finished = out.finished
+            self._unfinished -= out.finished
+            self.finished = self._unfinished == 0
             yield out
 
 
@@ -71,6 +79,7 @@ class EngineClient:
         self.max_waiting = max_waiting
         self.on_step = on_step  # called with the engine's stats after every step (metrics)
         self._routes: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._unfinished: dict[str, int] = {}  # request id -> completions not finished (n > 1)
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = False
@@ -104,9 +113,10 @@ class EngineClient:
             if len(self._routes) - self.core.num_running >= self.max_waiting:
                 raise QueueFull(f"the waiting queue is full ({self.max_waiting} requests)")
             self._routes[seq.request_id] = (loop, q)
+            self._unfinished[seq.request_id] = seq.params.n
         self.core.add(seq)
         self._wake.set()
-        return RequestStream(seq.request_id, seq.prompt_ids, q)
+        return RequestStream(seq.request_id, seq.prompt_ids, q, seq.params.n)
 
     def _make_sequence(self, prompt, params, request_id):
         if callable(params):
@@ -136,7 +146,13 @@ class EngineClient:
 
     # -- the loop ----------------------------------------------------------------------
     def _deliver(self, out: RequestOutput | BaseException, request_id: str, last: bool) -> None:
+        """last: the request's stream ends here (an error, or a finished output: the last of its n)."""
         with self._lock:
+            if last and isinstance(out, RequestOutput) and self._unfinished.get(request_id, 1) > 1:
+                self._unfinished[request_id] -= 1
+                last = False
+            if last:
+                self._unfinished.pop(request_id, None)
             route = self._routes.pop(request_id, None) if last else self._routes.get(request_id)
         if route is not None:
             loop, q = route

@@ -16,6 +16,7 @@ import logging
 import queue
 import sys
 import threading
+import time
 import uuid
 from pathlib import Path
 from typing import Sequence as Seq
@@ -23,6 +24,7 @@ from typing import Sequence as Seq
 import numpy as np
 
 from jaxserve.engine import allocator as allocator_mod
+from jaxserve.engine import request as request_mod
 from jaxserve.engine.allocator import PageAllocator
 from jaxserve.engine.chat import Conversation, render
 from jaxserve.engine.engine_config import EngineConfig
@@ -55,11 +57,12 @@ class EngineCore:
         self, model: str | Path | None = None, *, warmup: bool = True, log_progress: bool = False, **engine_options
     ):
         from jaxserve.models.loader import load_model
-        from jaxserve.runner import model_runner
+        from jaxserve.runner import model_runner, step_batch
         from jaxserve.runner.executable_cache import compile_count
-        from jaxserve.runner.step_batch import DUMMY_PAGE
 
-        assert DUMMY_PAGE == allocator_mod.DUMMY_PAGE, "the allocator and the runner disagree on the dummy page"
+        assert step_batch.DUMMY_PAGE == allocator_mod.DUMMY_PAGE, "allocator and runner disagree on the dummy page"
+        for name in ("PENALTY_TOKENS", "MAX_LOGIT_BIAS", "MAX_STOP_IDS"):
+            assert getattr(step_batch, name) == getattr(request_mod, name), f"request and runner disagree on {name}"
         self._compile_count = compile_count
         path = Path(model) if model is not None else DEFAULT_MODEL
         self.cfg = EngineConfig(**engine_options)
@@ -104,6 +107,10 @@ class EngineCore:
             eos_token_ids=self._eos_ids(),
             lookahead=self.spec_k,
         )
+        from jaxserve.engine.structured import Grammars
+
+        self.grammars = Grammars(self.tokenizer, self.model_cfg.vocab_size, self._eos_ids())
+        self.mask_seconds, self.mask_steps = 0.0, 0  # host time computing grammar bitmasks, and steps that did
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._arrival = itertools.count()
@@ -206,12 +213,52 @@ class EngineCore:
             )
         if params.stop and self.tokenizer is None:
             raise ValueError("stop: stop strings need a tokenizer; use stop_token_ids")
+        self._check_token_ids(params)
+        grammar = self.grammars.state(params)  # compiles (or finds in the cache) the constraint: ValueError naming it
         with self._lock:  # frontends validate in worker threads
             seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**63))
             arrival = next(self._arrival)
         return Sequence(
-            request_id=request_id or uuid.uuid4().hex, prompt_ids=ids, params=params, seed=seed, arrival=arrival
+            request_id=request_id or uuid.uuid4().hex,
+            prompt_ids=ids,
+            params=params,
+            seed=seed,
+            arrival=arrival,
+            grammar=grammar,
         )
+
+    def _check_token_ids(self, params: SamplingParams) -> None:
+        v = self.model_cfg.vocab_size
+        for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or ())):
+            bad = [t for t in ids if not 0 <= t < v]
+            if bad:
+                raise ValueError(f"{name}: token id {bad[0]} is outside the vocabulary [0, {v})")
+        if params.min_tokens and len(self.scheduler.eos | set(params.stop_token_ids)) > request_mod.MAX_STOP_IDS:
+            raise ValueError(
+                f"min_tokens: with min_tokens set, EOS and stop_token_ids may hold at most "
+                f"{request_mod.MAX_STOP_IDS} ids together"
+            )
+
+    def _completions(self, seq: Sequence) -> list[Sequence]:
+        """The n sequences of a request: index 0 is `seq`; the others share its prompt (and,
+        once it has been prefilled, its KV pages: Scheduler forks them) with their own seeds."""
+        out = [seq]
+        for i in range(1, seq.params.n):
+            state = np.random.SeedSequence([seq.seed, i]).generate_state(2, np.uint64)
+            out.append(
+                Sequence(
+                    request_id=f"{seq.request_id}#{i}",
+                    prompt_ids=seq.prompt_ids,
+                    params=seq.params,
+                    seed=int(state[0] >> np.uint64(1)),
+                    arrival=seq.arrival,
+                    index=i,
+                    parent_id=seq.request_id,
+                    leader=seq,
+                    grammar=seq.grammar.fork() if seq.grammar is not None else None,
+                )
+            )
+        return out
 
     def add(self, seq: Sequence) -> str:
         """Queue a sequence made by make_sequence (thread-safe)."""
@@ -246,6 +293,8 @@ class EngineCore:
             "prefix_cache_queried_tokens": pc.queried_tokens if pc else 0,
             "prefix_cache_hit_rate": pc.hit_rate if pc else 0.0,
             "prefix_cache_pages": pc.num_cached_pages if pc else 0,
+            "grammar_mask_seconds": self.mask_seconds,
+            "grammar_mask_steps": self.mask_steps,
             **(self.spec_stats.as_dict() if self.spec_stats else {}),
         }
 
@@ -280,12 +329,11 @@ class EngineCore:
                     log.warning("duplicate request id %s rejected", arg.request_id)
                     continue
                 stop_ids = self.scheduler.eos | set(arg.params.stop_token_ids)
-                self._detok[arg.request_id] = IncrementalDetokenizer(self.tokenizer, stop_ids)
-                self.scheduler.add(arg)
-            elif op == "abort":
-                seq = self.scheduler.abort(arg)
-                if seq is not None:
-                    finished_now.append(seq)
+                for seq in self._completions(arg):
+                    self._detok[seq.request_id] = IncrementalDetokenizer(self.tokenizer, stop_ids)
+                    self.scheduler.add(seq)
+            elif op == "abort":  # every completion of the request
+                finished_now.extend(self.scheduler.abort(arg))
         plan = self.scheduler.schedule()
         if plan.copies:
             self.runner.copy_pages(plan.copies)
@@ -295,34 +343,65 @@ class EngineCore:
             self.runner.prefill([Chunk(c.seq.all_ids[c.start : c.end], c.start, c.seq.pages) for c in plan.prefills])
         if not plan.decodes:
             sampled = {}
-        elif self.spec_k and not any(s.params.logprobs is not None for s in plan.decodes):
+        elif self.spec_k and not any(s.params.plain_decode_only for s in plan.decodes):
             sampled = self._speculate(plan.decodes)
-        else:  # logprobs come from the plain decode step
+        else:  # logprobs, grammars, penalties, biases and min_p/min_tokens run in the plain decode step
             sampled = self._decode(plan.decodes)
         touched = self.scheduler.update(plan, sampled)
         return [self._output(seq) for seq in touched + finished_now] + rejected
 
-    @staticmethod
-    def _chunk(seq: Sequence, tokens: list[int]):
-        """A decoding sequence as the runner sees it: tokens fed from its last position."""
-        from jaxserve.runner.step_batch import Chunk
+    def _chunk(self, seq: Sequence, tokens: list[int], bitmask: np.ndarray | None = None):
+        """A decoding sequence as the runner sees it: tokens fed from its last position, its
+        sampling controls and (constrained) its grammar's bitmask row for this step."""
+        from jaxserve.runner.step_batch import Chunk, Controls
 
         p = seq.params
+        controls = None
+        if p.controlled:
+            penalty_ids, penalty_counts = seq.history.items() if seq.history is not None else ((), ())
+            bias = p.logit_bias or {}
+            controls = Controls(
+                min_p=p.min_p,
+                repetition_penalty=p.repetition_penalty,
+                presence_penalty=p.presence_penalty,
+                frequency_penalty=p.frequency_penalty,
+                min_tokens=p.min_tokens,
+                stop_ids=sorted(self.scheduler.eos | set(p.stop_token_ids)) if p.min_tokens else (),
+                penalty_ids=penalty_ids,
+                penalty_counts=penalty_counts,
+                bias_ids=list(bias),
+                bias_values=[-np.inf if b <= request_mod.BAN else b for b in bias.values()],
+                bitmask=bitmask,
+            )
         return Chunk(
-            tokens, seq.length - 1, seq.pages, (p.temperature, p.top_k, p.top_p, seq.seed, len(seq.output_ids))
+            tokens,
+            seq.length - 1,
+            seq.pages,
+            (p.temperature, p.top_k, p.top_p, seq.seed, len(seq.output_ids)),
+            controls=controls,
         )
 
     def _decode(self, seqs: list[Sequence]) -> dict[str, list[tuple[int, dict[int, float] | None]]]:
         want_lp = any(s.params.logprobs is not None for s in seqs)
+        constrained = [i for i, s in enumerate(seqs) if s.grammar is not None]
+        masks = None
+        if constrained:  # every constrained row's allowed tokens, in one call
+            t0 = time.perf_counter()
+            masks = np.empty((len(constrained), self.grammars.words), np.int32)
+            self.grammars.fill([seqs[i].grammar for i in constrained], masks)
+            self.mask_seconds += time.perf_counter() - t0
+            self.mask_steps += 1
+        row_mask = dict(zip(constrained, masks if masks is not None else ()))
         r = self.runner.decode(
-            [self._chunk(s, [s.all_ids[-1]]) for s in seqs], self.runner.cfg.max_logprobs if want_lp else 0
+            [self._chunk(s, [s.all_ids[-1]], row_mask.get(i)) for i, s in enumerate(seqs)],
+            self.runner.cfg.max_logprobs if want_lp else 0,
         )
         out = {}
         for i, seq in enumerate(seqs):
             n = seq.params.logprobs
             tok = int(r.tokens[i])
             lp = None
-            if n is not None:
+            if n is not None:  # the chosen token first, then the top n (which may include it)
                 lp = {tok: float(r.logprobs[i])}
                 for j in range(n):
                     lp.setdefault(int(r.top_ids[i, j]), float(r.top_logprobs[i, j]))
@@ -348,6 +427,7 @@ class EngineCore:
         if d.update(seq):
             self.scheduler.finish(seq, "stop")
         out = d.delta(seq)
+        out.request_id, out.index = seq.parent_id, seq.index
         if seq.status is Status.FINISHED:
             self._detok.pop(seq.request_id, None)
         return out

@@ -66,6 +66,24 @@ class KVManager:
         assert ok, "admission reserved fewer pages than it checked for"
         return True
 
+    def fork(self, seq: Sequence, src: Sequence, copies: list[tuple[int, int]]) -> bool:
+        """Another completion of src's prompt (n > 1): seq shares src's pages of the prompt's
+        computed tokens (their counts go up) and gets its own for the rest; the partly shared
+        last page is copied on write. False (nothing taken) when the pool cannot hold it."""
+        n = len(seq.prompt_ids) - 1
+        shared = src.pages[: self.alloc.pages_for(n)]
+        need = self.alloc.pages_for(seq.length) - len(shared) + (1 if n % self.page_size else 0)
+        while self.alloc.num_free < need:
+            if self.prefix_cache is None or not self.prefix_cache.evict(need - self.alloc.num_free):
+                return False
+        for p in shared:
+            self.alloc.share(p)
+        seq.pages, seq.num_computed = list(shared), n
+        seq.num_cached_prompt_tokens = n
+        ok = self.allocate_slots(seq, seq.length, copies)
+        assert ok, "a fork reserved fewer pages than it checked for"
+        return True
+
     def allocate_slots(self, seq: Sequence, num_tokens: int, copies: list[tuple[int, int]]) -> bool:
         """Own enough pages for num_tokens (a speculative lookahead included by the caller),
         and make the pages about to be written private (copy-on-write into `copies`).
@@ -81,7 +99,10 @@ class KVManager:
                 if not self._ensure_free_page():
                     return False
                 new = self.alloc.allocate()
-                copies.append((page, new))
+                # A page that is itself this step's copy target is not filled yet (every copy
+                # of a step reads the pool before any writes): copy from its source instead.
+                src = next((a for a, b in reversed(copies) if b == page), page)
+                copies.append((src, new))
                 self.alloc.release(page)
                 seq.pages[i] = new
         return True

@@ -3,14 +3,50 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import enum
+import json
+import math
+import numbers
+from typing import Any, Mapping
 
 MAX_LOGPROBS = 20  # top-n alternatives computed on the device: a static bound keeps one compile
+MAX_LOGIT_BIAS = 64  # logit_bias entries per request: the device takes a fixed [rows, 64] list
+MAX_STOP_IDS = 16  # EOS + stop_token_ids masked while min_tokens is not reached: a fixed [rows, 16] list
+PENALTY_TOKENS = 256  # the most recent distinct tokens (prompt and output) the penalties see
+MAX_N = 64  # completions of one prompt
+BAN = -100.0  # a logit_bias at this value bans the token (OpenAI's documented meaning)
+CONSTRAINTS = ("json_schema", "regex", "grammar", "json_object")
+
+
+def _number(name: str, value: Any, lo: float, hi: float, *, lo_open: bool = False) -> float:
+    """A finite float in [lo, hi] (or (lo, hi]); ValueError naming the field otherwise."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    v = float(value)
+    if not math.isfinite(v):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+    if v < lo or v > hi or (lo_open and v == lo):
+        raise ValueError(f"{name} must be in {'(' if lo_open else '['}{lo:g}, {hi:g}], got {value!r}")
+    return v
+
+
+def _integer(name: str, value: Any, lo: int, hi: int | None = None, what: str = "") -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if value < lo or (hi is not None and value > hi):
+        bound = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise ValueError(f"{name} must be {bound}{what}, got {value!r}")
+    return int(value)
 
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
+    """Per-request sampling. Penalties follow Hugging Face (repetition_penalty, over prompt and
+    output) and OpenAI (presence/frequency, over the output); at most one output constraint
+    (json_schema, regex, grammar, json_object) applies. See docs/sampling.md."""
+
     max_tokens: int = 16
     temperature: float = 1.0
     top_k: int = 0
@@ -20,28 +56,102 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    n: int = 1
+    min_p: float = 0.0
+    min_tokens: int = 0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: Mapping[int, float] | None = None
+    json_schema: str | dict | None = None  # a JSON Schema (text or dict); kept as canonical JSON text
+    regex: str | None = None
+    grammar: str | None = None  # Lark, or GBNF (converted to Lark)
+    json_object: bool = False  # any JSON object
 
     def __post_init__(self):
-        object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k!r}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and not 0 <= self.seed < 2**63:
-            raise ValueError(f"seed must be in [0, 2**63), got {self.seed!r}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
-        if any(not s for s in self.stop):
+        set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731
+        set_("stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
+        set_("stop_token_ids", tuple(_integer("stop_token_ids", t, 0) for t in self.stop_token_ids))
+        set_("max_tokens", _integer("max_tokens", self.max_tokens, 1))
+        set_("temperature", _number("temperature", self.temperature, 0.0, 1e6))
+        set_("top_k", _integer("top_k", self.top_k, 0, what=" (0 disables it)"))
+        set_("top_p", _number("top_p", self.top_p, 0.0, 1.0, lo_open=True))
+        if self.seed is not None:
+            set_("seed", _integer("seed", self.seed, 0, 2**63 - 1))
+        if self.logprobs is not None:
+            set_("logprobs", _integer("logprobs", self.logprobs, 0, MAX_LOGPROBS))
+        if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop must not contain an empty string")
+        set_("n", _integer("n", self.n, 1, MAX_N))
+        set_("min_p", _number("min_p", self.min_p, 0.0, 1.0))
+        set_("min_tokens", _integer("min_tokens", self.min_tokens, 0, self.max_tokens, " (at most max_tokens)"))
+        set_("repetition_penalty", _number("repetition_penalty", self.repetition_penalty, 0.0, 1e3, lo_open=True))
+        set_("presence_penalty", _number("presence_penalty", self.presence_penalty, -2.0, 2.0))
+        set_("frequency_penalty", _number("frequency_penalty", self.frequency_penalty, -2.0, 2.0))
+        if self.logit_bias is not None:
+            items = self.logit_bias.items() if isinstance(self.logit_bias, Mapping) else self.logit_bias
+            bias = {}
+            for k, v in items:
+                tid = int(k) if isinstance(k, str) and k.lstrip("-").isdigit() else k  # JSON keys are text
+                bias[_integer("logit_bias", tid, 0, what=" (a token id)")] = _number(
+                    f"logit_bias[{tid}]", v, -100.0, 100.0
+                )
+            if len(bias) > MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias: at most {MAX_LOGIT_BIAS} entries, got {len(bias)}")
+            set_("logit_bias", bias or None)
+        if not isinstance(self.ignore_eos, bool) or not isinstance(self.json_object, bool):
+            raise ValueError("ignore_eos and json_object must be booleans")
+        if self.json_schema is not None:
+            schema = self.json_schema
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"json_schema: not valid JSON: {e}") from None
+            if not isinstance(schema, (dict, bool)):
+                raise ValueError(f"json_schema must be a JSON object, got {type(schema).__name__}")
+            set_("json_schema", json.dumps(schema, separators=(",", ":")))  # key order kept: it is the output order
+        for name in ("regex", "grammar"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise ValueError(f"{name} must be a non-empty string")
+        given = [c for c in CONSTRAINTS if getattr(self, c) not in (None, False)]
+        if len(given) > 1:
+            raise ValueError(f"{given[1]}: only one of {', '.join(CONSTRAINTS)} may be set, got {', '.join(given)}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def constraint(self) -> tuple[str, str] | None:
+        """(kind, text) of the output constraint, or None."""
+        for c in CONSTRAINTS:
+            v = getattr(self, c)
+            if v not in (None, False):
+                return (c, "" if v is True else v)
+        return None
+
+    @property
+    def penalized(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def controlled(self) -> bool:
+        """Uses a control beyond temperature/top-k/top-p/seed (the device gets a Controls row)."""
+        return (
+            self.constraint is not None
+            or self.penalized
+            or self.min_p > 0
+            or self.min_tokens > 0
+            or self.logit_bias is not None
+        )
+
+    @property
+    def plain_decode_only(self) -> bool:
+        """Needs the plain decode step (speculative steps compute neither logprobs, masks,
+        penalties nor biases): see docs/sampling.md."""
+        return self.logprobs is not None or self.controlled
 
 
 class Status(enum.Enum):
@@ -50,10 +160,40 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
+class TokenHistory:
+    """The most recent PENALTY_TOKENS distinct tokens of prompt and output, each with its count
+    in the output: what the device's penalties read, kept in O(1) per token."""
+
+    def __init__(self, prompt_ids, output_ids=()):
+        self._d: collections.OrderedDict[int, int] = collections.OrderedDict()
+        for t in prompt_ids:
+            self._see(t, 0)
+        for t in output_ids:
+            self.add(t)
+
+    def _see(self, token: int, inc: int) -> None:
+        d = self._d
+        d[token] = d.pop(token, 0) + inc
+        if len(d) > PENALTY_TOKENS:
+            d.popitem(last=False)
+
+    def add(self, token: int) -> None:
+        self._see(token, 1)
+
+    def items(self):
+        """(token ids, output counts) as int32 numpy arrays."""
+        import numpy as np
+
+        n = len(self._d)
+        return np.fromiter(self._d.keys(), np.int32, n), np.fromiter(self._d.values(), np.int32, n)
+
+
 @dataclasses.dataclass
 class Sequence:
-    """One request as the scheduler sees it. Its KV lives in `pages`; tokens
-    [0, num_computed) are in the cache, and the last token is fed by the next decode step."""
+    """One request (one of its n completions) as the scheduler sees it. Its KV lives in `pages`;
+    tokens [0, num_computed) are in the cache, and the last token is fed by the next decode step.
+    The n completions of a request share `parent_id` (the request's id) and have their own
+    `index`, `request_id` (the request's id for index 0, `id#i` after) and seed."""
 
     request_id: str
     prompt_ids: list[int]
@@ -69,6 +209,17 @@ class Sequence:
     num_cached_prompt_tokens: int = 0
     num_preemptions: int = 0
     logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)
+    index: int = 0
+    parent_id: str | None = None  # None: request_id
+    leader: "Sequence | None" = None  # index 0 of the same request (for index > 0): its prompt pages are forked
+    grammar: Any = None  # structured.GrammarState of a constrained request
+    history: TokenHistory | None = None  # for penalized requests
+
+    def __post_init__(self):
+        if self.parent_id is None:
+            self.parent_id = self.request_id
+        if self.params.penalized and self.history is None:
+            self.history = TokenHistory(self.prompt_ids, self.output_ids)
 
     @property
     def all_ids(self) -> list[int]:
@@ -83,6 +234,11 @@ class Sequence:
         """Tokens before the last still need their KV computed."""
         return self.num_computed < self.length - 1
 
+    def append(self, token: int) -> None:
+        self.output_ids.append(token)
+        if self.history is not None:
+            self.history.add(token)
+
 
 @dataclasses.dataclass
 class RequestOutput:
@@ -93,6 +249,7 @@ class RequestOutput:
     finish_reason: str | None  # "stop", "length", "abort" or None while running
     logprobs: list[dict[int, float]] | None = None
     num_cached_prompt_tokens: int = 0
+    index: int = 0  # which of the request's n completions
 
     @property
     def finished(self) -> bool:

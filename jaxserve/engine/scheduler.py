@@ -72,17 +72,14 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def abort(self, request_id: str) -> Sequence | None:
-        for seq in list(self.waiting):
-            if seq.request_id == request_id:
+    def abort(self, request_id: str) -> list[Sequence]:
+        """Abort a request: every one of its n completions still waiting or running."""
+        hit = [s for s in list(self.waiting) + self.running if request_id in (s.request_id, s.parent_id)]
+        for seq in hit:
+            if seq.status is Status.WAITING:
                 self.waiting.remove(seq)
-                self._finish(seq, "abort")
-                return seq
-        for seq in self.running:
-            if seq.request_id == request_id:
-                self._finish(seq, "abort")
-                return seq
-        return None
+            self._finish(seq, "abort")
+        return hit
 
     # -- planning ----------------------------------------------------------------------
     def schedule(self) -> StepPlan:
@@ -111,7 +108,14 @@ class Scheduler:
         #    sharing a prefix with one still prefilling waits a step and then hits the cache.
         while self.waiting and self.free_slots and not preempted and budget > 0:
             seq = self.waiting[0]
-            if not self._admit(seq, copies):
+            fork = self._fork_source(seq)
+            if fork is False:  # the request's first completion is still prefilling its prompt
+                break
+            if fork is not None:
+                if not self.kv.fork(seq, fork, copies):
+                    break
+                self._take_slot(seq)
+            elif not self._admit(seq, copies):
                 break
             self.waiting.popleft()
             if seq.prefilling:
@@ -135,13 +139,29 @@ class Scheduler:
         it waits: the next step's step 1 reserves them or preempts."""
         return not self.lookahead or self.kv.allocate_slots(seq, seq.length + self.lookahead, copies)
 
+    @staticmethod
+    def _fork_source(seq: Sequence) -> Sequence | None | bool:
+        """For completion i > 0 of a request with n > 1 that has produced nothing yet: its first
+        completion, once that one's prompt is in the cache (fork its pages: prefilled once);
+        False while the first is still waiting or prefilling (wait for it); None otherwise
+        (admit as usual, e.g. after the first has finished)."""
+        lead = seq.leader
+        if lead is None or seq.output_ids or lead.status is Status.FINISHED:
+            return None
+        if lead.status is Status.WAITING or lead.prefilling:
+            return False
+        return lead
+
     def _admit(self, seq: Sequence, copies: list) -> bool:
         if not self.kv.admit(seq, copies, keep_reserve=bool(self.running)):
             return False
+        self._take_slot(seq)
+        return True
+
+    def _take_slot(self, seq: Sequence) -> None:
         seq.status = Status.RUNNING
         seq.slot = self.free_slots.pop(0)
         self.running.append(seq)
-        return True
 
     # -- state changes -----------------------------------------------------------------
     def _preempt(self, seq: Sequence) -> None:
@@ -187,11 +207,13 @@ class Scheduler:
             touched.append(seq)
             p = seq.params
             for token, lp in sampled[seq.request_id]:
-                seq.output_ids.append(token)
+                seq.append(token)
                 if lp is not None:
                     seq.logprobs.append(lp)
                 seq.num_computed = seq.length - 1
                 if (token in self.eos and not p.ignore_eos) or token in p.stop_token_ids:
+                    self._finish(seq, "stop")
+                elif seq.grammar is not None and seq.grammar.accept(token):  # the constrained output is complete
                     self._finish(seq, "stop")
                 elif len(seq.output_ids) >= p.max_tokens or seq.length >= self.max_model_len:
                     self._finish(seq, "length")

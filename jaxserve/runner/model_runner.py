@@ -68,10 +68,19 @@ def _prefill_step(graphdef, attn_fn, params, kv, batch: StepBatch):
 
 
 def _decode_step(graphdef, attn_fn, params, kv, batch: StepBatch):
+    """One token per row: (logits [S, V], kv). Serving runs `_decode_sample_step`."""
     model = nnx.merge(graphdef, params)
     return model(
         batch.tokens, batch.positions, kv, batch.attn, attn_fn, logits_index=jnp.zeros((batch.num_rows,), jnp.int32)
     )
+
+
+def _decode_sample_step(graphdef, attn_fn, params, kv, batch: StepBatch, *, do_sample: bool, num_logprobs: int):
+    """The decode step serving runs: one token per row, sampled in the same jitted call (every
+    sampling control and the grammar bitmask are batch fields), so only the sampled ids and
+    logprobs leave the device. Returns (kv, (tokens, chosen logprob, top ids, top logprobs))."""
+    logits, kv = _decode_step(graphdef, attn_fn, params, kv, batch)
+    return kv, sample(logits, batch.sampling, batch.bitmask, do_sample=do_sample, num_logprobs=num_logprobs)
 
 
 def _copy_pages(kv, src, dst):
@@ -99,9 +108,10 @@ def replicated(method: Callable) -> Callable:
     return wrapper
 
 
-def pin_kv(fn: Callable, sharding, kv_out: int | None) -> Callable:
+def pin_kv(fn: Callable, sharding, kv_out: int | None, rest=None) -> Callable:
     """Wrap a step so the KV cache it returns keeps `sharding` (tensor parallelism): the next
-    call then sees the same input sharding, so donation holds and nothing recompiles."""
+    call then sees the same input sharding, so donation holds and nothing recompiles. `rest`:
+    a sharding for the step's other outputs (replicated sampled ids)."""
     if sharding is None:
         return fn
 
@@ -110,7 +120,11 @@ def pin_kv(fn: Callable, sharding, kv_out: int | None) -> Callable:
         if kv_out is None:
             return jax.lax.with_sharding_constraint(out, sharding)
         out = list(out)
-        out[kv_out] = jax.lax.with_sharding_constraint(out[kv_out], sharding)
+        for i in range(len(out)):
+            if i == kv_out:
+                out[i] = jax.lax.with_sharding_constraint(out[i], sharding)
+            elif rest is not None:
+                out[i] = jax.lax.with_sharding_constraint(out[i], rest)
         return tuple(out)
 
     return wrapped
@@ -165,7 +179,27 @@ class _Weights:
         )
         self.prefill = step(_prefill_step, "prefill", None)
         self.prefill_ctx = step(_prefill_step, "context", None)
-        self.decode = step(_decode_step, "decode", 1)
+        self.decode = step(_decode_step, "decode", 1)  # logits only (tests, tools): not warmed up
+        replicate = None
+        if mesh is not None:
+            from jax.sharding import NamedSharding, PartitionSpec
+
+            replicate = NamedSharding(mesh, PartitionSpec())
+        self.decode_sample = Step(
+            f"{name}-decode-sample",
+            jax.jit(
+                pin_kv(
+                    functools.partial(_decode_sample_step, self.graphdef, self.attn["decode"]),
+                    self.kv_sharding,
+                    0,
+                    replicate,
+                ),
+                donate_argnums=(1,),
+                static_argnames=("do_sample", "num_logprobs"),
+            ),
+            store,
+            fixed=2,
+        )
         self.copy = Step(
             f"{name}-copy", jax.jit(pin_kv(_copy_pages, self.kv_sharding, None), donate_argnums=(0,)), store, fixed=1
         )
@@ -246,16 +280,6 @@ class ModelRunner:
         self.target = build("target", model, model_cfg)
         self.draft = build("draft", draft, draft_cfg) if draft is not None else None
         self.models = [w for w in (self.target, self.draft) if w is not None]
-        replicate = None
-        if self.mesh is not None:
-            from jax.sharding import NamedSharding, PartitionSpec
-
-            replicate = NamedSharding(self.mesh, PartitionSpec())
-        self._sample = Step(
-            "sample",
-            jax.jit(sample, static_argnames=("do_sample", "num_logprobs"), out_shardings=replicate),
-            self.store,
-        )
         self.copy_batch = max(8, cfg.max_slots)
         # Decode runs over the live sequences only, padded to a power-of-two batch: the slot
         # a request holds is host bookkeeping, the device addresses KV through pages.
@@ -310,7 +334,12 @@ class ModelRunner:
 
     def batch(self, rows: Sequence[Sequence[Chunk]], num_rows: int, num_tokens: int, table_width: int) -> StepBatch:
         return step_batch.build(
-            rows, num_rows=num_rows, num_tokens=num_tokens, table_width=table_width, page_size=self.cfg.page_size
+            rows,
+            num_rows=num_rows,
+            num_tokens=num_tokens,
+            table_width=table_width,
+            page_size=self.cfg.page_size,
+            vocab_size=self.model_cfg.vocab_size,
         )
 
     # -- steps -------------------------------------------------------------------------
@@ -350,13 +379,13 @@ class ModelRunner:
 
     @replicated
     def decode(self, rows: list[Chunk], num_logprobs: int) -> DecodeResult:
-        """One step of the target over one token per row; row i of the result is rows[i].
-        num_logprobs: 0, or cfg.max_logprobs (the one static top-n the sampler compiles)."""
+        """One step of the target over one token per row, sampled in the same device call; row
+        i of the result is rows[i]. num_logprobs: 0, or cfg.max_logprobs (the one static top-n
+        the sampler compiles)."""
         order, batch = self._decode_batch(rows, 1)
         t = self.target
-        logits, t.kv = t.decode(t.params, t.kv, batch)
         do_sample = bool(np.any(batch.active & (batch.sampling.temperature > 0)))
-        out = self._sample(logits, batch.sampling, do_sample=do_sample, num_logprobs=num_logprobs)
+        t.kv, out = t.decode_sample(t.params, t.kv, batch, do_sample=do_sample, num_logprobs=num_logprobs)
         inverse = np.argsort(order)
         return DecodeResult(*(None if x is None else to_host(x)[inverse] for x in out))
 

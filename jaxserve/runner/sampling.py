@@ -1,4 +1,19 @@
-"""Sampling on the device, per slot: greedy, temperature, top-k, top-p, seeded.
+"""Sampling on the device, per slot: greedy, temperature, top-k, top-p, min-p, seeded, with
+penalties, logit bias, min_tokens and a grammar's token bitmask, inside the decode step.
+
+Order, per row (every control at its default is an exact no-op, so rows without controls
+sample exactly what they did before the controls existed):
+1. repetition penalty (Hugging Face: a seen token's logit is divided by p if positive,
+   multiplied by p if not) over the row's recent distinct prompt and output tokens, then
+   presence and frequency penalties (OpenAI: minus presence if the token is in the output,
+   minus frequency x its count) over the output;
+2. logit_bias added (-inf bans);
+3. EOS and stop ids banned while the row has fewer than min_tokens outputs, and tokens
+   outside the grammar bitmask banned (if the two together would ban everything, the
+   min_tokens ban yields to the grammar);
+4. greedy rows take the argmax; sampled rows divide by the temperature, keep tokens with
+   probability >= min_p x the top probability, then top-k and top-p, and draw.
+Logprobs are those of the model's raw logits (before any of the above).
 
 Each slot's randomness is a function of its own request seed and how many tokens it has
 generated, never of the batch around it: the same seed and prompt give the same tokens
@@ -34,6 +49,42 @@ def _filter_top_k_top_p(logits, top_k, top_p):
     return jnp.where(logits >= threshold, logits, -jnp.inf)
 
 
+def unpack_bitmask(bitmask, vocab_size: int):
+    """[S, ceil(V/32)] int32 packed bits (bit j of word w = token 32w + j) -> [S, V] bool."""
+    bits = (bitmask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1
+    return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].astype(bool)
+
+
+def apply_controls(logits, sm, bitmask=None):
+    """Steps 1-3 of the module docstring: the logits greedy rows argmax and sampled rows
+    draw from. logits [S, V]; sm a step_batch.SamplingMetadata; bitmask [S, ceil(V/32)]."""
+    s, v = logits.shape
+    rows = jnp.arange(s)[:, None]
+    ids = sm.penalty_ids  # padded with v: gathers clamp, scatters drop
+    seen = jnp.take_along_axis(logits, jnp.minimum(ids, v - 1), axis=1)
+    rep = sm.repetition_penalty[:, None]
+    seen = jnp.where(seen > 0, seen / rep, seen * rep)
+    count = sm.penalty_counts.astype(logits.dtype)
+    seen = seen - sm.frequency_penalty[:, None] * count - sm.presence_penalty[:, None] * (count > 0)
+    logits = logits.at[rows, ids].set(seen, mode="drop")
+    logits = logits.at[rows, sm.bias_ids].add(sm.bias_values, mode="drop")
+    under_min = (sm.counters < sm.min_tokens)[:, None]
+    ban = jnp.zeros((s, v), bool).at[rows, sm.stop_ids].set(True, mode="drop") & under_min
+    if bitmask is None:
+        return jnp.where(ban, -jnp.inf, logits)
+    allowed = unpack_bitmask(bitmask, v)
+    keep = allowed & ~ban
+    keep = jnp.where(jnp.any(keep, axis=-1, keepdims=True), keep, allowed)
+    return jnp.where(keep, logits, -jnp.inf)
+
+
+def filter_min_p(scaled, min_p):
+    """Keep tokens whose probability is at least min_p times the row's top probability (in log
+    space: scaled >= max + log(min_p); min_p = 0 keeps every token)."""
+    top = jnp.max(scaled, axis=-1, keepdims=True)
+    return jnp.where(scaled >= top + jnp.log(min_p)[:, None], scaled, -jnp.inf)
+
+
 def probs(logits, temperature, top_k, top_p):
     """The distribution a slot samples from: softmax of the temperature-scaled logits
     restricted to its top-k/top-p set. Rows are [N, V]; params are [N]."""
@@ -48,17 +99,19 @@ def slot_key(seed, counter, tag: int):
     return jax.random.fold_in(key, tag)
 
 
-def sample(logits, sampling, *, do_sample: bool, num_logprobs: int):
+def sample(logits, sampling, bitmask=None, *, do_sample: bool, num_logprobs: int):
     """logits [S, V] float32; `sampling` (a step_batch.SamplingMetadata): per-slot
-    temperature/top_k/top_p [S]; seeds uint32 [S, 2] and counters int32 [S] make each slot's
-    key. Returns (tokens [S], chosen logprob [S], top ids [S, n], top logprobs [S, n]) with
-    n = num_logprobs (0 for none)."""
+    temperature/top_k/top_p/min_p and the controls of `apply_controls`; seeds uint32 [S, 2]
+    and counters int32 [S] make each slot's key; bitmask [S, ceil(V/32)] int32 or None (all
+    allowed). Returns (tokens [S], chosen logprob [S], top ids [S, n], top logprobs [S, n])
+    with n = num_logprobs (0 for none); logprobs are the raw model's."""
     temperature, top_k, top_p = sampling.temperature, sampling.top_k, sampling.top_p
     seeds, counters = sampling.seeds, sampling.counters
+    raw, logits = logits, apply_controls(logits, sampling, bitmask)
     greedy = argmax(logits)
     if do_sample:
         t = jnp.where(temperature > 0, temperature, 1.0)
-        scaled = _filter_top_k_top_p(logits / t[:, None], top_k, top_p)
+        scaled = _filter_top_k_top_p(filter_min_p(logits / t[:, None], sampling.min_p), top_k, top_p)
 
         def one(seed, counter, row):
             key = jax.random.fold_in(jax.random.wrap_key_data(seed, impl="threefry2x32"), counter)
@@ -70,7 +123,7 @@ def sample(logits, sampling, *, do_sample: bool, num_logprobs: int):
         tokens = greedy
     if num_logprobs == 0:
         return tokens, None, None, None
-    logp = jax.nn.log_softmax(logits, axis=-1)
+    logp = jax.nn.log_softmax(raw, axis=-1)
     chosen = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
     top_lp, top_ids = jax.lax.top_k(logp, num_logprobs)
     return tokens, chosen, top_ids.astype(jnp.int32), top_lp

@@ -49,6 +49,8 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
         s = req.sampling
         if s.logprobs < 0:
             raise ValueError(f"logprobs must be >= 0, got {s.logprobs}")
+        which = s.WhichOneof("constraint")
+        constraint = {which: getattr(s, which)} if which else {}
 
         def build(prompt_len: int) -> SamplingParams:
             max_tokens = s.max_tokens or max(1, min(self.default_max_tokens, self.max_model_len - prompt_len))
@@ -62,6 +64,14 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
                 stop_token_ids=tuple(s.stop_token_ids),
                 ignore_eos=s.ignore_eos,
                 logprobs=s.logprobs or None,
+                **constraint,
+                n=s.n or 1,
+                min_p=s.min_p,
+                min_tokens=s.min_tokens,
+                repetition_penalty=s.repetition_penalty or 1.0,
+                presence_penalty=s.presence_penalty,
+                frequency_penalty=s.frequency_penalty,
+                logit_bias=dict(s.logit_bias) or None,
             )
 
         return build
@@ -94,16 +104,16 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
             try:
                 async for out in stream:
                     timer.tokens(len(out.token_ids))
-                    resp = pb.GenerateResponse(request_id=rid, text=out.text, token_ids=out.token_ids)
+                    resp = pb.GenerateResponse(request_id=rid, text=out.text, token_ids=out.token_ids, index=out.index)
                     for lp in out.logprobs or []:
-                        chosen, top = split_logprobs(lp)
+                        chosen, top = split_logprobs(lp, request.sampling.logprobs)
                         resp.logprobs.add(
                             token_id=chosen.token_id,
                             logprob=chosen.logprob,
                             top=[pb.TokenLogprob(token_id=t.token_id, logprob=t.logprob) for t in top],
                         )
-                    if out.finished:
-                        done = True
+                    if out.finished:  # this completion; the request when all n are (stream.finished)
+                        done = stream.finished
                         resp.finish_reason = FINISH[out.finish_reason]
                         resp.usage.CopyFrom(
                             pb.Usage(
@@ -112,7 +122,8 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
                                 cached_prompt_tokens=out.num_cached_prompt_tokens,
                             )
                         )
-                        timer.finish(out.finish_reason)
+                        if done:
+                            timer.finish(out.finish_reason)
                     yield resp
             except Exception as e:  # the engine step failed
                 done = True

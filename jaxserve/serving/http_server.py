@@ -314,12 +314,10 @@ class HttpFrontend:
         """Validate the sampling fields now (before any tokenization) and return the builder of
         the request's SamplingParams as a function of its prompt length. renames: engine field
         names -> this endpoint's parameter names, for error messages."""
-        if b.n is not None and b.n != 1:
-            raise _invalid("n", f"n must be 1: one choice per request is supported, got {b.n}")
         if b.stream_options is not None and not b.stream:
             raise _invalid("stream_options", "stream_options is only allowed when stream is true")
         kw: dict[str, Any] = {}
-        for name in ("temperature", "top_p", "seed", "top_k", "ignore_eos"):
+        for name in ("temperature", "top_p", "seed", "top_k", "ignore_eos", "n"):
             if getattr(b, name) is not None:
                 kw[name] = getattr(b, name)
         if b.stop is not None:
@@ -471,7 +469,7 @@ class HttpFrontend:
         try:
             async for out in stream:
                 timer.tokens(len(out.token_ids))
-                if out.finished:
+                if out.finished and stream.finished:  # the last of the request's n choices
                     done = True
                     timer.finish(out.finish_reason)
                 yield out
@@ -485,29 +483,34 @@ class HttpFrontend:
                 self.engine.abort(stream.request_id)
 
     async def _collect(self, call: _Call, stream: RequestStream) -> JSONResponse:
-        text, ids, lps, last = [], [], [], None
+        n = stream.n  # choices, by the outputs' index
+        text, lps, last = [[] for _ in range(n)], [[] for _ in range(n)], [None] * n
+        n_ids = 0
         try:
             async with contextlib.aclosing(self._outputs(call, stream)) as outputs:
                 async for out in outputs:
-                    text.append(out.text)
-                    ids += out.token_ids
-                    lps += out.logprobs or []
-                    last = out
+                    text[out.index].append(out.text)
+                    n_ids += len(out.token_ids)
+                    lps[out.index] += out.logprobs or []
+                    last[out.index] = out
         except Exception as e:
             log.exception("engine error")
             return APIError(500, f"engine error: {e}").response()
-        choice: dict[str, Any] = {"index": 0, "finish_reason": last.finish_reason}
-        logprobs = await self._logprobs(call, lps) if call.logprobs is not None else None
-        if call.kind == "chat":
-            choice["message"] = {"role": "assistant", "content": "".join(text)}
-        else:
-            choice["text"] = "".join(text)
-        choice["logprobs"] = logprobs
+        choices = []
+        for i in range(n):
+            choice: dict[str, Any] = {"index": i, "finish_reason": last[i].finish_reason}
+            logprobs = await self._logprobs(call, lps[i]) if call.logprobs is not None else None
+            if call.kind == "chat":
+                choice["message"] = {"role": "assistant", "content": "".join(text[i])}
+            else:
+                choice["text"] = "".join(text[i])
+            choice["logprobs"] = logprobs
+            choices.append(choice)
         return JSONResponse(
             {
                 **self._head(call, "chat.completion" if call.kind == "chat" else "text_completion"),
-                "choices": [choice],
-                "usage": _usage(len(stream.prompt_token_ids), len(ids), last.num_cached_prompt_tokens),
+                "choices": choices,
+                "usage": _usage(len(stream.prompt_token_ids), n_ids, last[0].num_cached_prompt_tokens),
             }
         )
 
@@ -521,8 +524,14 @@ class HttpFrontend:
         extra = {"usage": None} if call.include_usage else {}
         dumps = json.dumps
         if chat:
-            first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-            yield dumps({**head, "choices": [first], **extra})
+            for i in range(stream.n):
+                first = {
+                    "index": i,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+                yield dumps({**head, "choices": [first], **extra})
         n_out, last = 0, None
         try:
             async with contextlib.aclosing(self._outputs(call, stream)) as outputs:
@@ -531,7 +540,7 @@ class HttpFrontend:
                     last = out
                     if not (out.token_ids or out.text or out.finished):
                         continue  # one chunk per engine output, like gRPC (text may be held back)
-                    choice: dict[str, Any] = {"index": 0}
+                    choice: dict[str, Any] = {"index": out.index}
                     if chat:
                         choice["delta"] = {"content": out.text} if out.text else {}
                     else:
