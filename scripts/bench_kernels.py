@@ -17,11 +17,13 @@ difference from the reference, so a first run on new hardware is also a correctn
 (pallas_kernels/native.py, through XLA FFI) against today's XLA path on the CPU
 (``reference.attention(..., mode="decode")``, the chunked online-softmax loop). It first
 measures this host's streaming read bandwidth in the same run (a jitted sum over a 512 MB
-float32 array, best of 5), then times decode at rows 1/8/16/32/64 x contexts 512/1000/2048,
+float32 array, best of 5; again before each head dim and at the end, and the best of these is
+the reference, so a busy moment does not flatter the fractions), then times decode at rows 1/8/16/32/64 x contexts 512/1000/2048,
 8 query heads over 4 KV heads, page size 16, float32, head_dim 32 (the shipped model) and
 64/128. The KV pool is larger than the last-level cache, each row's pages are scattered
 (random page order), and consecutive calls use disjoint sets of pages covering more than
-3x the last-level cache, so every call reads its KV from memory. Reported: median ms, GB/s of
+3x the last-level cache, so every call reads its KV from memory; native and XLA calls take
+turns. Reported: median ms, GB/s of
 live KV (K and V of the live contexts, each read once), that as a fraction of the measured
 streaming bandwidth, and the speedup native/XLA.
 """
@@ -235,16 +237,21 @@ def last_level_cache_bytes() -> int:
     return 32 * 2**20
 
 
-def _median_cold_ms(fn, q, kp, vp, tables, lens, reps: int) -> float:
-    """Median wall time of fn over reps calls, each on the next set of pages (round robin)."""
-    jax.block_until_ready(fn(q, kp, vp, tables[0], lens))
-    times = []
-    for i in range(reps):
-        bt = tables[(i + 1) % len(tables)]
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(q, kp, vp, bt, lens))
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+def _median_cold_ms(fns, q, kp, vp, tables, lens, reps: int) -> list[float]:
+    """Median wall time (ms) of each fn over reps calls; the fns take turns (so a change in the
+    load of the host hits them alike) and every call reads the next set of pages (round robin)."""
+    for fn in fns:
+        jax.block_until_ready(fn(q, kp, vp, tables[0], lens))
+    times = [[] for _ in fns]
+    i = 0
+    for _ in range(reps):
+        for fn, ts in zip(fns, times):
+            i += 1
+            bt = tables[i % len(tables)]
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(q, kp, vp, bt, lens))
+            ts.append((time.perf_counter() - t0) * 1e3)
+    return [statistics.median(ts) for ts in times]
 
 
 def bench_native_cpu(
@@ -256,21 +263,24 @@ def bench_native_cpu(
     kv_heads: int = 4,
     page: int = 16,
     pool_mb: int = 512,
-) -> tuple[float, list[NativeRow]]:
+) -> tuple[list[float], list[NativeRow]]:
     from pallas_kernels import native
 
     if not native.available():
         raise SystemExit(f"the native CPU kernels are unavailable: {native.unavailable_reason()}")
     llc = last_level_cache_bytes()
-    bw = stream_read_gbps()
-    print(
-        f"  streaming read: {bw:.1f} GB/s; last-level cache {llc / 2**20:.0f} MB; kernel ISA {native.cpu_isa()}",
-        file=sys.stderr,
-    )
+    print(f"  last-level cache {llc / 2**20:.0f} MB; kernel ISA {native.cpu_isa()}", file=sys.stderr)
+    streams = []  # measured before each head dim and at the end; the best is the reference
+
+    def measure_stream():
+        streams.append(stream_read_gbps())
+        print(f"  streaming read: {streams[-1]:.1f} GB/s", file=sys.stderr)
+
     width = -(-max(contexts) // page)  # block-table width (even, as the XLA path wants)
     width += width % 2
-    out = []
+    timings = []
     for d in head_dims:
+        measure_stream()
         token_bytes = kv_heads * d * 4  # one token of K (or V), float32
         biggest = max(batch_rows) * max(contexts) * token_bytes
         num_pages = 1 + max(pool_mb * 2**20 // 2, biggest * 5 // 4) // (page * token_bytes)
@@ -300,30 +310,36 @@ def bench_native_cpu(
                     tables.append(jnp.asarray(bt))
                 lens = jnp.full((b,), ctx, jnp.int32)
                 diff = float(jnp.max(jnp.abs(nat(q, kp, vp, tables[0], lens) - xla(q, kp, vp, tables[0], lens))))
-                n_ms = _median_cold_ms(nat, q, kp, vp, tables, lens, reps)
-                x_ms = _median_cold_ms(xla, q, kp, vp, tables, lens, reps)
-                row = NativeRow(
-                    d,
-                    b,
-                    ctx,
-                    n_ms,
-                    x_ms,
-                    live / n_ms / 1e6,
-                    live / x_ms / 1e6,
-                    live / n_ms / 1e6 / bw,
-                    live / x_ms / 1e6 / bw,
-                    x_ms / n_ms,
-                    diff,
-                )
-                out.append(row)
-                print(f"  {row}", file=sys.stderr)
+                n_ms, x_ms = _median_cold_ms((nat, xla), q, kp, vp, tables, lens, reps)
+                timings.append((d, b, ctx, live, n_ms, x_ms, diff))
+                print(f"  D={d} rows={b} ctx={ctx}: native {n_ms:.3f} ms, XLA {x_ms:.3f} ms", file=sys.stderr)
         del kp, vp
-    return bw, out
-
-
-def native_markdown(bw: float, rows: list[NativeRow]) -> str:
+    measure_stream()
+    bw = max(streams)
     out = [
-        f"Streaming read bandwidth measured in this run: **{bw:.1f} GB/s**. Decode, 8 query heads over "
+        NativeRow(
+            d,
+            b,
+            ctx,
+            n_ms,
+            x_ms,
+            live / n_ms / 1e6,
+            live / x_ms / 1e6,
+            live / n_ms / 1e6 / bw,
+            live / x_ms / 1e6 / bw,
+            x_ms / n_ms,
+            diff,
+        )
+        for d, b, ctx, live, n_ms, x_ms, diff in timings
+    ]
+    return streams, out
+
+
+def native_markdown(streams: list[float], rows: list[NativeRow]) -> str:
+    seen = ", ".join(f"{x:.1f}" for x in streams)
+    out = [
+        f"Streaming read bandwidth measured in this run: **{max(streams):.1f} GB/s** (best of {seen}; fractions "
+        "are of the best). Decode, 8 query heads over "
         "4 KV heads, page size 16, float32, KV read from memory (pages scattered, pool > last-level cache).",
         "",
         "| head_dim | rows | context | native ms | XLA ms | native GB/s | native / stream | XLA GB/s | "
@@ -354,12 +370,12 @@ def main_native_cpu(args) -> int:
         if args.reps:
             kw["reps"] = args.reps
         print(f"jax {jax.__version__}, CPU: {cpu_name()}, {os.cpu_count()} cores", file=sys.stderr)
-        bw, rows = bench_native_cpu(**kw)
+        streams, rows = bench_native_cpu(**kw)
     print(
         f"\n**CPU: native FFI paged attention vs the XLA path** (jax {jax.__version__}, {cpu_name()}, "
         f"{os.cpu_count()} cores, median of {kw.get('reps', 11)} calls)\n"
     )
-    print(native_markdown(bw, rows))
+    print(native_markdown(streams, rows))
     if args.json:
         args.json.write_text(
             json.dumps(
@@ -368,7 +384,7 @@ def main_native_cpu(args) -> int:
                     "platform": "cpu",
                     "cpu": cpu_name(),
                     "cores": os.cpu_count(),
-                    "stream_read_gbps": bw,
+                    "stream_read_gbps": streams,
                     "results": [dataclasses.asdict(r) for r in rows],
                 },
                 indent=2,
