@@ -119,7 +119,7 @@ def test_decode_matches_reference(data, dtype, b, kvh, ratio, d, ps, extra_cols)
     _check(rng, lens, 1, ratio, kvh, d, ps, dtype, extra_cols)
 
 
-@settings(max_examples=14, deadline=None)
+@settings(max_examples=12, deadline=None)
 @given(
     data=st.data(),
     dtype=st.sampled_from([jnp.float32, jnp.bfloat16]),
