@@ -54,9 +54,22 @@ def _attention_fn(impl: str, interpret: bool, mode: str) -> Callable:
     continues a sequence) or "decode"."""
     if impl == "xla":
         return functools.partial(reference.attention, mode=mode)
+    if impl == "native":
+        from pallas_kernels import native
+
+        return functools.partial(native.attention, mode=mode)
     from pallas_kernels import paged_attention as pk
 
     return functools.partial(pk.attention, mode=mode, interpret=interpret)
+
+
+def default_attention(backend: str) -> str:
+    """Pallas on TPU/GPU; on the CPU the native FFI kernel where it is built, else XLA."""
+    if backend != "cpu":
+        return "pallas"
+    from pallas_kernels import native
+
+    return "native" if native.available() else "xla"
 
 
 def _prefill_step(graphdef, attn_fn, params, kv, batch: StepBatch):
@@ -164,7 +177,7 @@ class _Weights:
         )
         self.kv = zeros()
         self.attn = {m: _attention_fn(attention_impl, interpret, m) for m in ("prefill", "context", "decode")}
-        if mesh is not None and attention_impl == "pallas":
+        if mesh is not None and attention_impl in ("pallas", "native"):  # custom calls XLA cannot split
             from jaxserve.parallel import sharding as shd
 
             self.attn = {m: shd.shard_attention(fn, cfg, mesh) for m, fn in self.attn.items()}
@@ -483,6 +496,12 @@ def resolve(
             f"at {kv_bytes_per_token} bytes/token) plus the reserved page, but the pool has {num_pages} "
             f"pages; raise num_pages / kv_cache_memory_bytes or lower max_model_len"
         )
+    if cfg.attention_impl == "native":
+        from pallas_kernels import native
+
+        if backend != "cpu" or not native.available():
+            why = "it runs on the CPU only" if backend != "cpu" else native.unavailable_reason()
+            raise ValueError(f"attention_impl='native' is unavailable here: {why}")
     spec_k = cfg.num_speculative_tokens if cfg.speculative_model else 0
     return RunnerConfig(
         max_slots=cfg.max_slots,
@@ -491,7 +510,7 @@ def resolve(
         num_pages=num_pages,
         prefill_buckets=tuple(fits + bigger[:1]),
         dtype=dtype.name,
-        attention_impl=cfg.attention_impl or ("xla" if backend == "cpu" else "pallas"),
+        attention_impl=cfg.attention_impl or default_attention(backend),
         interpret=cfg.interpret if cfg.interpret is not None else backend == "cpu",
         max_logprobs=min(max_logprobs, model_cfg.vocab_size),
         num_speculative_tokens=spec_k,
