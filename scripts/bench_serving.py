@@ -99,35 +99,41 @@ def http_stream(base: str, model: str, prompt: list[int], out_len: int) -> tuple
     return times, n
 
 
-def run_rate(send, reqs, rate: float, seed: int) -> dict:
-    """send(prompt, out_len) -> (token arrival times, tokens); rate inf sends all at once.
-    Returns the wall time and each request's TTFT, TPOT, tokens and inter-token gaps."""
+def run_rate(sends: list, reqs: list[list], rate: float, seed: int) -> list[dict]:
+    """Poisson arrivals at `rate` (inf: all at once); at each arrival, request i of reqs[k] goes
+    out through sends[k](prompt, out_len) -> (token arrival times, tokens), for every k at the
+    same instant (one sender: a plain run; two: a paired run). Returns, per sender, the wall time
+    and each request's TTFT, TPOT, tokens and inter-token gaps (in arrival order)."""
     rng = np.random.default_rng(seed)
-    gaps = rng.exponential(1.0 / rate, len(reqs)) if math.isfinite(rate) else np.zeros(len(reqs))
-    results: list[dict | None] = [None] * len(reqs)
+    n = len(reqs[0])
+    gaps = rng.exponential(1.0 / rate, n) if math.isfinite(rate) else np.zeros(n)
+    results: list[list[dict | None]] = [[None] * n for _ in sends]
+    ends = [0.0] * len(sends)
 
-    def one(i: int, prompt: list[int], out_len: int) -> None:
+    def one(k: int, i: int, prompt: list[int], out_len: int) -> None:
         t0 = time.perf_counter()
-        times, n = send(prompt, out_len)
+        times, n_out = sends[k](prompt, out_len)
         end = time.perf_counter()
-        results[i] = {
+        ends[k] = max(ends[k], end)
+        results[k][i] = {
             "ttft": times[0] - t0,
             "e2e": end - t0,
-            "tokens": n,
-            "tpot": (times[-1] - times[0]) / max(n - 1, 1),
+            "tokens": n_out,
+            "tpot": (times[-1] - times[0]) / max(n_out - 1, 1),
             "itl": list(np.diff(times)),
         }
 
     threads = []
     start = time.perf_counter()
-    for i, ((prompt, out_len), gap) in enumerate(zip(reqs, gaps)):
+    for i, gap in enumerate(gaps):
         time.sleep(gap)
-        t = threading.Thread(target=one, args=(i, prompt, out_len))
-        t.start()
-        threads.append(t)
+        for k in range(len(sends)):
+            t = threading.Thread(target=one, args=(k, i, *reqs[k][i]))
+            t.start()
+            threads.append(t)
     for t in threads:
         t.join()
-    return {"wall_s": time.perf_counter() - start, "_per_request": [r for r in results if r]}
+    return [{"wall_s": ends[k] - start, "_per_request": results[k]} for k in range(len(sends))]
 
 
 def start_server(args) -> tuple[subprocess.Popen, str, str]:
@@ -170,6 +176,12 @@ def main(argv=None) -> int:
     ap.add_argument("--requests", type=int, default=40)
     ap.add_argument("--protocols", nargs="+", choices=("grpc", "http"), default=["grpc", "http"])
     ap.add_argument("--repeats", type=int, default=1, help="runs per rate and protocol (pooled)")
+    ap.add_argument(
+        "--paired",
+        action="store_true",
+        help="send each arrival over every protocol at once (the same lengths, at the same moment): "
+        "the per-request cost of a path, free of the drift of a shared machine between runs",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--ttft-slo", type=float, default=1.0, help="goodput: TTFT target in seconds")
     ap.add_argument("--tpot-slo", type=float, default=0.1, help="goodput: TPOT target in seconds")
@@ -192,16 +204,22 @@ def main(argv=None) -> int:
         }
         for proto in args.protocols:  # unmeasured: every path, then every shape of the burst, runs once
             senders[proto](lengths[0][0][:8], 4)
-        run_rate(
-            senders[args.protocols[0]], fresh_tokens(lengths, info["vocab_size"], args.seed + 999_999), math.inf, 0
-        )
+        warm = fresh_tokens(lengths, info["vocab_size"], args.seed + 999_999)
+        run_rate([senders[args.protocols[0]]], [warm], math.inf, 0)
         pooled: dict[tuple[float, str], list[dict]] = {}
         for k in range(args.repeats):
             for i, rate in enumerate(args.rates):
+                seed = lambda proto: args.seed + 1000 * k + 10 * i + len(proto)  # noqa: E731
+                if args.paired:  # every arrival goes out over each protocol at once
+                    reqs = [fresh_tokens(lengths, info["vocab_size"], seed(p)) for p in args.protocols]
+                    runs = run_rate([senders[p] for p in args.protocols], reqs, rate, args.seed + i)
+                    for proto, r in zip(args.protocols, runs):
+                        pooled.setdefault((rate, proto), []).append(r)
+                    continue
                 order = args.protocols if (i + k) % 2 == 0 else args.protocols[::-1]
                 for proto in order:
-                    reqs = fresh_tokens(lengths, info["vocab_size"], args.seed + 1000 * k + 10 * i + len(proto))
-                    r = run_rate(senders[proto], reqs, rate, args.seed + i)
+                    reqs = fresh_tokens(lengths, info["vocab_size"], seed(proto))
+                    (r,) = run_rate([senders[proto]], [reqs], rate, args.seed + i)
                     pooled.setdefault((rate, proto), []).append(r)
         rows = []
         for rate in args.rates:
@@ -212,12 +230,25 @@ def main(argv=None) -> int:
                 print(_pct_row(proto, r), flush=True)
             if set(args.protocols) == {"grpc", "http"}:
                 g, h = (next(r for r in rows if r["rate"] == rate and r["protocol"] == p) for p in ("grpc", "http"))
-                print(
+                line = (
                     f"  http vs grpc at {rate}/s: throughput {h['output_tok_s'] / g['output_tok_s']:.3f}x, "
                     f"TTFT p50 {1e3 * (h['ttft_p50'] - g['ttft_p50']):+.1f} ms, "
-                    f"TPOT p50 {1e3 * (h['tpot_p50'] - g['tpot_p50']):+.2f} ms",
-                    flush=True,
+                    f"TPOT p50 {1e3 * (h['tpot_p50'] - g['tpot_p50']):+.2f} ms"
                 )
+                if args.paired:  # the median over arrivals of (HTTP - gRPC), each pair sent at once
+                    pairs = [
+                        (a, b)
+                        for rg, rh in zip(pooled[(rate, "grpc")], pooled[(rate, "http")])
+                        for a, b in zip(rg["_per_request"], rh["_per_request"])
+                        if a and b
+                    ]
+                    for name in ("ttft", "e2e"):
+                        h[f"paired_{name}_diff_p50"] = float(np.median([b[name] - a[name] for a, b in pairs]))
+                    line += (
+                        f"; paired: TTFT {1e3 * h['paired_ttft_diff_p50']:+.1f} ms, "
+                        f"end-to-end {1e3 * h['paired_e2e_diff_p50']:+.1f} ms (median of {len(pairs)} pairs)"
+                    )
+                print(line, flush=True)
     finally:
         if proc is not None:
             proc.terminate()
@@ -226,6 +257,7 @@ def main(argv=None) -> int:
         "model": info["model_name"],
         "requests_per_rate": args.requests,
         "repeats": args.repeats,
+        "paired": args.paired,
         "slo": {"ttft_s": args.ttft_slo, "tpot_s": args.tpot_slo},
         "rows": rows,
     }
@@ -255,7 +287,7 @@ def _model_info(target: str | None, http_target: str | None) -> dict:
 def _pool(runs: list[dict], rate: float, args) -> dict:
     """One row from several runs at one rate and protocol: percentiles over all their requests,
     throughput over their summed wall time."""
-    per_request = [x for r in runs for x in r["_per_request"]]
+    per_request = [x for r in runs for x in r["_per_request"] if x]
     wall = sum(r["wall_s"] for r in runs)
     pct = lambda xs, q: float(np.percentile(xs, q)) if len(xs) else float("nan")  # noqa: E731
     good = [x for x in per_request if x["ttft"] <= args.ttft_slo and x["tpot"] <= args.tpot_slo]
@@ -283,12 +315,13 @@ def _plot(rows: list[dict], args, model_name: str) -> None:
 
     fig, ax = plt.subplots(1, 2, figsize=(10, 4))
     finite = [r for r in rows if math.isfinite(r["rate"])]
-    for proto in args.protocols:
+    for proto, color in zip(args.protocols, ("tab:blue", "tab:orange")):
         mine = [r for r in finite if r["protocol"] == proto]
         rates = [r["rate"] for r in mine]
         for q, style in ((50, "-"), (90, "--")):
-            ax[0].plot(rates, [r[f"ttft_p{q}"] * 1e3 for r in mine], style, marker="o", label=f"{proto} TTFT p{q}")
-            ax[1].plot(rates, [r[f"tpot_p{q}"] * 1e3 for r in mine], style, marker="o", label=f"{proto} TPOT p{q}")
+            for a, name in zip(ax, ("ttft", "tpot")):
+                ys = [r[f"{name}_p{q}"] * 1e3 for r in mine]
+                a.plot(rates, ys, style, color=color, marker="o", label=f"{proto} {name.upper()} p{q}")
     for a, t in zip(ax, ("time to first token (ms)", "time per output token (ms)")):
         a.set_xlabel("offered load (requests/s)")
         a.set_ylabel(t)
