@@ -127,6 +127,7 @@ def main(argv=None) -> int:
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--max-prefill-tokens", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=3, help="jaxserve runs (median reported)")
+    ap.add_argument("--defaults", action="store_true", help="LLM(path) with no options instead of the tuned ones")
     ap.add_argument("--skip-baseline", action="store_true")
     ap.add_argument("--skip-bf16", action="store_true")
     ap.add_argument("--json", help="write results here")
@@ -144,13 +145,18 @@ def main(argv=None) -> int:
         from jaxserve import LLM
 
         t0 = time.perf_counter()
-        llm = LLM(
-            tmp,
-            max_slots=args.max_slots,
-            page_size=args.page_size,
-            max_model_len=1024,
-            max_prefill_tokens=args.max_prefill_tokens,
-        )
+        if args.defaults:  # what a user gets from LLM(path): no tuned option
+            llm = LLM(tmp)
+        else:
+            llm = LLM(
+                tmp,
+                max_slots=args.max_slots,
+                page_size=args.page_size,
+                max_model_len=1024,
+                max_prefill_tokens=args.max_prefill_tokens,
+            )
+        results["jaxserve_options"] = "defaults" if args.defaults else "tuned"
+        results["attention_impl"] = llm.runner.attention_impl
         results["jaxserve_startup_s"] = time.perf_counter() - t0
         times, waste = [], KVWaste(args.page_size, 1024)
         for i in range(args.repeats):
