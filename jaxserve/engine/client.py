@@ -138,6 +138,13 @@ class EngineClient:
         with self._lock:
             return list(self._routes)
 
+    def token_texts(self, token_ids: Seq[int]) -> dict[int, str]:
+        """Each token's own text (for logprobs); tokenizer work, so call it off the event loop."""
+        tok = self.core.tokenizer
+        if tok is None:
+            return {t: f"token_id:{t}" for t in token_ids}
+        return {t: tok.decode([t]) for t in token_ids}
+
     def model_info(self) -> ModelInfo:
         return self.core.model_info()
 

@@ -564,14 +564,8 @@ class HttpFrontend:
         """Each token's own text (cached); decoding runs in a worker thread, off the event loop."""
         missing = [t for t in ids if t not in self._token_texts]
         if missing:
-            tok = self.engine.core.tokenizer
-
-            def decode() -> dict[int, str]:
-                if tok is None:
-                    return {t: f"token_id:{t}" for t in missing}
-                return {t: tok.decode([t]) for t in missing}
-
-            self._token_texts.update(await asyncio.get_running_loop().run_in_executor(None, decode))
+            texts = await asyncio.get_running_loop().run_in_executor(None, self.engine.token_texts, missing)
+            self._token_texts.update(texts)
         return self._token_texts
 
     async def _logprobs(self, call: _Call, lps: list[dict[int, float]] | None) -> dict | None:
