@@ -25,44 +25,11 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from paged_pools import close, page_pool, randn
 
 from pallas_kernels import native, reference
 
-TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}
-DUMMY = 0  # like the engine: padding entries of block tables point at page 0
 MAX_LEN = 2048
-
-
-def _randn(rng, shape, dtype=jnp.float32):
-    return jnp.asarray(rng.standard_normal(shape, dtype=np.float32)).astype(dtype)
-
-
-def _close(got, want, dtype):
-    tol = TOL[dtype]
-    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
-    assert np.isfinite(got).all()
-    np.testing.assert_allclose(got, want, atol=tol, rtol=tol)
-
-
-def _page_pool(rng, lens, ps, kvh, d, dtype, extra_pages=3, extra_cols=1):
-    """Scattered pages for slots of the given lengths: (clean k, clean v, poisoned k,
-    poisoned v, block_tables). Poisoned = NaN everywhere no live context reaches."""
-    need = [-(-n // ps) for n in lens]
-    width = max(max(need), 1) + extra_cols
-    num_pages = 1 + sum(need) + extra_pages
-    order = rng.permutation(np.arange(1, num_pages))
-    bt = np.full((len(lens), width), DUMMY, np.int32)
-    live = np.zeros((num_pages, ps), bool)
-    used = 0
-    for b, (n, p) in enumerate(zip(lens, need)):
-        bt[b, :p] = order[used : used + p]
-        used += p
-        j = np.arange(n)
-        live[bt[b, j // ps], j % ps] = True
-    k = _randn(rng, (num_pages, ps, kvh, d), dtype)
-    v = _randn(rng, (num_pages, ps, kvh, d), dtype)
-    dead = jnp.asarray(~live)[:, :, None, None]
-    return k, v, jnp.where(dead, jnp.nan, k), jnp.where(dead, jnp.nan, v), jnp.asarray(bt)
 
 
 _native = jax.jit(native.paged_attention, static_argnums=6)
@@ -73,8 +40,8 @@ def _check(rng, lens, t, ratio, kvh, d, ps, dtype, extra_cols, q_dtype=None):
     """Rows of the given context lengths, each with a chunk of t queries at positions
     len-t .. len-1 (a row of length 0 is an inactive slot: its queries see nothing)."""
     q_dtype = q_dtype or dtype
-    k, v, k_bad, v_bad, bt = _page_pool(rng, lens, ps, kvh, d, dtype, extra_cols=extra_cols)
-    q = _randn(rng, (len(lens), t, kvh * ratio, d), q_dtype)
+    k, v, k_bad, v_bad, bt = page_pool(rng, lens, ps, kvh, d, dtype, extra_cols=extra_cols)
+    q = randn(rng, (len(lens), t, kvh * ratio, d), q_dtype)
     cl = jnp.asarray(lens, jnp.int32)
     pos = cl[:, None] - t + jnp.arange(t, dtype=jnp.int32)[None, :]
     scale = 1 / math.sqrt(d)
@@ -87,7 +54,7 @@ def _check(rng, lens, t, ratio, kvh, d, ps, dtype, extra_cols, q_dtype=None):
     assert (got[~sees] == 0).all(), "a query that sees no key must give zeros"
     want = np.asarray(_oracle(q, k, v, bt, cl, pos, scale).astype(jnp.float32))
     coarse = jnp.bfloat16 if jnp.bfloat16 in (dtype, q_dtype) else jnp.float32
-    _close(got[sees], want[sees], coarse)
+    close(got[sees], want[sees], coarse)
     return got
 
 
@@ -170,8 +137,8 @@ def test_mixed_dtypes():
     rng = np.random.default_rng(11)
     for q_dtype, page_dtype in ((jnp.float32, jnp.bfloat16), (jnp.bfloat16, jnp.float32)):
         _check(rng, [200, 33], 1, 2, 2, 64, 16, page_dtype, 1, q_dtype=q_dtype)
-    k, v, _, _, bt = _page_pool(rng, [50], 16, 2, 32, jnp.float32)
-    q = _randn(rng, (1, 1, 4, 32), jnp.float16)
+    k, v, _, _, bt = page_pool(rng, [50], 16, 2, 32, jnp.float32)
+    q = randn(rng, (1, 1, 4, 32), jnp.float16)
     cl = jnp.asarray([50], jnp.int32)
     out = _native(q, k, v, bt, cl, cl[:, None] - 1, 0.2)
     assert out.dtype == jnp.float16
@@ -187,8 +154,8 @@ def test_many_rows_every_split():
     the same result."""
     rng = np.random.default_rng(5)
     lens = list(rng.integers(0, 1500, size=40))
-    k, v, k_bad, v_bad, bt = _page_pool(rng, lens, 16, 4, 32, jnp.float32)
-    q = _randn(rng, (40, 1, 8, 32))
+    k, v, k_bad, v_bad, bt = page_pool(rng, lens, 16, 4, 32, jnp.float32)
+    q = randn(rng, (40, 1, 8, 32))
     cl = jnp.asarray(lens, jnp.int32)
     pos = cl[:, None] - 1
     live = np.asarray(lens) > 0
@@ -197,41 +164,41 @@ def test_many_rows_every_split():
         f = jax.jit(lambda *a, khi=khi: native.paged_attention(*a, 0.17, kv_heads_per_item=khi))
         got = np.asarray(f(q, k_bad, v_bad, bt, cl, pos))
         assert (got[~live] == 0).all()
-        _close(got[live], want, jnp.float32)
+        close(got[live], want, jnp.float32)
 
 
 def test_vmap_and_traced_scale():
     """Under vmap (the FFI call runs once per element) and with a scale that is a traced
     value (folded into q)."""
     rng = np.random.default_rng(9)
-    k, v, k_bad, v_bad, bt = _page_pool(rng, [90, 40], 8, 2, 32, jnp.float32)
-    q = _randn(rng, (3, 2, 1, 4, 32))
+    k, v, k_bad, v_bad, bt = page_pool(rng, [90, 40], 8, 2, 32, jnp.float32)
+    q = randn(rng, (3, 2, 1, 4, 32))
     cl = jnp.asarray([90, 40], jnp.int32)
     pos = cl[:, None] - 1
     got = jax.jit(jax.vmap(lambda q: native.paged_attention(q, k_bad, v_bad, bt, cl, pos, 0.3)))(q)
     want = jax.vmap(lambda q: reference.paged_attention(q, k, v, bt, cl, pos, 0.3))(q)
-    _close(got, want, jnp.float32)
+    close(got, want, jnp.float32)
     got = jax.jit(lambda q, s: native.paged_attention(q, k_bad, v_bad, bt, cl, pos, s))(q[0], jnp.float32(0.3))
-    _close(got, want[0], jnp.float32)
+    close(got, want[0], jnp.float32)
 
 
 def test_queries_that_see_nothing_give_zeros():
     """A query whose position is before the context (e.g. padding of a chunk) gets zeros;
     its neighbours are unaffected. Context lengths past the block table are clamped to it."""
     rng = np.random.default_rng(2)
-    k, v, k_bad, v_bad, bt = _page_pool(rng, [40], 16, 2, 32, jnp.float32, extra_cols=0)
-    q = _randn(rng, (1, 3, 4, 32))
+    k, v, k_bad, v_bad, bt = page_pool(rng, [40], 16, 2, 32, jnp.float32, extra_cols=0)
+    q = randn(rng, (1, 3, 4, 32))
     cl = jnp.asarray([40], jnp.int32)
     pos = jnp.asarray([[-1, 10, 39]], jnp.int32)
     got = np.asarray(_native(q, k_bad, v_bad, bt, cl, pos, 0.2))
     assert (got[0, 0] == 0).all()
     want = reference.paged_attention(q[:, 1:], k, v, bt, cl, pos[:, 1:], 0.2)
-    _close(got[:, 1:], want, jnp.float32)
+    close(got[:, 1:], want, jnp.float32)
     # context_len beyond the table's 3 pages x 16 tokens: only the table's 48 keys exist
     cl_long = jnp.asarray([1000], jnp.int32)
     got = _native(q[:, 2:], k, v, bt, cl_long, jnp.asarray([[999]], jnp.int32), 0.2)
     want = reference.paged_attention(q[:, 2:], k, v, bt, cl_long, jnp.asarray([[999]], jnp.int32), 0.2)
-    _close(got, want, jnp.float32)
+    close(got, want, jnp.float32)
 
 
 def test_unavailable_library_warns_once(monkeypatch, caplog):

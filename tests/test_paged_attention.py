@@ -16,46 +16,12 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from paged_pools import close, page_pool, randn
 
 from pallas_kernels import reference
 from pallas_kernels.paged_attention import attention, combine_splits, paged_decode_attention
 
-TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}
 BACKENDS = ["tpu", "gpu"]
-DUMMY = 0  # like the engine: padding entries of block tables point at page 0
-
-
-def _randn(rng, shape, dtype=jnp.float32):
-    return jnp.asarray(rng.standard_normal(shape, dtype=np.float32)).astype(dtype)
-
-
-def _close(got, want, dtype):
-    tol = TOL[dtype]
-    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
-    assert np.isfinite(got).all()
-    np.testing.assert_allclose(got, want, atol=tol, rtol=tol)
-
-
-def _page_pool(rng, lens, ps, kvh, d, dtype, extra_pages=3, extra_cols=1):
-    """Scattered pages for slots of the given lengths: (clean k, clean v, poisoned k,
-    poisoned v, block_tables). Poisoned = NaN everywhere no live context reaches."""
-    need = [-(-n // ps) for n in lens]
-    width = max(need) + extra_cols
-    width += width % 2  # the reference's chunked loop wants an even table width
-    num_pages = 1 + sum(need) + extra_pages
-    order = rng.permutation(np.arange(1, num_pages))
-    bt = np.full((len(lens), width), DUMMY, np.int32)
-    live = np.zeros((num_pages, ps), bool)
-    used = 0
-    for b, (n, p) in enumerate(zip(lens, need)):
-        bt[b, :p] = order[used : used + p]
-        used += p
-        for j in range(n):
-            live[bt[b, j // ps], j % ps] = True
-    k = _randn(rng, (num_pages, ps, kvh, d), dtype)
-    v = _randn(rng, (num_pages, ps, kvh, d), dtype)
-    dead = jnp.asarray(~live)[:, :, None, None]
-    return k, v, jnp.where(dead, jnp.nan, k), jnp.where(dead, jnp.nan, v), jnp.asarray(bt)
 
 
 @settings(max_examples=10, deadline=None)
@@ -82,26 +48,26 @@ def test_paged_decode_matches_reference(data, backend, dtype, b, kvh, ratio, d, 
             num_splits=data.draw(st.sampled_from([None, 1, 3]), label="num_splits"),
         )
     rng = np.random.default_rng(data.draw(st.integers(0, 2**16), label="seed"))
-    k, v, k_bad, v_bad, bt = _page_pool(rng, lens, ps, kvh, d, dtype)
-    q = _randn(rng, (b, kvh * ratio, d), dtype)
+    k, v, k_bad, v_bad, bt = page_pool(rng, lens, ps, kvh, d, dtype, even_width=True)
+    q = randn(rng, (b, kvh * ratio, d), dtype)
     cl = jnp.asarray(lens, jnp.int32)
     scale = 1 / math.sqrt(d)
     want = reference.paged_attention(q[:, None], k, v, bt, cl, cl[:, None] - 1, scale)[:, 0]
     got = paged_decode_attention(q, k_bad, v_bad, bt, cl, scale=scale, backend=backend, **knobs)
-    _close(got, want, dtype)
+    close(got, want, dtype)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_empty_slot_gives_zeros(backend):
     """An inactive decode slot (context length 0) reads nothing and returns zeros."""
     rng = np.random.default_rng(3)
-    k, v, k_bad, v_bad, bt = _page_pool(rng, [20, 1], 8, 2, 64, jnp.float32)
-    q = _randn(rng, (2, 4, 64))
+    k, v, k_bad, v_bad, bt = page_pool(rng, [20, 1], 8, 2, 64, jnp.float32, even_width=True)
+    q = randn(rng, (2, 4, 64))
     cl = jnp.asarray([20, 0], jnp.int32)
     out = np.asarray(paged_decode_attention(q, k_bad, v_bad, bt, cl, backend=backend))
     assert (out[1] == 0).all()
     want = reference.paged_attention(q[:1, None], k, v, bt[:1], cl[:1], cl[:1, None] - 1, 0.125)[:, 0]
-    _close(out[:1], want, jnp.float32)
+    close(out[:1], want, jnp.float32)
 
 
 def test_combine_splits_is_one_softmax():
@@ -128,28 +94,28 @@ def _dispatch_case(mode: str, rng):
     if mode == "prefill":  # two prompts packed in one row plus padding
         t = 32
         seg = jnp.asarray([[0] * 11 + [1] * 14 + [-1] * 7], jnp.int32)
-        q, k, v = _randn(rng, (1, t, kvh * ratio, d)), _randn(rng, (1, t, kvh, d)), _randn(rng, (1, t, kvh, d))
-        kp, vp, _, _, bt = _page_pool(rng, [5], ps, kvh, d, jnp.float32)
+        q, k, v = randn(rng, (1, t, kvh * ratio, d)), randn(rng, (1, t, kvh, d)), randn(rng, (1, t, kvh, d))
+        kp, vp, _, _, bt = page_pool(rng, [5], ps, kvh, d, jnp.float32, even_width=True)
         pos = jnp.asarray(np.concatenate([np.arange(11), np.arange(14), np.zeros(7)])[None], jnp.int32)
         meta = reference.AttentionMetadata(jnp.zeros_like(pos), bt, jnp.asarray([25], jnp.int32), pos, seg)
         return (q, k, v, (kp, vp), meta), (q, k, v, (kp, vp), meta)
     if mode == "decode":
         lens = [37, 1, 250]
-        kp, vp, kb, vb, bt = _page_pool(rng, lens, ps, kvh, d, jnp.float32)
+        kp, vp, kb, vb, bt = page_pool(rng, lens, ps, kvh, d, jnp.float32, even_width=True)
         cl = jnp.asarray(lens, jnp.int32)
-        q = _randn(rng, (3, 1, kvh * ratio, d))
+        q = randn(rng, (3, 1, kvh * ratio, d))
         k = v = jnp.zeros((3, 1, kvh, d))
         zeros = jnp.zeros((3, 1), jnp.int32)
         meta = reference.AttentionMetadata(zeros, bt, cl, cl[:, None] - 1, zeros)
         return (q, k, v, (kp, vp), meta), (q, k, v, (kb, vb), meta)
     # "context": a 13-token chunk at position 21 in a 16-token bucket; padding queries at 0
     start, m, t = 21, 13, 16
-    kp, vp, kb, vb, bt = _page_pool(rng, [start + m], ps, kvh, d, jnp.float32)
+    kp, vp, kb, vb, bt = page_pool(rng, [start + m], ps, kvh, d, jnp.float32, even_width=True)
     pos = np.zeros((1, t), np.int32)
     pos[0, :m] = np.arange(start, start + m)
     seg = np.full((1, t), -1, np.int32)
     seg[0, :m] = 0
-    q = _randn(rng, (1, t, kvh * ratio, d))
+    q = randn(rng, (1, t, kvh * ratio, d))
     k = v = jnp.zeros((1, t, kvh, d))
     meta = reference.AttentionMetadata(
         jnp.zeros_like(jnp.asarray(pos)), bt, jnp.asarray([start + m], jnp.int32), jnp.asarray(pos), jnp.asarray(seg)
@@ -166,7 +132,7 @@ def test_attention_dispatcher_matches_reference(mode, backend):
     want = reference.attention(*args, scale=scale, mode=mode)
     got = attention(*poisoned, scale=scale, mode=mode, interpret=True, backend=backend)
     assert got.shape == want.shape and got.dtype == want.dtype
-    _close(got, want, jnp.float32)
+    close(got, want, jnp.float32)
 
 
 def test_dispatcher_rejects_unknown_mode():

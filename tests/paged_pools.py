@@ -1,0 +1,47 @@
+"""Test data shared by the paged-attention kernel tests (Pallas and native): random arrays,
+the tolerance check, and scattered page pools poisoned with NaN wherever no live context
+reaches, so a kernel that reads a dead slot fails."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}
+DUMMY = 0  # like the engine: padding entries of block tables point at page 0
+
+
+def randn(rng, shape, dtype=jnp.float32):
+    return jnp.asarray(rng.standard_normal(shape, dtype=np.float32)).astype(dtype)
+
+
+def close(got, want, dtype):
+    tol = TOL[dtype]
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, atol=tol, rtol=tol)
+
+
+def page_pool(rng, lens, ps, kvh, d, dtype, extra_pages=3, extra_cols=1, even_width=False):
+    """Scattered pages for slots of the given lengths: (clean k, clean v, poisoned k,
+    poisoned v, block_tables). Poisoned = NaN everywhere no live context reaches: unused
+    pages, the dummy page the tables are padded with, and the tail of each last page.
+    even_width: a table width the reference's chunked loop (2 pages a chunk) accepts."""
+    need = [-(-n // ps) for n in lens]
+    width = max(max(need), 1) + extra_cols
+    if even_width:
+        width += width % 2
+    num_pages = 1 + sum(need) + extra_pages
+    order = rng.permutation(np.arange(1, num_pages))
+    bt = np.full((len(lens), width), DUMMY, np.int32)
+    live = np.zeros((num_pages, ps), bool)
+    used = 0
+    for b, (n, p) in enumerate(zip(lens, need)):
+        bt[b, :p] = order[used : used + p]
+        used += p
+        j = np.arange(n)
+        live[bt[b, j // ps], j % ps] = True
+    k = randn(rng, (num_pages, ps, kvh, d), dtype)
+    v = randn(rng, (num_pages, ps, kvh, d), dtype)
+    dead = jnp.asarray(~live)[:, :, None, None]
+    return k, v, jnp.where(dead, jnp.nan, k), jnp.where(dead, jnp.nan, v), jnp.asarray(bt)
