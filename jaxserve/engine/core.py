@@ -34,6 +34,7 @@ from jaxserve.engine.request import MAX_LOGPROBS, RequestOutput, SamplingParams,
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.engine.tokenizer import IncrementalDetokenizer, load_tokenizer
 from jaxserve.models.registry import DEFAULT_DRAFT, DEFAULT_MODEL
+from jaxserve.runner.step_batch import Chunk, Controls
 
 log = logging.getLogger("jaxserve.engine")
 
@@ -83,7 +84,7 @@ class EngineCore:
             "KV cache: %d pages x %d tokens (%.1f MiB), %d slots, max_model_len %d, attention %s",
             rc.num_pages,
             rc.page_size,
-            rc.num_pages * rc.page_size * model_runner.kv_bytes_per_token(rc, self.model_cfg, draft_cfg) / 2**20,
+            rc.num_pages * rc.page_size * model_runner.kv_bytes_per_token(rc.dtype, self.model_cfg, draft_cfg) / 2**20,
             rc.max_slots,
             rc.max_model_len,
             rc.attention_impl,
@@ -338,8 +339,6 @@ class EngineCore:
         if plan.copies:
             self.runner.copy_pages(plan.copies)
         if plan.prefills:
-            from jaxserve.runner.step_batch import Chunk
-
             self.runner.prefill([Chunk(c.seq.all_ids[c.start : c.end], c.start, c.seq.pages) for c in plan.prefills])
         if not plan.decodes:
             sampled = {}
@@ -353,8 +352,6 @@ class EngineCore:
     def _chunk(self, seq: Sequence, tokens: list[int], bitmask: np.ndarray | None = None):
         """A decoding sequence as the runner sees it: tokens fed from its last position, its
         sampling controls and (constrained) its grammar's bitmask row for this step."""
-        from jaxserve.runner.step_batch import Chunk, Controls
-
         p = seq.params
         controls = None
         if p.controlled:

@@ -483,17 +483,13 @@ def resolve(
     max_pages_per_seq = -(-max_model_len // ps)
     fits = [b for b in cfg.prefill_buckets if b < max_model_len]
     bigger = [b for b in cfg.prefill_buckets if b >= max_model_len]
-    kv_bytes_per_token = sum(
-        kv_math.kv_bytes_per_token(c.shape(), kv_dtype=_KV_DTYPE[dtype.name])
-        for c in (model_cfg, draft_cfg)
-        if c is not None
-    )
-    num_pages = cfg.num_pages or _pool_pages(cfg, ps * kv_bytes_per_token, max_pages_per_seq, weight_bytes)
+    bytes_per_token = kv_bytes_per_token(dtype.name, model_cfg, draft_cfg)
+    num_pages = cfg.num_pages or _pool_pages(cfg, ps * bytes_per_token, max_pages_per_seq, weight_bytes)
     if num_pages < max_pages_per_seq + 1:
         raise ValueError(
             f"KV cache too small: one request of max_model_len={max_model_len} needs "
-            f"{max_pages_per_seq} pages of {ps} tokens ({max_pages_per_seq * ps * kv_bytes_per_token / 2**20:.1f} MiB "
-            f"at {kv_bytes_per_token} bytes/token) plus the reserved page, but the pool has {num_pages} "
+            f"{max_pages_per_seq} pages of {ps} tokens ({max_pages_per_seq * ps * bytes_per_token / 2**20:.1f} MiB "
+            f"at {bytes_per_token} bytes/token) plus the reserved page, but the pool has {num_pages} "
             f"pages; raise num_pages / kv_cache_memory_bytes or lower max_model_len"
         )
     if cfg.attention_impl == "native":
@@ -520,8 +516,9 @@ def resolve(
     )
 
 
-def kv_bytes_per_token(rc: RunnerConfig, *cfgs: ModelConfig | None) -> int:
-    return sum(kv_math.kv_bytes_per_token(c.shape(), kv_dtype=_KV_DTYPE[rc.dtype]) for c in cfgs if c is not None)
+def kv_bytes_per_token(dtype: str, *cfgs: ModelConfig | None) -> int:
+    """KV bytes one token takes in the pool, the target's and a draft's together."""
+    return sum(kv_math.kv_bytes_per_token(c.shape(), kv_dtype=_KV_DTYPE[dtype]) for c in cfgs if c is not None)
 
 
 def _pool_pages(cfg, bytes_per_page: int, max_pages_per_seq: int, weight_bytes: int) -> int:
