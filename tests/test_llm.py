@@ -227,3 +227,46 @@ def test_direct_tokenizer_is_the_one_autotokenizer_builds(tok_model, tmp_path):
     cfg = json.loads((other / "tokenizer_config.json").read_text())
     (other / "tokenizer_config.json").write_text(json.dumps({**cfg, "tokenizer_class": "GPT2Tokenizer"}))
     assert type(load_tokenizer(other)).__name__ == "GPT2Tokenizer"
+
+
+def test_async_scheduling_changes_no_output(tok_model, monkeypatch):
+    """Dispatching each decode step before reading the previous one's tokens must not change
+    a single output: stops found a step late drop their extra token, preemption (a 24-page
+    pool) and n > 1 still work, and every page comes back. Against the same engine run with
+    async_scheduling=False, over greedy, seeded, logprob, penalized, min_tokens and stop rows."""
+    opts = dict(max_slots=8, page_size=8, max_model_len=160, num_pages=24, prefill_buckets=(16, 32, 64))
+    engines = {on: LLM(tok_model[0], async_scheduling=on, **opts) for on in (True, False)}
+    prompts, outs = _mixed_requests(20, 512, seed=5, max_prompt=60, max_out=50)
+    rng = np.random.default_rng(6)
+    params = []
+    for i, m in enumerate(outs):
+        kind = i % 6
+        extra = dict(stop_token_ids=[int(x) for x in rng.integers(3, 512, 3)]) if i % 4 == 0 else {}
+        if kind == 0:
+            params.append(SamplingParams(max_tokens=m, temperature=0, **extra))
+        elif kind == 1:
+            params.append(SamplingParams(max_tokens=m, temperature=0.9, top_p=0.9, seed=i, **extra))
+        elif kind == 2:
+            params.append(SamplingParams(max_tokens=m, temperature=0, logprobs=2, **extra))
+        elif kind == 3:
+            params.append(SamplingParams(max_tokens=m, temperature=0.7, seed=i, n=2, **extra))
+        elif kind == 4:
+            params.append(SamplingParams(max_tokens=m, temperature=0, repetition_penalty=1.3, **extra))
+        else:
+            params.append(SamplingParams(max_tokens=m, temperature=0.8, seed=i, min_tokens=min(m, 5), **extra))
+    results = {}
+    for on, llm in engines.items():
+        monkeypatch.setattr(llm.scheduler, "eos", frozenset({1, 7, 300}))  # some rows stop on EOS
+        results[on] = llm.generate(prompts, params)
+        assert llm.scheduler.num_preemptions > 0
+        _assert_pool_whole(llm)
+    assert engines[True].core.overlapped_steps > 0 and engines[False].core.overlapped_steps == 0
+    assert len(results[True]) == len(prompts) + sum(p.n > 1 for p in params)
+    for a, b in zip(results[True], results[False]):
+        assert (a.index, a.token_ids, a.finish_reason) == (b.index, b.token_ids, b.finish_reason)
+        if a.logprobs is not None:  # batches differ between the two schedules: float noise only
+            assert [list(x) for x in a.logprobs] == [list(x) for x in b.logprobs]
+            assert np.allclose(
+                [v for x in a.logprobs for v in x.values()], [v for x in b.logprobs for v in x.values()], atol=1e-4
+            )
+    assert {r.finish_reason for r in results[True]} == {"stop", "length"}

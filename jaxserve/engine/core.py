@@ -53,6 +53,14 @@ class ModelInfo:
     has_tokenizer: bool
 
 
+@dataclasses.dataclass
+class _PendingStep:
+    """A decode step on the device: its result handle and its sequences, in row order."""
+
+    handle: object  # model_runner.PendingDecode
+    seqs: list[Sequence]
+
+
 class EngineCore:
     def __init__(
         self, model: str | Path | None = None, *, warmup: bool = True, log_progress: bool = False, **engine_options
@@ -117,6 +125,11 @@ class EngineCore:
         self._arrival = itertools.count()
         self._rng = np.random.default_rng(self.cfg.seed)
         self._lock = threading.Lock()
+        # Async scheduling (vLLM's async scheduling, SGLang's overlap scheduler): the decode
+        # step in flight. Speculative steps need every token on the host, so they run without.
+        self.overlap = self.cfg.async_scheduling and not self.spec_k
+        self._pending: _PendingStep | None = None
+        self.overlapped_steps = 0  # decode steps dispatched while the previous one was in flight
         if self.runner.is_follower:
             # Another host's process: replay the leader's runner calls (its warm-up included)
             # until it shuts down. The scheduler and the frontends run on process 0 only.
@@ -271,7 +284,7 @@ class EngineCore:
         self._inbox.put(("abort", request_id))
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or not self._inbox.empty()
+        return self.scheduler.has_unfinished() or not self._inbox.empty() or self._pending is not None
 
     @property
     def num_running(self) -> int:
@@ -296,6 +309,7 @@ class EngineCore:
             "prefix_cache_pages": pc.num_cached_pages if pc else 0,
             "grammar_mask_seconds": self.mask_seconds,
             "grammar_mask_steps": self.mask_steps,
+            "overlapped_steps": self.overlapped_steps,
             **(self.spec_stats.as_dict() if self.spec_stats else {}),
         }
 
@@ -340,13 +354,22 @@ class EngineCore:
             self.runner.copy_pages(plan.copies)
         if plan.prefills:
             self.runner.prefill([Chunk(c.seq.all_ids[c.start : c.end], c.start, c.seq.pages) for c in plan.prefills])
-        if not plan.decodes:
-            sampled = {}
-        elif self.spec_k and not any(s.params.plain_decode_only for s in plan.decodes):
-            sampled = self._speculate(plan.decodes)
+        touched: list[Sequence] = []
+        if plan.decodes and self.spec_k and not any(s.params.plain_decode_only for s in plan.decodes):
+            touched = self.scheduler.update(plan, self._speculate(plan.decodes))
         else:  # logprobs, grammars, penalties, biases and min_p/min_tokens run in the plain decode step
-            sampled = self._decode(plan.decodes)
-        touched = self.scheduler.update(plan, sampled)
+            # Async scheduling: dispatch this step, then read the previous one's tokens while
+            # the device runs it. A step whose rows need their tokens on the host before the
+            # next (grammar, penalties) is read at once, as is every step without overlap.
+            pending = self._dispatch_decode(plan.decodes) if plan.decodes else None
+            self.scheduler.dispatched(plan, decodes_pending=True)
+            if self._pending is not None:
+                self.overlapped_steps += pending is not None
+                touched += self._resolve(self._pending)
+            self._pending = pending
+            if pending is not None and (not self.overlap or any(s.needs_host_tokens for s in pending.seqs)):
+                touched += self._resolve(pending)
+                self._pending = None
         return [self._output(seq) for seq in touched + finished_now] + rejected
 
     def _chunk(self, seq: Sequence, tokens: list[int], bitmask: np.ndarray | None = None):
@@ -374,11 +397,13 @@ class EngineCore:
             tokens,
             seq.length - 1,
             seq.pages,
-            (p.temperature, p.top_k, p.top_p, seq.seed, len(seq.output_ids)),
+            (p.temperature, p.top_k, p.top_p, seq.seed, seq.num_generated),
             controls=controls,
         )
 
-    def _decode(self, seqs: list[Sequence]) -> dict[str, list[tuple[int, dict[int, float] | None]]]:
+    def _dispatch_decode(self, seqs: list[Sequence]) -> "_PendingStep":
+        """Hand one decode step to the device without waiting for it. A sequence whose last
+        token is still on the device (decoded by the previous step) is fed it there."""
         want_lp = any(s.params.logprobs is not None for s in seqs)
         constrained = [i for i, s in enumerate(seqs) if s.grammar is not None]
         masks = None
@@ -389,12 +414,17 @@ class EngineCore:
             self.mask_seconds += time.perf_counter() - t0
             self.mask_steps += 1
         row_mask = dict(zip(constrained, masks if masks is not None else ()))
-        r = self.runner.decode(
-            [self._chunk(s, [s.all_ids[-1]], row_mask.get(i)) for i, s in enumerate(seqs)],
-            self.runner.cfg.max_logprobs if want_lp else 0,
-        )
+        prev_row = {id(s): i for i, s in enumerate(self._pending.seqs)} if self._pending is not None else {}
+        feed = [prev_row[id(s)] if s.num_pending else -1 for s in seqs]
+        rows = [self._chunk(s, [0 if s.num_pending else s.all_ids[-1]], row_mask.get(i)) for i, s in enumerate(seqs)]
+        handle = self.runner.decode_async(rows, self.runner.cfg.max_logprobs if want_lp else 0, feed)
+        return _PendingStep(handle, list(seqs))
+
+    def _resolve(self, step: "_PendingStep") -> list[Sequence]:
+        """Wait for a dispatched decode step's tokens and apply them."""
+        r = step.handle.result()
         out = {}
-        for i, seq in enumerate(seqs):
+        for i, seq in enumerate(step.seqs):
             n = seq.params.logprobs
             tok = int(r.tokens[i])
             lp = None
@@ -403,7 +433,7 @@ class EngineCore:
                 for j in range(n):
                     lp.setdefault(int(r.top_ids[i, j]), float(r.top_logprobs[i, j]))
             out[seq.request_id] = [(tok, lp)]
-        return out
+        return self.scheduler.apply(step.seqs, out)
 
     def _speculate(self, seqs: list[Sequence]) -> dict[str, list[tuple[int, None]]]:
         if self.runner.draft is None:

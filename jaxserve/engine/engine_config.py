@@ -23,6 +23,9 @@ class EngineConfig:
     speculative_model: str | None = None  # a draft checkpoint directory, or "ngram" (prompt lookup)
     num_speculative_tokens: int = 4
     tensor_parallel_size: int = 1
+    # Dispatch each decode step before reading the previous one's tokens (host work hidden
+    # behind the device); off for speculative decoding. Outputs are the same either way.
+    async_scheduling: bool = True
     compilation_cache_dir: str | None = None  # persistent XLA cache: a restart skips compilation
     seed: int = 0
 

@@ -214,6 +214,10 @@ class Sequence:
     leader: "Sequence | None" = None  # index 0 of the same request (for index > 0): its prompt pages are forked
     grammar: Any = None  # structured.GrammarState of a constrained request
     history: TokenHistory | None = None  # for penalized requests
+    # Tokens a dispatched decode step is sampling that the host has not read yet (async
+    # scheduling, at most one between steps): they count in `length` (pages, positions)
+    # but are not in output_ids until `append` fills them in.
+    num_pending: int = 0
 
     def __post_init__(self):
         if self.parent_id is None:
@@ -227,7 +231,18 @@ class Sequence:
 
     @property
     def length(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+        return len(self.prompt_ids) + len(self.output_ids) + self.num_pending
+
+    @property
+    def num_generated(self) -> int:
+        """Output tokens, those still on the device included."""
+        return len(self.output_ids) + self.num_pending
+
+    @property
+    def needs_host_tokens(self) -> bool:
+        """Its next step needs its last token on the host (the grammar's mask, the penalties'
+        history): its decode steps are not overlapped."""
+        return self.grammar is not None or self.history is not None
 
     @property
     def prefilling(self) -> bool:
@@ -235,6 +250,8 @@ class Sequence:
         return self.num_computed < self.length - 1
 
     def append(self, token: int) -> None:
+        """A sampled token arrives (it replaces a pending one, if any)."""
+        self.num_pending = max(0, self.num_pending - 1)
         self.output_ids.append(token)
         if self.history is not None:
             self.history.add(token)

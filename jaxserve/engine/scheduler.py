@@ -88,7 +88,7 @@ class Scheduler:
         # 1. Every decoding sequence needs a writable page for position length-1; when the
         #    pool runs dry, the newest running request is preempted.
         for seq in sorted(self.running, key=lambda s: s.arrival):
-            if seq.status is not Status.RUNNING or seq.prefilling:
+            if seq.status is not Status.RUNNING or seq.prefilling or self._last_token_pending(seq):
                 continue
             while not self.kv.allocate_slots(seq, seq.length + self.lookahead, copies):
                 victim = max((s for s in self.running if s.status is Status.RUNNING), key=lambda s: s.arrival)
@@ -101,7 +101,7 @@ class Scheduler:
         for seq in sorted(self.running, key=lambda s: s.arrival):
             if seq.prefilling:
                 budget = self._plan_chunk(seq, budget, prefills, decodes, copies)
-            else:
+            elif not self._last_token_pending(seq):
                 decodes.append(seq)
         # 3. Admit from the waiting queue, oldest first, while a slot, its pages and prefill
         #    budget are free. Admitting no more than the budget can prefill means a request
@@ -123,6 +123,11 @@ class Scheduler:
             elif self._reserve_lookahead(seq, copies):  # the prefix cache held all of it
                 decodes.append(seq)
         return StepPlan(prefills, decodes, copies, preempted)
+
+    def _last_token_pending(self, seq: Sequence) -> bool:
+        """Its last token is being sampled on the device and will finish it by length: it
+        sits this step out (async scheduling) instead of decoding a token that is dropped."""
+        return seq.num_pending > 0 and (seq.num_generated >= seq.params.max_tokens or seq.length >= self.max_model_len)
 
     def _plan_chunk(self, seq: Sequence, budget: int, prefills: list, decodes: list, copies: list) -> int:
         if budget <= 0:
@@ -183,6 +188,9 @@ class Scheduler:
             self.free_slots.append(seq.slot)
             self.free_slots.sort()
             seq.slot = None
+        elif seq.status is Status.WAITING and seq in self.waiting:  # preempted while its token was pending
+            self.waiting.remove(seq)
+        seq.num_pending = 0  # a token still on the device is dropped; its page write is harmless
         seq.status = Status.FINISHED
         seq.finish_reason = reason
 
@@ -191,18 +199,32 @@ class Scheduler:
         if seq.status is not Status.FINISHED:
             self._finish(seq, reason)
 
-    def update(self, plan: StepPlan, sampled: dict[str, list[tuple[int, dict[int, float] | None]]]) -> list[Sequence]:
-        """Apply a step's results. sampled: request_id -> the new (token, logprobs) pairs, one
-        from a plain decode, up to k+1 from a speculative step. Returns the sequences that got
-        tokens this step (finished ones included)."""
+    def dispatched(self, plan: StepPlan, decodes_pending: bool) -> None:
+        """The runner has been handed the plan's work: prefilled tokens count as computed (and
+        are offered to the prefix cache: any later reader of those pages runs after the write).
+        decodes_pending: the decode step's tokens come later (`apply`); until then each
+        decoded sequence holds one pending token, so the next step can be planned now."""
         for chunk in plan.prefills:
             seq = chunk.seq
             if seq.status is Status.RUNNING:
                 seq.num_computed = chunk.end
                 self.kv.cache_computed(seq)
+        if decodes_pending:
+            for seq in plan.decodes:
+                if seq.status is Status.RUNNING:
+                    seq.num_pending += 1
+                    seq.num_computed = seq.length - 1
+
+    def apply(
+        self, seqs: list[Sequence], sampled: dict[str, list[tuple[int, dict[int, float] | None]]]
+    ) -> list[Sequence]:
+        """A step's sampled tokens arrive. sampled: request_id -> the new (token, logprobs)
+        pairs, one from a plain decode, up to k+1 from a speculative step. A sequence finished
+        since the step was dispatched drops its token; one preempted since keeps it (it is
+        recomputed with it). Returns the sequences that got tokens (finished ones included)."""
         touched = []
-        for seq in plan.decodes:
-            if seq.status is not Status.RUNNING or seq.request_id not in sampled:
+        for seq in seqs:
+            if seq.status is Status.FINISHED or seq.request_id not in sampled:
                 continue
             touched.append(seq)
             p = seq.params
@@ -210,15 +232,22 @@ class Scheduler:
                 seq.append(token)
                 if lp is not None:
                     seq.logprobs.append(lp)
-                seq.num_computed = seq.length - 1
+                if seq.status is Status.RUNNING:
+                    seq.num_computed = max(seq.num_computed, seq.length - 1)
+                n_out = len(seq.output_ids)
                 if (token in self.eos and not p.ignore_eos) or token in p.stop_token_ids:
                     self._finish(seq, "stop")
                 elif seq.grammar is not None and seq.grammar.accept(token):  # the constrained output is complete
                     self._finish(seq, "stop")
-                elif len(seq.output_ids) >= p.max_tokens or seq.length >= self.max_model_len:
+                elif n_out >= p.max_tokens or len(seq.prompt_ids) + n_out >= self.max_model_len:
                     self._finish(seq, "length")
                 if seq.status is Status.FINISHED:
                     break
             if seq.status is Status.RUNNING:  # a rejected speculative lookahead's pages go back
                 self.kv.trim(seq)
         return touched
+
+    def update(self, plan: StepPlan, sampled: dict[str, list[tuple[int, dict[int, float] | None]]]) -> list[Sequence]:
+        """Apply a step run synchronously: its prefills, then its sampled tokens (`apply`)."""
+        self.dispatched(plan, decodes_pending=False)
+        return self.apply(plan.decodes, sampled)

@@ -88,12 +88,20 @@ def _decode_step(graphdef, attn_fn, params, kv, batch: StepBatch):
     )
 
 
-def _decode_sample_step(graphdef, attn_fn, params, kv, batch: StepBatch, *, do_sample: bool, num_logprobs: int):
+def _decode_sample_step(
+    graphdef, attn_fn, params, kv, batch: StepBatch, prev_tokens, *, do_sample: bool, num_logprobs: int
+):
     """The decode step serving runs: one token per row, sampled in the same jitted call (every
     sampling control and the grammar bitmask are batch fields), so only the sampled ids and
-    logprobs leave the device. Returns (kv, (tokens, chosen logprob, top ids, top logprobs))."""
+    logprobs leave the device. A row with batch.feed >= 0 takes its input token from the
+    previous step's sampled ids (`prev_tokens`, one fixed-size buffer), so the host can
+    dispatch this step before it has read them. Returns (kv, (tokens, chosen logprob, top
+    ids, top logprobs), this step's sampled ids padded to prev_tokens' size)."""
+    fed = jnp.where(batch.feed >= 0, prev_tokens[jnp.maximum(batch.feed, 0)], batch.tokens[:, 0])
+    batch = dataclasses.replace(batch, tokens=fed[:, None])
     logits, kv = _decode_step(graphdef, attn_fn, params, kv, batch)
-    return kv, sample(logits, batch.sampling, batch.bitmask, do_sample=do_sample, num_logprobs=num_logprobs)
+    out = sample(logits, batch.sampling, batch.bitmask, do_sample=do_sample, num_logprobs=num_logprobs)
+    return kv, out, jnp.zeros_like(prev_tokens).at[: batch.num_rows].set(out[0])
 
 
 def _copy_pages(kv, src, dst):
@@ -106,6 +114,18 @@ class DecodeResult:
     logprobs: np.ndarray | None  # [S]
     top_ids: np.ndarray | None  # [S, n]
     top_logprobs: np.ndarray | None
+
+
+@dataclasses.dataclass
+class PendingDecode:
+    """A dispatched decode step whose results are still on the device (JAX dispatches
+    asynchronously): `result()` waits for them and copies them to the host."""
+
+    outputs: tuple  # device arrays in batch-row order
+    inverse: np.ndarray  # caller's row i is batch row inverse[i]
+
+    def result(self) -> DecodeResult:
+        return DecodeResult(*(None if x is None else to_host(x)[self.inverse] for x in self.outputs))
 
 
 def replicated(method: Callable) -> Callable:
@@ -297,6 +317,14 @@ class ModelRunner:
         # Decode runs over the live sequences only, padded to a power-of-two batch: the slot
         # a request holds is host bookkeeping, the device addresses KV through pages.
         self.batch_buckets = pow2_buckets(min(8, cfg.max_slots), cfg.max_slots)
+        # The previous decode step's sampled ids, on the device, and where each of its rows
+        # sits in them: the next step reads its input tokens from here (decode_async's feed).
+        self._prev_tokens = jnp.zeros((self.batch_buckets[-1],), jnp.int32)
+        if self.mesh is not None:
+            from jax.sharding import NamedSharding, PartitionSpec
+
+            self._prev_tokens = jax.device_put(self._prev_tokens, NamedSharding(self.mesh, PartitionSpec()))
+        self._prev_row: list[int] = []
         self.spec_k = cfg.num_speculative_tokens
         if self.spec_k:
             from jaxserve.runner import speculative
@@ -390,17 +418,28 @@ class ModelRunner:
         s = bucket_for(self.batch_buckets, len(rows))
         return order, self.batch([[rows[i]] for i in order], s, num_tokens, self.table_width)
 
-    @replicated
     def decode(self, rows: list[Chunk], num_logprobs: int) -> DecodeResult:
         """One step of the target over one token per row, sampled in the same device call; row
         i of the result is rows[i]. num_logprobs: 0, or cfg.max_logprobs (the one static top-n
         the sampler compiles)."""
+        return self.decode_async(rows, num_logprobs).result()
+
+    @replicated
+    def decode_async(self, rows: list[Chunk], num_logprobs: int, feed: Sequence[int] = ()) -> PendingDecode:
+        """`decode` without waiting for the device. feed[i] >= 0: row i's input token is the one
+        the previous decode_async call sampled for its row feed[i] (rows[i].tokens is ignored),
+        read on the device, so this step can be dispatched before the host knows that token."""
         order, batch = self._decode_batch(rows, 1)
+        if any(f >= 0 for f in feed):
+            batch.feed[: len(rows)] = [self._prev_row[feed[i]] if feed[i] >= 0 else -1 for i in order]
         t = self.target
         do_sample = bool(np.any(batch.active & (batch.sampling.temperature > 0)))
-        t.kv, out = t.decode_sample(t.params, t.kv, batch, do_sample=do_sample, num_logprobs=num_logprobs)
+        t.kv, out, self._prev_tokens = t.decode_sample(
+            t.params, t.kv, batch, self._prev_tokens, do_sample=do_sample, num_logprobs=num_logprobs
+        )
         inverse = np.argsort(order)
-        return DecodeResult(*(None if x is None else to_host(x)[inverse] for x in out))
+        self._prev_row = inverse.tolist()
+        return PendingDecode(out, inverse)
 
     @replicated
     def speculate(self, rows: list[Chunk]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

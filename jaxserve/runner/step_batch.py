@@ -88,6 +88,9 @@ class StepBatch:
     sampling: SamplingMetadata
     num_drafts: jax.Array  # [S] int32: host-proposed draft tokens in tokens[:, 1:] (speculative steps)
     bitmask: jax.Array  # [S, ceil(V/32)] int32: bit t of a row = token t allowed (grammar); all ones otherwise
+    # [S] int32: -1, or the row of the previous decode step whose sampled token this row
+    # feeds instead of tokens[:, 0] (async scheduling: the host has not read that token yet)
+    feed: jax.Array
 
     @property
     def positions(self) -> jax.Array:
@@ -178,6 +181,7 @@ def build(
     sm = SamplingMetadata.make(num_rows, vocab_size)
     bitmask = np.full((num_rows, (vocab_size + 31) // 32), -1, np.int32)
     num_drafts = np.zeros((num_rows,), np.int32)
+    feed = np.full((num_rows,), -1, np.int32)
     for r, chunks in enumerate(rows):
         off = 0
         for seg, c in enumerate(chunks):
@@ -211,5 +215,5 @@ def build(
             if ctl.bitmask is not None:
                 bitmask[r] = ctl.bitmask
     return StepBatch(
-        tokens, AttentionMetadata(slots, tables, context, positions, segments), active, sm, num_drafts, bitmask
+        tokens, AttentionMetadata(slots, tables, context, positions, segments), active, sm, num_drafts, bitmask, feed
     )
