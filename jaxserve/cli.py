@@ -44,6 +44,7 @@ ENGINE_FLAGS = {
     "--prefill-buckets": ("prefill_buckets", _csv_ints, "prefill sizes compiled at warm-up, e.g. 16,32,64"),
     "--max-prefill-tokens": ("max_prefill_tokens", int, "prefill tokens per scheduler step"),
     "--dtype": ("dtype", str, "float32 | bfloat16 (default: by backend)"),
+    "--quantization": ("quantization", str, "int8: weight-only int8 projections, per-output-channel scales"),
     "--attention-impl": ("attention_impl", str, "xla | pallas (default: by backend)"),
     "--tensor-parallel-size": ("tensor_parallel_size", int, "chips in the tensor-parallel mesh"),
     "--speculative-model": ("speculative_model", str, 'a draft checkpoint directory, or "ngram"'),
@@ -376,7 +377,7 @@ def cmd_convert(args) -> int:
 
     cfg = load_cli_config(args, {"--dtype": ("dtype", str, "")})
     t0 = time.perf_counter()
-    load_model(cfg.model_path, dtype=cfg.dtype, cache_dir=args.cache_dir)
+    load_model(cfg.model_path, dtype=cfg.dtype, cache_dir=args.cache_dir, quantization=cfg.quantization)
     print(f"converted {cfg.model_path} in {time.perf_counter() - t0:.1f}s")
     return 0
 

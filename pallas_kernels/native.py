@@ -39,6 +39,7 @@ log = logging.getLogger("jaxserve.kernels")
 
 CPU_DIR = Path(__file__).resolve().parent / "cpu"
 SOURCE = CPU_DIR / "paged_attention.cc"
+SOURCES = (SOURCE, CPU_DIR / "int8_matmul.cc")  # compiled together into one library
 LIB_NAME = "_jaxserve_cpu.so"
 TARGET = "jaxserve_paged_attention"
 ABI_VERSION = 1  # must match jaxserve_cpu_abi_version() in the .cc
@@ -78,28 +79,38 @@ def compiler() -> list[str] | None:
     return None
 
 
-def source_digest(source: Path = SOURCE) -> str:
-    return hashlib.sha256(source.read_bytes()).hexdigest()
+def source_digest(sources=SOURCES) -> str:
+    """sha256 over every source (name and bytes), in order: any edit to any of them changes it."""
+    if isinstance(sources, (str, Path)):
+        sources = (sources,)
+    h = hashlib.sha256()
+    for s in sources:
+        data = Path(s).read_bytes()
+        h.update(f"{Path(s).name}:{len(data)}:".encode())
+        h.update(data)
+    return h.hexdigest()
 
 
 def _marker(digest: str) -> bytes:  # embedded in the library (see JAXSERVE_SOURCE_SHA256 in the .cc)
     return f"jaxserve-source-sha256:{digest}".encode()
 
 
-def build_library(out: Path, source: Path = SOURCE, include_dir: str | None = None) -> Path:
-    """Compile ``source`` into the shared library ``out`` (written atomically), stamped with the
-    source's sha256. Raises RuntimeError, with the compiler's output, on failure."""
+def build_library(out: Path, sources=SOURCES, include_dir: str | None = None) -> Path:
+    """Compile ``sources`` (a path or a sequence of them) into the shared library ``out`` (written
+    atomically), stamped with their sha256. Raises RuntimeError, with the compiler's output, on
+    failure."""
+    sources = (sources,) if isinstance(sources, (str, Path)) else tuple(sources)
     cxx = compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler found (set CXX)")
-    flags = [*CXX_FLAGS, f'-DJAXSERVE_SOURCE_SHA256="{source_digest(source)}"']
+    flags = [*CXX_FLAGS, f'-DJAXSERVE_SOURCE_SHA256="{source_digest(sources)}"']
     if os.environ.get("JAXSERVE_CPU_MARCH_NATIVE") == "1":
         flags.append("-march=native")
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", prefix=".build-", dir=out.parent)
     os.close(fd)
-    cmd = [*cxx, *flags, "-isystem", include_dir or ffi_include_dir(), str(source), "-o", tmp]
+    cmd = [*cxx, *flags, "-isystem", include_dir or ffi_include_dir(), *map(str, sources), "-o", tmp]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
@@ -124,7 +135,7 @@ def _locate() -> Path:
     ships it) and the library is missing or was built from another version of it, build it
     first: into the package if writable, else into the user cache."""
     lib = CPU_DIR / LIB_NAME
-    if not SOURCE.exists():
+    if not all(s.exists() for s in SOURCES):
         if lib.exists():
             return lib
         raise RuntimeError(f"{lib} is missing (the C++ build failed or was skipped at install)")

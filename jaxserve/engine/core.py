@@ -75,7 +75,7 @@ class EngineCore:
         self._compile_count = compile_count
         path = Path(model) if model is not None else DEFAULT_MODEL
         self.cfg = EngineConfig(**engine_options)
-        module, self.model_cfg = load_model(path, dtype=self.cfg.dtype)
+        module, self.model_cfg = load_model(path, dtype=self.cfg.dtype, quantization=self.cfg.quantization)
         self.model_path = path
         self.tokenizer = load_tokenizer(path)
         draft, draft_cfg = self._load_draft()
@@ -155,7 +155,9 @@ class EngineCore:
             return None, None
         from jaxserve.models.loader import load_model
 
-        draft, dcfg = load_model(DEFAULT_DRAFT if spec == "default" else spec, dtype=self.cfg.dtype)
+        draft, dcfg = load_model(
+            DEFAULT_DRAFT if spec == "default" else spec, dtype=self.cfg.dtype, quantization=self.cfg.quantization
+        )
         if dcfg.vocab_size != self.model_cfg.vocab_size:
             raise ValueError(
                 f"speculative_model: the draft's vocabulary ({dcfg.vocab_size}) differs from the "

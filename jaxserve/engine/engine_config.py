@@ -17,6 +17,7 @@ class EngineConfig:
     prefill_buckets: tuple[int, ...] = (16, 32, 64, 128, 256, 512)
     max_prefill_tokens: int = 512  # per scheduler step, across sequences
     dtype: str | None = None  # "float32" | "bfloat16"; default by backend
+    quantization: str | None = None  # None | "int8": weight-only int8, per-output-channel scales
     attention_impl: str | None = None  # "xla" | "pallas" | "native"; default pallas on TPU/GPU, native on CPU
     interpret: bool | None = None  # run Pallas kernels interpreted (default: on CPU)
     enable_prefix_caching: bool = True
@@ -33,6 +34,8 @@ class EngineConfig:
         for name in ("max_slots", "page_size", "max_prefill_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.quantization not in (None, "int8"):
+            raise ValueError(f"quantization must be None or 'int8', got {self.quantization!r}")
         if self.attention_impl not in (None, "xla", "pallas", "native"):
             raise ValueError(f"attention_impl must be 'xla', 'pallas' or 'native', got {self.attention_impl!r}")
         if list(self.prefill_buckets) != sorted(set(self.prefill_buckets)) or self.prefill_buckets[0] < 1:

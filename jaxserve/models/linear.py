@@ -1,11 +1,16 @@
 """jaxserve's linear layer: the one place that knows how a projection's weights are stored
 in a checkpoint, laid out on the device and split across chips.
 
-A plain ``y = x @ kernel + bias`` today (computed as ``nnx.Linear`` computes it, so outputs
-are unchanged). Loading (transformers stores ``weight`` as [out, in]; the kernel is
-[in, out]), tensor-parallel placement (column- or row-parallel) and, later, quantized
-storage with its scales all hang off this class instead of off string matching scattered
-through the loader and the sharding rules.
+In full precision a plain ``y = x @ kernel + bias`` (computed as ``nnx.Linear`` computes it),
+the kernel [in, out] (transformers stores ``weight`` as [out, in]: loading transposes it).
+Quantized (``to_int8``, done by the loader with ``quantization="int8"``) the kernel is replaced
+by ``weight`` int8 [out, in] (the checkpoint's own layout: each output channel's weights are
+contiguous, which the native CPU kernel streams) and ``weight_scale`` float32 [out], one
+symmetric scale per output channel (``models.quantization``); ``y = int8_matmul(x, weight,
+weight_scale) + bias``. Loading, tensor-parallel placement (column- or row-parallel; the scales
+split with their output channels when those are split, replicated otherwise) and the storage
+all hang off this class instead of off string matching scattered through the loader and the
+sharding rules.
 """
 
 from __future__ import annotations
@@ -15,7 +20,10 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from jaxserve.models import quantization as quant
+
 COLUMN, ROW, REPLICATED = "column", "row", "replicated"
+LEAVES = ("kernel", "bias", "weight", "weight_scale")  # a Linear's parameters, quantized or not
 
 
 class Linear(nnx.Module):
@@ -26,26 +34,70 @@ class Linear(nnx.Module):
         else:
             self.bias = nnx.data(None)
         self.dtype = dtype
+        self.quantization = None  # or "int8": weight + weight_scale replace kernel
+        self.matmul_impl = "auto"  # int8: see quantization.int8_matmul
+
+    def to_int8(self) -> None:
+        """Replace the float kernel by int8 weights and per-output-channel scales, in place. On
+        an abstract module (nnx.eval_shape) only the shapes change: the loader fills them."""
+        kernel = self.kernel.get_value()
+        din, dout = kernel.shape
+        if isinstance(kernel, jax.ShapeDtypeStruct):
+            w, s = jax.ShapeDtypeStruct((dout, din), jnp.int8), jax.ShapeDtypeStruct((dout,), jnp.float32)
+        else:
+            w, s = (jnp.asarray(a) for a in quant.quantize_int8(jnp.asarray(kernel).T))
+        del self.kernel
+        self.weight = nnx.Param(w)
+        self.weight_scale = nnx.Param(s)
+        self.quantization = "int8"
 
     def __call__(self, x):
         x = x.astype(self.dtype)
-        y = jax.lax.dot_general(x, self.kernel[...], (((x.ndim - 1,), (0,)), ((), ())))
+        if self.quantization == "int8":
+            y = quant.int8_matmul(x, self.weight[...], self.weight_scale[...], impl=self.matmul_impl)
+        else:
+            y = jax.lax.dot_general(x, self.kernel[...], (((x.ndim - 1,), (0,)), ((), ())))
         if self.bias is not None:
             y = y + jnp.reshape(self.bias[...], (1,) * (y.ndim - 1) + (-1,))
         return y
 
 
 def checkpoint_tensor(leaf: str) -> tuple[str, bool]:
-    """A Linear parameter's transformers tensor suffix and whether it is stored transposed."""
+    """A Linear parameter's transformers tensor suffix and whether it is stored transposed
+    (an int8 ``weight`` keeps the checkpoint's [out, in]; its ``weight_scale`` is computed at
+    load, named as compressed-tensors checkpoints name theirs)."""
     return ("weight", True) if leaf == "kernel" else (leaf, False)
 
 
+def quantize_modules(module: nnx.Module, mode: str | None, keep: tuple[str, ...] = ()) -> list[tuple]:
+    """Quantize every Linear in ``module`` (abstract or not) in place, except those whose
+    attribute name is in ``keep`` (e.g. "lm_head"); returns the paths of the quantized ones."""
+    quant.check_mode(mode)
+    done = []
+    if mode is None:
+        return done
+    for path, m in nnx.iter_modules(module):
+        if isinstance(m, Linear) and m.quantization is None and not (path and str(path[-1]) in keep):
+            m.to_int8()
+            done.append(path)
+    return done
+
+
+def set_matmul_impl(module: nnx.Module, impl: str) -> None:
+    """How every quantized Linear in ``module`` computes (quantization.int8_matmul's impl):
+    a tensor-parallel runner sets "xla", whose dot XLA's partitioner can split."""
+    for _, m in nnx.iter_modules(module):
+        if isinstance(m, Linear):
+            m.matmul_impl = impl
+
+
 def partition_spec(leaf: str, layout: str, axis: str) -> P:
-    """Column-parallel splits the output features (kernel columns and the bias), so each chip
-    computes its own heads; row-parallel splits the input features (kernel rows), and the
-    partial sums are reduced; the bias is added once, replicated."""
+    """Column-parallel splits the output features (kernel columns, int8 weight rows, their
+    scales and the bias), so each chip computes its own heads; row-parallel splits the input
+    features (kernel rows, int8 weight columns), and the partial sums are reduced; the bias and
+    the scales are then replicated (each output channel's scale applies to every partial sum)."""
     if layout == COLUMN:
-        return P(None, axis) if leaf == "kernel" else P(axis)
-    if layout == ROW and leaf == "kernel":
-        return P(axis, None)
+        return {"kernel": P(None, axis), "weight": P(axis, None)}.get(leaf, P(axis))
+    if layout == ROW and leaf in ("kernel", "weight"):
+        return P(axis, None) if leaf == "kernel" else P(None, axis)
     return P()

@@ -1,7 +1,7 @@
 """Load a Hugging Face checkpoint directory into the nnx decoder.
 
-Conversion (rename, transpose [out,in] -> [in,out], cast) is cached with orbax so that the
-next load skips it. The cache is keyed by a fingerprint of the checkpoint files and checked
+Conversion (rename, transpose [out,in] -> [in,out], cast; with quantization="int8" the
+projections' int8 weights and scales) is cached with orbax so that the next load skips it. The cache is keyed by a fingerprint of the checkpoint files and checked
 against per-tensor checksums after restore: a corrupt cache, or one written for other
 weights, is rebuilt and never silently used.
 """
@@ -22,6 +22,7 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.models import linear, registry
+from jaxserve.models import quantization as quant
 from jaxserve.models.model_config import ModelConfig
 
 log = logging.getLogger("jaxserve.loader")
@@ -64,10 +65,14 @@ def _safetensors_files(path: Path) -> list[Path]:
     return files
 
 
-def fingerprint(path: Path, dtype) -> str:
+def fingerprint(path: Path, dtype, quantization: str | None = None, keep: tuple[str, ...] = ()) -> str:
     """Cheap identity of the weights: sizes, safetensors headers (names, shapes, offsets) and
-    sampled data bytes of every shard, plus config.json and the target dtype."""
-    h = hashlib.sha256(f"{_CACHE_FORMAT}:{jnp.dtype(dtype).name}".encode())
+    sampled data bytes of every shard, plus config.json, the target dtype and the quantization
+    (with the modules kept in full precision)."""
+    tag = f"{_CACHE_FORMAT}:{jnp.dtype(dtype).name}"
+    if quantization is not None:
+        tag += f":{quantization}:{','.join(sorted(keep))}"
+    h = hashlib.sha256(tag.encode())
     h.update((path / "config.json").read_bytes())
     for f in _safetensors_files(path):
         size = f.stat().st_size
@@ -173,36 +178,63 @@ def _save_cache(cache: Path, fp: str, arrays: dict[str, np.ndarray], cfg: ModelC
 
 
 def load_model(
-    path: str | Path, dtype=None, cache_dir: str | Path | None = None, use_cache: bool = True
+    path: str | Path,
+    dtype=None,
+    cache_dir: str | Path | None = None,
+    use_cache: bool = True,
+    quantization: str | None = None,
+    keep_full_precision: tuple[str, ...] = (),
 ) -> tuple[nnx.Module, ModelConfig]:
     """Load a checkpoint directory. cache_dir: where converted weights live (default
-    $JAXSERVE_CACHE_DIR/converted/<fingerprint>); use_cache=False converts every time."""
+    $JAXSERVE_CACHE_DIR/converted/<fingerprint>); use_cache=False converts every time.
+
+    quantization="int8": every projection (attention, MLP and an untied LM head) gets int8
+    weights with per-output-channel scales, computed here from the checkpoint's float weights
+    (widened to float32 first) and cached with the rest; ``keep_full_precision`` names
+    projections to leave in ``dtype`` (e.g. ("lm_head",)). The token embedding, and with it a
+    tied LM head, stays in ``dtype``: a lookup reads one row per token, so int8 would save memory
+    but no step time."""
     path = Path(path)
     ModelConfig.check_dir(path)
+    quant.check_mode(quantization)
+    keep = tuple(keep_full_precision)
     dtype = jnp.dtype(dtype or default_dtype())
     cfg = None
     if use_cache:
-        fp = fingerprint(path, dtype)
+        fp = fingerprint(path, dtype, quantization, keep)
         cache = Path(cache_dir) if cache_dir else default_cache_root() / f"{path.name}-{fp[:16]}"
         cfg = _cached_config(cache, fp)  # parsed by transformers when the cache was written
     if cfg is None:
         cfg = ModelConfig.from_dir(path)
     module_class = registry.model_class(cfg.architecture)
     abstract = nnx.eval_shape(lambda: module_class(cfg, dtype=dtype))
+    quantized = linear.quantize_modules(abstract, quantization, keep)
     graphdef, abs_state = nnx.split(abstract)
     flat = nnx.to_flat_state(abs_state)
-    wanted = {}
+    wanted, wanted_q = {}, {}  # read in dtype / read in float32 and quantized here
+    qweights = {tuple(str(x) for x in q) + ("weight",) for q in quantized}
     for p, var in flat:
         name, transpose = _hf_name(p)
-        wanted[name] = (tuple(var.shape), transpose)
+        if tuple(str(x) for x in p) in qweights:
+            wanted_q[name] = (tuple(var.shape), transpose)
+        elif str(p[-1]) != "weight_scale" or tuple(str(x) for x in p[:-1]) + ("weight",) not in qweights:
+            wanted[name] = (tuple(var.shape), transpose)
 
     arrays = None
+    names = [_hf_name(p)[0] for p, _ in flat]
     if use_cache:
-        arrays = _restore_cache(cache, fp, list(wanted))
+        arrays = _restore_cache(cache, fp, names)
         if arrays is not None:
             log.info("restored converted weights from %s", cache)
     if arrays is None:
         arrays = _read_checkpoint(path, cfg, wanted, dtype)
+        if wanted_q:
+            t0 = time.time()
+            for name, w in _read_checkpoint(path, cfg, wanted_q, np.float32).items():
+                q, scale = quant.quantize_int8(w)
+                arrays[name] = np.asarray(q)
+                arrays[name + "_scale"] = np.asarray(scale)
+            log.info("quantized %d projections to int8 in %.1fs", len(wanted_q), time.time() - t0)
         if use_cache:
             _save_cache(cache, fp, arrays, cfg)
     leaves = []

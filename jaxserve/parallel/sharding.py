@@ -51,7 +51,7 @@ def param_spec(path: tuple, ndim: int, cfg: ModelConfig, tp: int) -> P:
 
     names = [str(p) for p in path]
     leaf, owner = names[-1], names[-2] if len(names) > 1 else ""
-    layout = TP_LAYOUT.get(owner) if leaf in ("kernel", "bias") else None
+    layout = TP_LAYOUT.get(owner) if leaf in linear.LEAVES else None
     if (owner in ("k_proj", "v_proj") and not kv_heads_sharded(cfg, tp)) or (
         owner == "lm_head" and cfg.vocab_size % tp
     ):

@@ -181,6 +181,10 @@ class _Weights:
         store: ExecutableStore | None = None,
     ):
         self.cfg = cfg
+        if mesh is not None:  # the native int8 matmul is a custom call XLA's partitioner cannot split
+            from jaxserve.models.linear import set_matmul_impl
+
+            set_matmul_impl(module, "xla")
         self.graphdef, self.params = nnx.split(module)
         shape = (num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
         self.kv_sharding = None

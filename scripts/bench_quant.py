@@ -1,0 +1,317 @@
+"""Quantization speed, side by side in one run: full precision, int8 weights, int8 KV cache, both.
+
+On the 56.4M bench model of ../shared/workloads/mixed-64.json (random weights, float32):
+
+1. the jitted decode step alone (like ``jaxserve.tools.kv_math_cli.measure_engine_step``), at
+   batch 1 and 16, every slot at ``--context`` tokens; configurations take turns, repeat after
+   repeat, and each median is printed beside its memory bound (bytes the step must read over
+   the streaming bandwidth measured in the same run, before and after);
+2. the mixed workload offline (like scripts/bench_offline.py): useful output tokens per second,
+   configurations taking turns;
+3. with ``--matmul``: the int8 matmul alone, native kernel against XLA's dequantize-then-dot and
+   float32, over row counts (what sets ``quantization.NATIVE_MAX_ROWS``).
+
+The int8 KV cache runs only where ``EngineConfig`` has ``kv_cache_dtype``.
+
+    JAX_PLATFORMS=cpu .venv/bin/python scripts/bench_quant.py [--repeats 5] [--skip-workload] [--json F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))
+DEFAULT_WORKLOAD = REPO.parent / "shared" / "workloads" / "mixed-64.json"
+
+CONFIGS = {  # name -> (quantization, kv_cache_dtype)
+    "fp32": (None, None),
+    "int8-weights": ("int8", None),
+    "int8-kv": (None, "int8"),
+    "both": ("int8", "int8"),
+}
+
+
+def kv_option_exists() -> bool:
+    from jaxserve.engine.engine_config import EngineConfig
+
+    return "kv_cache_dtype" in {f.name for f in dataclasses.fields(EngineConfig)}
+
+
+def engine_options(quant, kv) -> dict:
+    opts = {"quantization": quant}
+    if kv is not None:
+        opts["kv_cache_dtype"] = kv
+    return opts
+
+
+def model_config(spec: dict, context: int):
+    from jaxserve.models.model_config import ModelConfig
+
+    return ModelConfig(
+        architecture="LlamaForCausalLM",
+        vocab_size=spec["vocab_size"],
+        hidden_size=spec["hidden_size"],
+        intermediate_size=spec["intermediate_size"],
+        num_layers=spec["num_hidden_layers"],
+        num_heads=spec["num_attention_heads"],
+        num_kv_heads=spec["num_key_value_heads"],
+        head_dim=spec["hidden_size"] // spec["num_attention_heads"],
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        max_position_embeddings=max(context + 1, spec["max_position_embeddings"]),
+        tie_word_embeddings=spec["tie_word_embeddings"],
+    )
+
+
+def step_bytes(runner, batch: int, context: int) -> int:
+    """What one decode step must read: every parameter but the embedding table (one row per
+    token), and the live KV of every row (pages and, for an 8-bit cache, their scales)."""
+    import jax
+    from flax import nnx
+
+    t = runner.target
+    params = nnx.to_flat_state(t.params)
+    weights = sum(v.get_value().nbytes for p, v in params if str(p[0]) != "embed_tokens")
+    kv_total = sum(x.nbytes for x in jax.tree.leaves(t.kv))
+    num_pages = jax.tree.leaves(t.kv)[0].shape[0]
+    page_size = jax.tree.leaves(t.kv)[0].shape[1]
+    return weights + kv_total * batch * context // (num_pages * page_size)
+
+
+class StepTimer:
+    """One jitted decode step of a random-weight model, every slot at `context` tokens."""
+
+    def __init__(self, cfg, batch: int, context: int, quant, kv):
+        from flax import nnx
+
+        from jaxserve.engine.engine_config import EngineConfig
+        from jaxserve.models import linear
+        from jaxserve.models.llama import LlamaForCausalLM
+        from jaxserve.runner import model_runner
+        from jaxserve.runner.step_batch import Chunk
+
+        ps = 16
+        pages = -(-(context + 1) // ps)
+        ec = EngineConfig(
+            max_slots=batch,
+            page_size=ps,
+            max_model_len=pages * ps,
+            num_pages=batch * pages + 1,
+            dtype="float32",
+            enable_prefix_caching=False,
+            **engine_options(quant, kv),
+        )
+        rc = model_runner.resolve(cfg, None, ec, weight_bytes=0, max_logprobs=0)
+        module = LlamaForCausalLM(cfg, dtype="float32", rngs=nnx.Rngs(0))
+        linear.quantize_modules(module, quant)
+        self.runner = model_runner.ModelRunner(module, cfg, rc)
+        self.rows = [
+            Chunk([0], context, list(range(1 + i * pages, 1 + (i + 1) * pages)), (0.0, 0, 1.0, 0, 0))
+            for i in range(batch)
+        ]
+        self.bytes = step_bytes(self.runner, batch, context)
+        self.time()  # compile
+
+    def time(self) -> float:
+        import jax
+
+        t0 = time.perf_counter()
+        self.runner.decode(self.rows, 0)
+        jax.block_until_ready(self.runner.kv)
+        return time.perf_counter() - t0
+
+
+def bandwidth(size_bytes: int = 256 << 20, repeats: int = 5) -> float:
+    """Streaming read rate now: a jitted sum over size_bytes, best of repeats (bytes/s)."""
+    import jax
+    import jax.numpy as jnp
+
+    x = jnp.ones(size_bytes // 4, jnp.float32)
+    f = jax.jit(jnp.sum)
+    f(x).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        f(x).block_until_ready()
+        best = min(best, time.perf_counter() - t)
+    return x.nbytes / best
+
+
+def bench_steps(spec, configs, batches, context, repeats, steps_per_repeat) -> dict:
+    cfg = model_config(spec, context)
+    bw_before = bandwidth()
+    out = {}
+    for b in batches:
+        timers = {name: StepTimer(cfg, b, context, *CONFIGS[name]) for name in configs}
+        times = {name: [] for name in configs}
+        for _ in range(repeats):  # take turns: the shared machine's load hits every config alike
+            for name, t in timers.items():
+                times[name].append(min(t.time() for _ in range(steps_per_repeat)))
+        for name in configs:
+            out[f"{name}/b{b}"] = {
+                "median_s": statistics.median(times[name]),
+                "runs_s": times[name],
+                "bytes": timers[name].bytes,
+            }
+        del timers
+    bw_after = bandwidth()
+    bw = max(bw_before, bw_after)
+    for v in out.values():
+        v["bound_s"] = v["bytes"] / bw
+    return {"steps": out, "bandwidth_before": bw_before, "bandwidth_after": bw_after}
+
+
+def bench_workload(wl, configs, repeats, max_slots) -> dict:
+    from bench_offline import build_model, run_jaxserve
+
+    from jaxserve import LLM
+
+    reqs = wl["requests"]
+    useful = sum(r["output_len"] for r in reqs)
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        build_model(wl["model"], Path(tmp))
+        engines = {}
+        for name in configs:
+            quant, kv = CONFIGS[name]
+            engines[name] = LLM(tmp, max_slots=max_slots, page_size=16, max_model_len=1024, **engine_options(quant, kv))
+        times = {name: [] for name in configs}
+        outputs = {}
+        for i in range(repeats):
+            for name, llm in engines.items():
+                secs, toks, steps = run_jaxserve(llm, reqs, None)
+                times[name].append(secs)
+                outputs[name] = toks
+                print(f"  workload {name} run {i}: {secs:.2f}s, {useful / secs:.0f} tok/s", flush=True)
+        for name, llm in engines.items():
+            med = statistics.median(times[name])
+            same = sum(a == b for a, b in zip(outputs[name], outputs[configs[0]]))
+            out[name] = {
+                "median_s": med,
+                "tok_s": useful / med,
+                "runs_s": times[name],
+                "compiles_after_warmup": llm.compiles_since_warmup(),
+                f"greedy_equal_to_{configs[0]}": f"{same}/{len(reqs)}",
+            }
+    return out
+
+
+def bench_matmul(rows_list, shapes, repeats) -> dict:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxserve.models import quantization
+
+    rng = np.random.default_rng(0)
+    out = {}
+    for k, n in shapes:
+        w = jnp.asarray(rng.integers(-127, 128, (n, k)), jnp.int8)
+        s = jnp.asarray(rng.random(n), jnp.float32)
+        wf = jnp.asarray(rng.standard_normal((k, n)), jnp.float32)
+        for m in rows_list:
+            x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+            fns = {
+                "native": jax.jit(lambda x, w, s: quantization.int8_matmul(x, w, s, impl="native")),
+                "xla-dequant": jax.jit(lambda x, w, s: quantization.int8_matmul(x, w, s, impl="xla")),
+                "fp32": jax.jit(lambda x, wf, s: x @ wf),
+            }
+            args = {"native": (x, w, s), "xla-dequant": (x, w, s), "fp32": (x, wf, s)}
+            times = {name: [] for name in fns}
+            for f in fns:
+                fns[f](*args[f]).block_until_ready()
+            for _ in range(repeats):
+                for name, f in fns.items():
+                    t0 = time.perf_counter()
+                    f(*args[name]).block_until_ready()
+                    times[name].append(time.perf_counter() - t0)
+            row = {name: statistics.median(v) for name, v in times.items()}
+            out[f"{k}x{n}/m{m}"] = row
+            print(
+                f"  matmul [{m}, {k}] x [{k}, {n}]: native {row['native'] * 1e3:.3f} ms, "
+                f"xla-dequant {row['xla-dequant'] * 1e3:.3f} ms, fp32 {row['fp32'] * 1e3:.3f} ms",
+                flush=True,
+            )
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workload", default=str(DEFAULT_WORKLOAD))
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--batches", default="1,16")
+    ap.add_argument("--repeats", type=int, default=7, help="turns per configuration (median reported)")
+    ap.add_argument("--steps-per-repeat", type=int, default=3, help="steps per turn (fastest kept)")
+    ap.add_argument("--workload-repeats", type=int, default=2)
+    ap.add_argument("--max-slots", type=int, default=64)
+    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--skip-steps", action="store_true")
+    ap.add_argument("--skip-workload", action="store_true")
+    ap.add_argument("--matmul", action="store_true", help="also time the int8 matmul alone over row counts")
+    ap.add_argument("--json", help="write results here")
+    args = ap.parse_args(argv)
+
+    import jax
+
+    from pallas_kernels import native_matmul
+
+    wl = json.loads(Path(args.workload).read_text())
+    configs = [c for c in args.configs.split(",") if c]
+    if not kv_option_exists():
+        skipped = [c for c in configs if CONFIGS[c][1] is not None]
+        configs = [c for c in configs if CONFIGS[c][1] is None]
+        print(f"EngineConfig has no kv_cache_dtype yet: skipping {skipped}", flush=True)
+    results = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "backend": jax.default_backend(),
+        "native_int8_matmul": native_matmul.available(),
+        "configs": configs,
+    }
+    if args.matmul:
+        rows = [1, 4, 8, 16, 32, 64, 128, 256]
+        shapes = [(512, 1408), (1408, 512), (512, 32000)]
+        results["matmul"] = bench_matmul(rows, shapes, max(3, args.repeats))
+    if not args.skip_steps:
+        batches = [int(b) for b in args.batches.split(",")]
+        r = bench_steps(wl["model"], configs, batches, args.context, args.repeats, args.steps_per_repeat)
+        results.update(r)
+        print(
+            f"decode step, context {args.context}, bandwidth {r['bandwidth_before'] / 1e9:.1f} GB/s before, "
+            f"{r['bandwidth_after'] / 1e9:.1f} GB/s after",
+            flush=True,
+        )
+        for b in batches:
+            base = r["steps"][f"{configs[0]}/b{b}"]["median_s"]
+            for name in configs:
+                v = r["steps"][f"{name}/b{b}"]
+                print(
+                    f"  batch {b:2d} {name:13s} {v['median_s'] * 1e3:7.2f} ms  (bound {v['bound_s'] * 1e3:6.2f} ms, "
+                    f"{v['bytes'] / 1e6:6.1f} MB)  {base / v['median_s']:.2f}x {configs[0]}",
+                    flush=True,
+                )
+    if not args.skip_workload:
+        r = bench_workload(wl, configs, args.workload_repeats, args.max_slots)
+        results["workload"] = r
+        base = r[configs[0]]["tok_s"]
+        for name in configs:
+            v = r[name]
+            print(
+                f"  mixed-64 {name:13s} {v['tok_s']:6.0f} tok/s  {v['tok_s'] / base:.2f}x {configs[0]}  "
+                f"compiles after warm-up {v['compiles_after_warmup']}",
+                flush=True,
+            )
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
