@@ -46,6 +46,7 @@ ENGINE_FLAGS = {
     "--dtype": ("dtype", str, "float32 | bfloat16 (default: by backend)"),
     "--quantization": ("quantization", str, "int8: weight-only int8 projections, per-output-channel scales"),
     "--attention-impl": ("attention_impl", str, "xla | pallas (default: by backend)"),
+    "--kv-cache-dtype": ("kv_cache_dtype", str, "auto | int8 | fp8: 8-bit KV pages with per-token scales"),
     "--tensor-parallel-size": ("tensor_parallel_size", int, "chips in the tensor-parallel mesh"),
     "--speculative-model": ("speculative_model", str, 'a draft checkpoint directory, or "ngram"'),
     "--num-speculative-tokens": ("num_speculative_tokens", int, "draft tokens per step"),
@@ -336,6 +337,8 @@ def kv_math_args_from_config(cfg) -> list[str]:
         out += ["--context", str(cfg.max_model_len)]
     if cfg.dtype in _KV_DTYPES:
         out += ["--kv-dtype", _KV_DTYPES[cfg.dtype], "--weight-dtype", _KV_DTYPES[cfg.dtype]]
+    if cfg.kv_cache_dtype in ("int8", "fp8"):
+        out += ["--kv-dtype", cfg.kv_cache_dtype]  # after the dtype's: argparse keeps the last
     return out
 
 

@@ -24,6 +24,9 @@ GiB = 1024**3
 GB = 10**9
 DTYPE_BYTES: dict[str, float] = {"bf16": 2, "fp16": 2, "fp8": 1, "int8": 1, "fp32": 4, "int4": 0.5}
 WEIGHT_ONLY_DTYPES = frozenset({"int4"})  # no engine here keeps a 4-bit KV cache
+# An 8-bit KV cache keeps a float32 scale per token per KV head beside K and beside V
+# (jaxserve's kv_cache_dtype="int8"/"fp8"), so a token-head costs head_dim + 4 bytes, not head_dim.
+KV_SCALE_BYTES: dict[str, int] = {"int8": 4, "fp8": 4}
 DEFAULT_ACTIVATION_RESERVE_FRACTION = 0.05  # of each chip's HBM: prefill-chunk activations, logits, XLA scratch
 DEFAULT_PAGE_SIZE = 16
 
@@ -235,9 +238,11 @@ def stored_head_dim(model: ModelShape, pad_head_dim_to: int | None = None) -> in
 def kv_bytes_per_token_per_chip(
     model: ModelShape, num_chips: int = 1, kv_dtype: str = "bf16", pad_head_dim_to: int | None = None
 ) -> int:
+    """K and V (and an 8-bit cache's per-token-per-head scales) per token on one chip."""
     per_elem = dtype_bytes(kv_dtype, "kv_dtype", weights=False)
     heads = kv_heads_per_chip(model, num_chips)
-    return int(2 * model.num_layers * heads * stored_head_dim(model, pad_head_dim_to) * per_elem)
+    per_head = stored_head_dim(model, pad_head_dim_to) * per_elem + KV_SCALE_BYTES.get(kv_dtype, 0)
+    return int(2 * model.num_layers * heads * per_head)
 
 
 def weight_bytes(model: ModelShape, weight_dtype: str = "bf16") -> int:

@@ -2,7 +2,8 @@
 
 ``paged_attention`` is a drop-in for ``reference.paged_attention`` on the CPU, inside or
 outside ``jax.jit``: q [B, T, H, D] (float32 or bfloat16), pages [num_pages, page_size, KVH, D]
-(float32 or bfloat16), block_tables [B, P], context_lens [B], positions [B, T]; key j of row b
+(float32 or bfloat16; or int8 with float32 scales [num_pages, page_size, KVH], the
+kv_cache_dtype="int8" pool), block_tables [B, P], context_lens [B], positions [B, T]; key j of row b
 is visible to query t iff j < context_lens[b] and j <= positions[b, t]; a query that sees
 nothing gets zeros (the reference would average every key there; no live query is like that).
 Arithmetic is float32; the result has q's dtype. The C++ kernel is
@@ -42,7 +43,8 @@ SOURCE = CPU_DIR / "paged_attention.cc"
 SOURCES = (SOURCE, CPU_DIR / "int8_matmul.cc")  # compiled together into one library
 LIB_NAME = "_jaxserve_cpu.so"
 TARGET = "jaxserve_paged_attention"
-ABI_VERSION = 1  # must match jaxserve_cpu_abi_version() in the .cc
+TARGET_Q8 = "jaxserve_paged_attention_q8"  # int8 pages + float32 scales (kv_cache_dtype="int8")
+ABI_VERSION = 2  # must match jaxserve_cpu_abi_version() in the .cc
 ISAS = ("generic", "avx2", "avx512")
 
 # -O3 and a portable baseline; the kernel carries its own AVX2 and AVX-512 variants, chosen at
@@ -180,6 +182,7 @@ def _load():
                 getattr(lib, name).restype = ctypes.c_int
             lib.jaxserve_cpu_set_isa.argtypes = [ctypes.c_int]
             jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxservePagedAttention), platform="cpu")
+            jax.ffi.register_ffi_target(TARGET_Q8, jax.ffi.pycapsule(lib.JaxservePagedAttentionQ8), platform="cpu")
             log.debug("native CPU kernels: loaded %s (%s)", path, ISAS[lib.jaxserve_cpu_isa()])
         except Exception as e:  # never raise from here: report once and fall back
             lib = None
@@ -216,11 +219,25 @@ def set_cpu_isa(name: str) -> str:
 _FLOATS = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 
-def paged_attention(q, k_pages, v_pages, block_tables, context_lens, positions, scale, *, kv_heads_per_item: int = 0):
+def paged_attention(
+    q,
+    k_pages,
+    v_pages,
+    block_tables,
+    context_lens,
+    positions,
+    scale,
+    k_scales=None,
+    v_scales=None,
+    *,
+    kv_heads_per_item: int = 0,
+):
     """Same arguments and result as ``reference.paged_attention``; runs the native CPU kernel.
 
-    ``kv_heads_per_item`` (0 = automatic) sets how many KV heads one work item covers.
-    Raises RuntimeError where ``available()`` is False.
+    With k_scales/v_scales (float32 [num_pages, page_size, KVH]) the pages are int8
+    (kv_cache_dtype="int8", reference.quantize_kv) and are dequantized while read; float8
+    pages are not supported here (ValueError). ``kv_heads_per_item`` (0 = automatic) sets how
+    many KV heads one work item covers. Raises RuntimeError where ``available()`` is False.
     """
     if _load() is None:
         raise RuntimeError(f"native CPU kernels unavailable: {_state.get('error')}")
@@ -228,18 +245,28 @@ def paged_attention(q, k_pages, v_pages, block_tables, context_lens, positions, 
     out_dtype = q.dtype
     if q.dtype not in _FLOATS:
         q = q.astype(jnp.float32)
-    page_dtype = k_pages.dtype if k_pages.dtype in _FLOATS else jnp.dtype(jnp.float32)
-    k_pages = k_pages.astype(page_dtype)
-    v_pages = v_pages.astype(page_dtype)
+    if k_scales is not None:
+        if k_pages.dtype != jnp.int8 or v_pages.dtype != jnp.int8:
+            raise ValueError(
+                f"the native kernel reads int8 quantized pages only (kv_cache_dtype='int8'), got {k_pages.dtype}"
+            )
+        scales = (jnp.asarray(k_scales, jnp.float32), jnp.asarray(v_scales, jnp.float32))
+    else:
+        page_dtype = k_pages.dtype if k_pages.dtype in _FLOATS else jnp.dtype(jnp.float32)
+        k_pages = k_pages.astype(page_dtype)
+        v_pages = v_pages.astype(page_dtype)
+        scales = ()
     try:
         s = np.float32(float(scale))  # an F32 attribute (a Python float would arrive as F64)
     except (TypeError, jax.errors.ConcretizationTypeError):  # a traced scale: fold it into q
         q, s = q.astype(jnp.float32) * scale, np.float32(1.0)
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype), vmap_method="sequential")
+    target = TARGET_Q8 if scales else TARGET
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, q.dtype), vmap_method="sequential")
     out = call(
         q,
         k_pages,
         v_pages,
+        *scales,
         jnp.asarray(block_tables, jnp.int32),
         jnp.asarray(context_lens, jnp.int32),
         jnp.asarray(positions, jnp.int32),
@@ -253,15 +280,17 @@ def attention(q, k, v, kv_pages, meta, *, scale: float, mode: str):
     """The serving path on the native kernel, same contract as ``reference.attention``:
     "prefill" (fresh packed prompts attend only to themselves) stays on XLA's dense causal
     attention (no pages to read); "context" and "decode" read the page pool through the block
-    tables in the native kernel."""
+    tables in the native kernel (int8 pages with their scales too; fp8 pages are refused)."""
     from pallas_kernels import reference
 
     if mode == "prefill":
         return reference.causal_attention(q, k, v, scale, meta.segment_ids)
     if mode not in ("context", "decode"):
         raise ValueError(f"mode must be 'prefill', 'decode' or 'context', got {mode!r}")
-    k_pages, v_pages = kv_pages
-    return paged_attention(q, k_pages, v_pages, meta.block_tables, meta.context_lens, meta.positions, scale)
+    k_pages, v_pages, k_scales, v_scales = reference.split_cache(kv_pages)
+    return paged_attention(
+        q, k_pages, v_pages, meta.block_tables, meta.context_lens, meta.positions, scale, k_scales, v_scales
+    )
 
 
 if __name__ == "__main__":  # python -m pallas_kernels.native [OUT.so]: build the library

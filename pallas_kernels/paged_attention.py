@@ -35,6 +35,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels import reference
 from pallas_kernels.flash_attention import (
     MASK_VALUE,
     dot_nt,
@@ -67,16 +68,20 @@ def _tpu_decode_kernel(
     kv_heads: int,
     head_dim: int,
     scale: float,
+    quantized: bool = False,
 ):
     """One (batch, kv-head block, page block) step.
 
     lens_ref [B], bt_ref [B*P] in SMEM; q_ref/o_ref [kv_heads*G, D]; then pages_per_block
-    K page refs and as many V page refs, each [page_size, kv_heads*D]; scratch m/l
-    [kv_heads*G, 1] and acc [kv_heads*G, D].
+    K page refs and as many V page refs, each [page_size, kv_heads*D] (quantized: then as
+    many K and V scale refs, each [page_size, kv_heads]); scratch m/l [kv_heads*G, 1] and
+    acc [kv_heads*G, D].
     """
     n = pages_per_block
     k_refs, v_refs = refs[:n], refs[n : 2 * n]
-    o_ref, m_ref, l_ref, acc_ref = refs[2 * n :]
+    nq = 2 * n if quantized else 0
+    ks_refs, vs_refs = refs[2 * n : 3 * n], refs[3 * n : 2 * n + nq]
+    o_ref, m_ref, l_ref, acc_ref = refs[2 * n + nq :]
     b, i = pl.program_id(0), pl.program_id(2)
     length = lens_ref[b]
     d, ps = head_dim, page_size
@@ -93,12 +98,17 @@ def _tpu_decode_kernel(
             rows = pl.ds(j * groups, groups)
             m, l, acc = m_ref[rows, :], l_ref[rows, :], acc_ref[rows, :]
             q = q_ref[rows, :]
+            if quantized:
+                q = q.astype(jnp.float32)
             for c in range(n):  # static: the pages of this block, in sequence order
                 start = (i * n + c) * ps
                 kpos_row = start + lax.broadcasted_iota(jnp.int32, (1, ps), 1)
                 kpos_col = start + lax.broadcasted_iota(jnp.int32, (ps, 1), 0)
                 k = k_refs[c][:, pl.ds(j * d, d)]
                 v = v_refs[c][:, pl.ds(j * d, d)]
+                if quantized:  # one scale per token of this head: [ps, 1] across the lanes
+                    k = k.astype(jnp.float32) * ks_refs[c][:, pl.ds(j, 1)]
+                    v = v.astype(jnp.float32) * vs_refs[c][:, pl.ds(j, 1)]
                 v = jnp.where(kpos_col < length, v, jnp.zeros_like(v))
                 s = dot_nt(q, k) * scale
                 mask = jnp.broadcast_to(kpos_row < length, s.shape)
@@ -111,7 +121,18 @@ def _tpu_decode_kernel(
 
 
 def _paged_decode_tpu(
-    q, k_pages, v_pages, block_tables, context_lens, *, scale, pages_per_block, interpret, kv_heads_per_block
+    q,
+    k_pages,
+    v_pages,
+    block_tables,
+    context_lens,
+    *,
+    scale,
+    pages_per_block,
+    interpret,
+    kv_heads_per_block,
+    k_scales=None,
+    v_scales=None,
 ):
     b, h, d = q.shape
     num_pages, ps, kvh, _ = k_pages.shape
@@ -132,10 +153,24 @@ def _paged_decode_tpu(
 
         return pl.BlockSpec((None, ps, hb * d), index_map)
 
+    quantized = k_scales is not None
+
+    def scale_spec(c):  # the scales of the same page and heads: [ps, hb]
+        page = page_spec(c).index_map
+        return pl.BlockSpec((None, ps, hb), page)
+
     q_spec = pl.BlockSpec((None, None, hb * g, d), lambda bi, hj, i, lr, br: (bi, hj, 0, 0))
     kernel = functools.partial(
-        _tpu_decode_kernel, pages_per_block=n, page_size=ps, groups=g, kv_heads=hb, head_dim=d, scale=scale
+        _tpu_decode_kernel,
+        pages_per_block=n,
+        page_size=ps,
+        groups=g,
+        kv_heads=hb,
+        head_dim=d,
+        scale=scale,
+        quantized=quantized,
     )
+    scales = [k_scales] * n + [v_scales] * n if quantized else []
     kf = k_pages.reshape(num_pages, ps, kvh * d)  # free: heads become lane blocks
     vf = v_pages.reshape(num_pages, ps, kvh * d)
     out = pl.pallas_call(
@@ -143,7 +178,9 @@ def _paged_decode_tpu(
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,
             grid=(b, kvh // hb, nblk),
-            in_specs=[q_spec] + [page_spec(c) for c in range(n)] * 2,
+            in_specs=[q_spec]
+            + [page_spec(c) for c in range(n)] * 2
+            + [scale_spec(c) for c in range(n)] * (2 * quantized),
             out_specs=q_spec,
             scratch_shapes=[
                 pltpu.VMEM((hb * g, 1), jnp.float32),
@@ -161,6 +198,7 @@ def _paged_decode_tpu(
         q.reshape(b, kvh // hb, hb * g, d),
         *([kf] * n),
         *([vf] * n),
+        *scales,
     )
     return out.reshape(b, h, d)
 
@@ -169,29 +207,29 @@ def _paged_decode_tpu(
 
 
 def _gpu_decode_kernel(
-    q_ref,
-    k_ref,
-    v_ref,
-    bt_ref,
-    len_ref,
-    acc_ref,
-    m_ref,
-    l_ref,
-    *,
+    *refs,
     page_size: int,
     pages_per_iter: int,
     pages_per_split: int,
     scale: float,
+    quantized: bool = False,
 ):
     """One (batch, kv head, split) program.
 
-    q_ref [Gp, D] (the head group, zero-padded to Gp rows); k_ref/v_ref [num_pages, ps, D]:
-    this KV head's view of the whole pool; bt_ref [pages_per_split]: this split's slice of
-    the slot's block table; len_ref [1]. Writes the unnormalised acc [Gp, D] with m, l [Gp].
+    refs: q_ref [Gp, D] (the head group, zero-padded to Gp rows); k_ref/v_ref [num_pages,
+    ps, D]: this KV head's view of the whole pool; quantized: ks_ref/vs_ref [num_pages, ps],
+    its scales; bt_ref [pages_per_split]: this split's slice of the slot's block table;
+    len_ref [1]. Writes the unnormalised acc [Gp, D] with m, l [Gp].
     """
+    if quantized:
+        q_ref, k_ref, v_ref, ks_ref, vs_ref, bt_ref, len_ref, acc_ref, m_ref, l_ref = refs
+    else:
+        q_ref, k_ref, v_ref, bt_ref, len_ref, acc_ref, m_ref, l_ref = refs
     ps, n = page_size, pages_per_iter
     span = n * ps
     q = q_ref[...]
+    if quantized:
+        q = q.astype(jnp.float32)
     gp, d = q.shape
     length = len_ref[0]
     first = pl.program_id(2) * pages_per_split
@@ -202,6 +240,9 @@ def _gpu_decode_kernel(
         pages = bt_ref[pl.ds(it * n, n)]
         k = k_ref[pages].reshape(span, d)
         v = v_ref[pages].reshape(span, d)
+        if quantized:  # dequantize per token: int8/fp8 times its scale, in float32
+            k = k.astype(jnp.float32) * ks_ref[pages].reshape(span, 1)
+            v = v.astype(jnp.float32) * vs_ref[pages].reshape(span, 1)
         kpos = (first + it * n) * ps + lax.broadcasted_iota(jnp.int32, (span,), 0)
         valid = kpos < length
         v = jnp.where(valid[:, None], v, jnp.zeros_like(v))
@@ -233,12 +274,15 @@ def _paged_decode_gpu(
     interpret,
     num_warps,
     num_stages,
+    k_scales=None,
+    v_scales=None,
 ):
     b, h, d = q.shape
     num_pages, ps, kvh, _ = k_pages.shape
     p = block_tables.shape[1]
     g = h // kvh
     gp = max(16, _next_pow2(g))
+    quantized = k_scales is not None
     n = pages_per_iter or max(1, 64 // ps)
     n = min(n, _next_pow2(p))
     iters = -(-p // n)
@@ -250,15 +294,23 @@ def _paged_decode_gpu(
     bt = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, splits * per_split - p))).reshape(b, splits, per_split)
     qg = jnp.pad(q.reshape(b, kvh, g, d), ((0, 0), (0, 0), (0, gp - g), (0, 0)))
     kernel = functools.partial(
-        _gpu_decode_kernel, page_size=ps, pages_per_iter=n, pages_per_split=per_split, scale=scale
+        _gpu_decode_kernel,
+        page_size=ps,
+        pages_per_iter=n,
+        pages_per_split=per_split,
+        scale=scale,
+        quantized=quantized,
     )
+    page_spec = pl.BlockSpec((num_pages, ps, None, d), lambda bi, hi, si: (0, 0, hi, 0))
+    scale_spec = pl.BlockSpec((num_pages, ps, None), lambda bi, hi, si: (0, 0, hi))
     acc, m, l = pl.pallas_call(
         kernel,
         grid=(b, kvh, splits),
         in_specs=[
             pl.BlockSpec((None, None, gp, d), lambda bi, hi, si: (bi, hi, 0, 0)),
-            pl.BlockSpec((num_pages, ps, None, d), lambda bi, hi, si: (0, 0, hi, 0)),
-            pl.BlockSpec((num_pages, ps, None, d), lambda bi, hi, si: (0, 0, hi, 0)),
+            page_spec,
+            page_spec,
+            *([scale_spec, scale_spec] if quantized else []),
             pl.BlockSpec((None, None, per_split), lambda bi, hi, si: (bi, si, 0)),
             pl.BlockSpec((None, 1), lambda bi, hi, si: (bi, 0)),
         ],
@@ -275,7 +327,7 @@ def _paged_decode_gpu(
         compiler_params=gpu_compiler_params(num_warps, num_stages),
         interpret=interpret,
         name="paged_decode_gpu",
-    )(qg, k_pages, v_pages, bt, context_lens.astype(jnp.int32)[:, None])
+    )(qg, k_pages, v_pages, *((k_scales, v_scales) if quantized else ()), bt, context_lens.astype(jnp.int32)[:, None])
     out = combine_splits(acc, m, l)[:, :, :g]
     return out.reshape(b, h, d).astype(q.dtype)
 
@@ -310,10 +362,14 @@ def paged_decode_attention(
     num_splits: int | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
+    k_scales: jax.Array | None = None,
+    v_scales: jax.Array | None = None,
 ) -> jax.Array:
     """One query per slot, q [B, H, D], over its pages -> [B, H, D] in q.dtype.
 
-    k_pages/v_pages [num_pages, page_size, KVH, D]; block_tables [B, P] int32 (entries past
+    k_pages/v_pages [num_pages, page_size, KVH, D] (int8 / float8 with k_scales/v_scales
+    float32 [num_pages, page_size, KVH]: dequantized per token in the kernel, float32
+    arithmetic); block_tables [B, P] int32 (entries past
     a slot's context must still be valid page indices; they are never attended);
     context_lens [B] (key j visible iff j < context_lens[b]).
     TPU knobs: pages_per_block (pages per grid step, default 128 tokens' worth),
@@ -338,6 +394,8 @@ def paged_decode_attention(
             pages_per_block=pages_per_block,
             interpret=interpret,
             kv_heads_per_block=kv_heads_per_block,
+            k_scales=k_scales,
+            v_scales=v_scales,
         )
     return _paged_decode_gpu(
         q,
@@ -351,14 +409,15 @@ def paged_decode_attention(
         interpret=interpret,
         num_warps=num_warps,
         num_stages=num_stages,
+        k_scales=k_scales,
+        v_scales=v_scales,
     )
 
 
 def gather_context(pages: jax.Array, block_tables: jax.Array) -> jax.Array:
-    """[num_pages, ps, KVH, D] x [B, P] -> [B, P*ps, KVH, D], the slots' contexts in order."""
-    g = pages[block_tables]
-    b, p, ps, kvh, d = g.shape
-    return g.reshape(b, p * ps, kvh, d)
+    """[num_pages, ps, KVH, D] x [B, P] -> [B, P*ps, KVH, D], the slots' contexts in order
+    (scales [num_pages, ps, KVH] -> [B, P*ps, KVH])."""
+    return reference.gather_pages(pages, block_tables)
 
 
 def attention(
@@ -381,8 +440,11 @@ def attention(
     - "context": a chunk continuing a sequence: its pages are gathered into a contiguous
       K/V (one copy of the table's width) and the flash kernel runs with each query's
       position, so key j is visible iff j < context_lens[b] and j <= positions[b, t].
+
+    A quantized cache (k_pages, v_pages, k_scales, v_scales): decode dequantizes in the
+    kernel; context dequantizes the gathered copy to float32 (q too, the result cast back).
     """
-    k_pages, v_pages = kv_pages
+    k_pages, v_pages, k_scales, v_scales = reference.split_cache(kv_pages)
     if mode == "prefill":
         return flash_attention(q, k, v, scale=scale, segment_ids=meta.segment_ids, backend=backend, interpret=interpret)
     if mode == "decode":
@@ -395,12 +457,19 @@ def attention(
             scale=scale,
             backend=backend,
             interpret=interpret,
+            k_scales=k_scales,
+            v_scales=v_scales,
         )
         return out[:, None]
     if mode == "context":
         kc, vc = gather_context(k_pages, meta.block_tables), gather_context(v_pages, meta.block_tables)
-        return flash_attention(
-            q,
+        qc = q
+        if k_scales is not None:
+            kc = reference.dequantize(kc, gather_context(k_scales, meta.block_tables))
+            vc = reference.dequantize(vc, gather_context(v_scales, meta.block_tables))
+            qc = q.astype(jnp.float32)
+        out = flash_attention(
+            qc,
             kc,
             vc,
             scale=scale,
@@ -409,4 +478,5 @@ def attention(
             backend=backend,
             interpret=interpret,
         )
+        return out.astype(q.dtype)
     raise ValueError(f"mode must be 'prefill', 'decode' or 'context', got {mode!r}")

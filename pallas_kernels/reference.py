@@ -2,6 +2,12 @@
 
 Shapes: q [B, T, H, D]; pages [num_pages, page_size, KVH, D]; grouped-query attention
 folds the H query heads into KVH groups of G = H // KVH so K/V are never repeated.
+
+A layer's KV cache is ``(k_pages, v_pages)`` or, quantized (``kv_cache_dtype`` "int8" or
+"fp8"), ``(k_pages, v_pages, k_scales, v_scales)``: int8 / float8_e4m3fn pages and float32
+scales [num_pages, page_size, KVH], one per token per head (``quantize_kv``). Every reader
+dequantizes per token while it reads and computes in float32; ``write_kv`` is the one write
+path, so every attention implementation sees the same bytes.
 """
 
 from __future__ import annotations
@@ -28,6 +34,99 @@ class AttentionMetadata:
     segment_ids: jax.Array  # [B, T] which packed prompt a token belongs to (fresh prefill)
 
 
+# -- the quantized KV cache ------------------------------------------------------------------
+
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")
+# kv_cache_dtype -> page element type (None: the model's dtype, no scales)
+KV_PAGE_DTYPES = {"auto": None, "int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
+# the largest magnitude a page element holds: a token-head's max |x| maps to it
+QMAX = {jnp.dtype(jnp.int8): 127.0, jnp.dtype(jnp.float8_e4m3fn): 448.0}
+
+
+def is_quantized(cache) -> bool:
+    """A layer's cache tuple with scales beside the pages."""
+    return len(cache) == 4
+
+
+def quantize_kv(x, dtype):
+    """Symmetric per-token-per-head quantization of x [..., D] -> (q [..., D] of dtype,
+    scale [...] float32), dequantized as q * scale.
+
+    scale = max|x| * (1/qmax) (qmax 127 for int8, 448 for float8_e4m3fn), q = x * (1/scale)
+    rounded to nearest even (int8; float8's cast rounds) and clipped to [-qmax, qmax]; a
+    vector of zeros gets scale 0 and q 0. Written with a multiply by a reciprocal on purpose:
+    XLA rewrites a division by a broadcast value that way, so spelling it out keeps the bytes
+    identical to the NumPy reference (tests/test_kv_quant.py) on the CPU."""
+    dtype = jnp.dtype(dtype)
+    qmax = QMAX[dtype]
+    x32 = x.astype(jnp.float32)
+    scale = jnp.max(jnp.abs(x32), axis=-1) * jnp.float32(1.0 / qmax)
+    inv = jnp.where(scale > 0, jnp.float32(1.0) / jnp.where(scale > 0, scale, 1.0), 0.0)
+    y = jnp.clip(x32 * inv[..., None], -qmax, qmax)
+    if dtype == jnp.int8:
+        y = jnp.round(y)
+    return y.astype(dtype), scale
+
+
+def dequantize(pages, scales):
+    """pages [..., D] (int8 / float8) x scales [...] -> float32 [..., D]."""
+    return pages.astype(jnp.float32) * scales[..., None]
+
+
+def read_pages(pages, scales, idx):
+    """pages[idx] as float32 (dequantized where scales is not None); idx indexes the page axis."""
+    if scales is None:
+        return pages[idx]
+    return dequantize(pages[idx], scales[idx])
+
+
+def split_cache(kv_pages):
+    """(k_pages, v_pages, k_scales, v_scales) of a layer's cache tuple; scales None if unquantized."""
+    if is_quantized(kv_pages):
+        return tuple(kv_pages)
+    k_pages, v_pages = kv_pages
+    return k_pages, v_pages, None, None
+
+
+def empty_kv_cache(num_pages: int, page_size: int, kv_heads: int, head_dim: int, dtype, kv_cache_dtype: str = "auto"):
+    """One layer's zeroed cache tuple: (k, v) pages of dtype, or for "int8"/"fp8" 8-bit pages
+    plus float32 scales [num_pages, page_size, KVH]."""
+    shape = (num_pages, page_size, kv_heads, head_dim)
+    page_dtype = KV_PAGE_DTYPES[kv_cache_dtype]
+    if page_dtype is None:
+        return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
+    scales = shape[:3]
+    return (
+        jnp.zeros(shape, page_dtype),
+        jnp.zeros(shape, page_dtype),
+        jnp.zeros(scales, jnp.float32),
+        jnp.zeros(scales, jnp.float32),
+    )
+
+
+def write_kv(cache, k, v, slot_mapping):
+    """Write this step's k/v [B, T, KVH, D] into a layer's cache tuple at flat slots [B, T].
+
+    Returns (new cache tuple, k, v as the pool now holds them). Unquantized, those are k and
+    v; quantized, the 8-bit values and their scales are written and k/v come back
+    dequantized (in k's dtype), so a fresh prompt attending to its own k/v ("prefill") sees
+    exactly the values a later chunk or decode step reads from the pages: a prompt's result
+    does not depend on whether its prefix came from the prefix cache or where a chunk
+    boundary fell."""
+    if not is_quantized(cache):
+        return (write_pages(cache[0], k, slot_mapping), write_pages(cache[1], v, slot_mapping)), k, v
+    k_pages, v_pages, k_scales, v_scales = cache
+    qk, sk = quantize_kv(k, k_pages.dtype)
+    qv, sv = quantize_kv(v, v_pages.dtype)
+    new = (
+        write_pages(k_pages, qk, slot_mapping),
+        write_pages(v_pages, qv, slot_mapping),
+        write_pages(k_scales, sk, slot_mapping),
+        write_pages(v_scales, sv, slot_mapping),
+    )
+    return new, dequantize(qk, sk).astype(k.dtype), dequantize(qv, sv).astype(v.dtype)
+
+
 def _grouped_softmax_attention(q, k, v, mask, scale):
     """q [B,T,H,D], k/v [B,S,KVH,D], mask [B,T,S] -> [B,T,H,D]; softmax in float32."""
     b, t, h, d = q.shape
@@ -52,35 +151,56 @@ def causal_attention(q, k, v, scale: float, segment_ids=None):
 
 
 def gather_pages(pages, block_tables):
-    """[num_pages, ps, KVH, D] x [B, P] -> [B, P*ps, KVH, D]: a slot's context in sequence order."""
+    """[num_pages, ps, KVH, D] x [B, P] -> [B, P*ps, KVH, D]: a slot's context in sequence order
+    (scales [num_pages, ps, KVH] -> [B, P*ps, KVH] likewise)."""
     g = pages[block_tables]
-    b, p, ps, kvh, d = g.shape
-    return g.reshape(b, p * ps, kvh, d)
+    b, p, ps = g.shape[:3]
+    return g.reshape(b, p * ps, *g.shape[3:])
 
 
-def paged_attention(q, k_pages, v_pages, block_tables, context_lens, positions, scale: float):
+def paged_attention(
+    q, k_pages, v_pages, block_tables, context_lens, positions, scale: float, k_scales=None, v_scales=None
+):
     """Attention of q [B,T,H,D] (token t of slot b at positions[b,t]) over the slot's pages.
 
     Key j of slot b is visible iff j < context_lens[b] and j <= positions[b, t]. This one
     function serves decode (T=1), chunked prefill and prefill after a prefix-cache hit.
+    With k_scales/v_scales [num_pages, page_size, KVH] the pages are quantized: dequantized
+    after the gather, attention in float32.
     """
+    out_dtype = q.dtype
     k = gather_pages(k_pages, block_tables)
     v = gather_pages(v_pages, block_tables)
+    if k_scales is not None:
+        k = dequantize(k, gather_pages(k_scales, block_tables))
+        v = dequantize(v, gather_pages(v_scales, block_tables))
+        q = q.astype(jnp.float32)
     j = jnp.arange(k.shape[1])
     mask = (j[None, None, :] < context_lens[:, None, None]) & (j[None, None, :] <= positions[:, :, None])
-    return _grouped_softmax_attention(q, k, v, mask, scale)
+    return _grouped_softmax_attention(q, k, v, mask, scale).astype(out_dtype)
 
 
 def write_pages(pages, new, slot_mapping):
-    """Scatter new [B,T,KVH,D] into pages at flat slots page*page_size+offset ([B,T])."""
-    n, ps, kvh, d = pages.shape
-    flat = pages.reshape(n * ps, kvh, d)
-    flat = flat.at[slot_mapping.reshape(-1)].set(new.reshape(-1, kvh, d).astype(pages.dtype))
-    return flat.reshape(n, ps, kvh, d)
+    """Scatter new [B,T,KVH,D] into pages at flat slots page*page_size+offset ([B,T]) (scales:
+    new [B,T,KVH] into [num_pages, ps, KVH] likewise)."""
+    n, ps = pages.shape[:2]
+    rest = pages.shape[2:]
+    flat = pages.reshape(n * ps, *rest)
+    flat = flat.at[slot_mapping.reshape(-1)].set(new.reshape(-1, *rest).astype(pages.dtype))
+    return flat.reshape(pages.shape)
 
 
 def paged_attention_chunked(
-    q, k_pages, v_pages, block_tables, context_lens, positions, scale: float, pages_per_chunk: int = 2
+    q,
+    k_pages,
+    v_pages,
+    block_tables,
+    context_lens,
+    positions,
+    scale: float,
+    pages_per_chunk: int = 2,
+    k_scales=None,
+    v_scales=None,
 ):
     """Paged attention as a loop over chunks of pages with an online softmax: flash-decoding
     in plain XLA. Same semantics as paged_attention (key j visible iff j < context_lens[b]
@@ -90,6 +210,7 @@ def paged_attention_chunked(
     so one compiled step serves every length.
 
     q [B, T, H, D]; block_tables [B, P] with P a multiple of pages_per_chunk; -> [B, T, H, D].
+    Quantized pages (k_scales/v_scales given) are dequantized chunk by chunk.
     """
     b, t, h, d = q.shape
     _, ps, kvh, _ = k_pages.shape
@@ -103,8 +224,8 @@ def paged_attention_chunked(
     def body(i, carry):
         m, l, acc = carry
         pages = jax.lax.dynamic_slice_in_dim(block_tables, i * c, c, axis=1)
-        k = k_pages[pages].reshape(b, span, kvh, d).astype(jnp.float32)
-        v = v_pages[pages].reshape(b, span, kvh, d).astype(jnp.float32)
+        k = read_pages(k_pages, k_scales, pages).reshape(b, span, kvh, d).astype(jnp.float32)
+        v = read_pages(v_pages, v_scales, pages).reshape(b, span, kvh, d).astype(jnp.float32)
         s = jnp.einsum("btkgd,bskd->btkgs", qg, k)
         pos = i * span + jnp.arange(span)
         s = jnp.where(pos[None, None, None, None, :] < limit[:, :, None, None, None], s, _NEG)
@@ -125,15 +246,20 @@ def paged_attention_chunked(
 
 def attention(q, k, v, kv_pages, meta: AttentionMetadata, *, scale: float, mode: str):
     """The XLA serving path, by step kind (static). k/v are this step's new keys and values,
-    kv_pages the (k_pages, v_pages) pools with them already written:
+    kv_pages the layer's cache tuple with them already written ((k_pages, v_pages), or
+    quantized (k_pages, v_pages, k_scales, v_scales)):
     - "prefill": fresh prompts (packed, one segment each) attend only to themselves, so use
       the new K/V directly (no gather);
     - "context" (a chunk continuing a sequence: chunked prefill, prefix-cache hit, speculative
       verification) and "decode" (one query per slot): the chunked online-softmax loop over
-      the slot's pages. (paged_attention, which gathers the whole context, is the oracle.)"""
+      the slot's pages. (paged_attention, which gathers the whole context, is the oracle.)
+
+    With a quantized cache, "context" and "decode" read the quantized pages (the chunk's own
+    keys included) and "prefill" attends to the k/v it is given, which ``write_kv`` has
+    already passed through the quantizer (dequantized): every mode sees the same values."""
     if mode == "prefill":
         return causal_attention(q, k, v, scale, meta.segment_ids)
-    k_pages, v_pages = kv_pages
+    k_pages, v_pages, k_scales, v_scales = split_cache(kv_pages)
     block_tables, context_lens, positions = meta.block_tables, meta.context_lens, meta.positions
     pad = (-block_tables.shape[1]) % 2
     if pad:
@@ -155,6 +281,8 @@ def attention(q, k, v, kv_pages, meta: AttentionMetadata, *, scale: float, mode:
                 context_lens[i : i + n],
                 positions[i : i + n],
                 scale,
+                k_scales=k_scales,
+                v_scales=v_scales,
             )
             for i in range(0, b, n)
         ],

@@ -18,6 +18,7 @@ class EngineConfig:
     max_prefill_tokens: int = 512  # per scheduler step, across sequences
     dtype: str | None = None  # "float32" | "bfloat16"; default by backend
     quantization: str | None = None  # None | "int8": weight-only int8, per-output-channel scales
+    kv_cache_dtype: str = "auto"  # "auto" (pages in dtype) | "int8" | "fp8" (8-bit pages, per-token-per-head scales)
     attention_impl: str | None = None  # "xla" | "pallas" | "native"; default pallas on TPU/GPU, native on CPU
     interpret: bool | None = None  # run Pallas kernels interpreted (default: on CPU)
     enable_prefix_caching: bool = True
@@ -34,6 +35,8 @@ class EngineConfig:
         for name in ("max_slots", "page_size", "max_prefill_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.kv_cache_dtype not in ("auto", "int8", "fp8"):
+            raise ValueError(f"kv_cache_dtype must be 'auto', 'int8' or 'fp8', got {self.kv_cache_dtype!r}")
         if self.quantization not in (None, "int8"):
             raise ValueError(f"quantization must be None or 'int8', got {self.quantization!r}")
         if self.attention_impl not in (None, "xla", "pallas", "native"):

@@ -20,11 +20,12 @@ from jaxserve.models.model_config import ModelConfig
 from pallas_kernels import reference
 from pallas_kernels.reference import AttentionMetadata
 
-KVCache = tuple[tuple[jax.Array, jax.Array], ...]  # per layer (k_pages, v_pages)
+# per layer (k_pages, v_pages), or quantized (k_pages, v_pages, k_scales, v_scales)
+KVCache = tuple[tuple[jax.Array, ...], ...]
 
 
-# (q, k, v, (k_pages, v_pages), meta, *, scale) -> out, where k/v are this step's new keys and
-# values, already written into the pages.
+# (q, k, v, cache tuple, meta, *, scale) -> out, where k/v are this step's new keys and
+# values, already written into the pages (as the pages hold them: reference.write_kv).
 PagedAttentionFn = Callable[..., jax.Array]
 
 
@@ -89,9 +90,7 @@ class Attention(nnx.Module):
         if cache is None:
             out = reference.causal_attention(q, k, v, scale)
         else:
-            k_pages = reference.write_pages(cache[0], k, meta.slot_mapping)
-            v_pages = reference.write_pages(cache[1], v, meta.slot_mapping)
-            cache = (k_pages, v_pages)
+            cache, k, v = reference.write_kv(cache, k, v, meta.slot_mapping)
             out = attn_fn(q, k, v, cache, meta, scale=scale)
         return self.o_proj(out.reshape(b, t, -1)), cache
 

@@ -77,10 +77,28 @@ def shard_params(state, cfg: ModelConfig, mesh: Mesh):
 
 
 HEADS = P(None, None, AXIS, None)  # [.., .., heads, head_dim] split by head: q, k, v, pages, outputs
+SCALE_HEADS = P(None, None, AXIS)  # [num_pages, page_size, heads]: an 8-bit cache's scales, with their heads
 
 
-def kv_spec(cfg: ModelConfig, tp: int) -> P:
-    return HEADS if kv_heads_sharded(cfg, tp) else P()
+def kv_spec(cfg: ModelConfig, tp: int, quantized: bool = False) -> P | tuple[P, ...]:
+    """Where a KV page pool lives: split by KV head, or replicated when the heads do not divide
+    by the chip count. quantized: the specs of one layer's (k_pages, v_pages, k_scales,
+    v_scales), the scales split with their heads."""
+    sharded = kv_heads_sharded(cfg, tp)
+    pages = HEADS if sharded else P()
+    if not quantized:
+        return pages
+    scales = SCALE_HEADS if sharded else P()
+    return (pages, pages, scales, scales)
+
+
+def kv_sharding(cfg: ModelConfig, mesh: Mesh, quantized: bool = False):
+    """The sharding of the whole KV cache (every layer's tuple): one NamedSharding for plain
+    pages, a tuple per layer of (pages, pages, scales, scales) shardings for an 8-bit cache."""
+    spec = kv_spec(cfg, mesh.shape[AXIS], quantized)
+    if not quantized:
+        return NamedSharding(mesh, spec)
+    return (tuple(NamedSharding(mesh, s) for s in spec),) * cfg.num_layers
 
 
 def shard_attention(attn_fn: Callable, cfg: ModelConfig, mesh: Mesh) -> Callable:
@@ -100,20 +118,23 @@ def shard_attention(attn_fn: Callable, cfg: ModelConfig, mesh: Mesh) -> Callable
     kv = kv_spec(cfg, tp)
 
     def per_chip(q, k, v, kv_pages, meta, *, scale):
-        k_pages, v_pages = kv_pages
+        # kv_pages: (k_pages, v_pages), or with an 8-bit cache (k_pages, v_pages, k_scales,
+        # v_scales); scales [num_pages, page_size, KVH] follow their heads (axis 2 too)
         if not kv_sharded:
             head = lax.axis_index(AXIS) * local_heads // group
-            k, v, k_pages, v_pages = (lax.dynamic_slice_in_dim(x, head, 1, axis=2) for x in (k, v, k_pages, v_pages))
-        return attn_fn(q, k, v, (k_pages, v_pages), meta, scale=scale)
+            k, v = (lax.dynamic_slice_in_dim(x, head, 1, axis=2) for x in (k, v))
+            kv_pages = tuple(lax.dynamic_slice_in_dim(x, head, 1, axis=2) for x in kv_pages)
+        return attn_fn(q, k, v, tuple(kv_pages), meta, scale=scale)
 
     def wrapped(q, k, v, kv_pages, meta, *, scale):
         meta_spec = jax.tree.map(lambda _: P(), meta)
+        cache_spec = kv_spec(cfg, tp, quantized=True) if len(kv_pages) == 4 else (kv, kv)
         body = jax.shard_map(
             functools.partial(per_chip, scale=scale),
             mesh=mesh,
             out_specs=HEADS,
             check_vma=False,
-            in_specs=(HEADS, kv, kv, (kv, kv), meta_spec),
+            in_specs=(HEADS, kv, kv, cache_spec, meta_spec),
         )
         return body(q, k, v, kv_pages, meta)
 

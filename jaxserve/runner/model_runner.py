@@ -105,7 +105,8 @@ def _decode_sample_step(
 
 
 def _copy_pages(kv, src, dst):
-    return tuple((k.at[dst].set(k[src]), v.at[dst].set(v[src])) for k, v in kv)
+    """Copy pages src -> dst in every array of every layer's cache tuple (scales too)."""
+    return tuple(tuple(x.at[dst].set(x[src]) for x in layer) for layer in kv)
 
 
 @dataclasses.dataclass
@@ -179,6 +180,7 @@ class _Weights:
         interpret: bool,
         mesh=None,
         store: ExecutableStore | None = None,
+        kv_cache_dtype: str = "auto",
     ):
         self.cfg = cfg
         if mesh is not None:  # the native int8 matmul is a custom call XLA's partitioner cannot split
@@ -186,7 +188,6 @@ class _Weights:
 
             set_matmul_impl(module, "xla")
         self.graphdef, self.params = nnx.split(module)
-        shape = (num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
         self.kv_sharding = None
         if mesh is not None:
             from jax.sharding import NamedSharding
@@ -194,11 +195,11 @@ class _Weights:
             from jaxserve.parallel import sharding as shd
 
             self.params = shd.shard_params(self.params, cfg, mesh)
-            self.kv_sharding = NamedSharding(mesh, shd.kv_spec(cfg, mesh.shape[shd.AXIS]))
-        zeros = jax.jit(
-            lambda: tuple((jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.num_layers)),
-            out_shardings=self.kv_sharding,
+            self.kv_sharding = shd.kv_sharding(cfg, mesh, quantized=kv_cache_dtype != "auto")
+        layer = functools.partial(
+            reference.empty_kv_cache, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim, dtype, kv_cache_dtype
         )
+        zeros = jax.jit(lambda: tuple(layer() for _ in range(cfg.num_layers)), out_shardings=self.kv_sharding)
         self.kv = zeros()
         self.attn = {m: _attention_fn(attention_impl, interpret, m) for m in ("prefill", "context", "decode")}
         if mesh is not None and attention_impl in ("pallas", "native"):  # custom calls XLA cannot split
@@ -254,6 +255,7 @@ class RunnerConfig:
     dtype: str
     attention_impl: str
     interpret: bool
+    kv_cache_dtype: str = "auto"  # "auto" (pages in dtype) | "int8" | "fp8" (8-bit pages + float32 scales)
     max_logprobs: int = 0  # the top-n alternatives a decode step computes when any row asks for logprobs
     num_speculative_tokens: int = 0  # k of a speculative step; 0 = no speculation
     tensor_parallel_size: int = 1
@@ -313,6 +315,7 @@ class ModelRunner:
             cfg.interpret,
             self.mesh,
             self.store,
+            kv_cache_dtype=cfg.kv_cache_dtype,
         )
         self.target = build("target", model, model_cfg)
         self.draft = build("draft", draft, draft_cfg) if draft is not None else None
@@ -526,7 +529,8 @@ def resolve(
     max_pages_per_seq = -(-max_model_len // ps)
     fits = [b for b in cfg.prefill_buckets if b < max_model_len]
     bigger = [b for b in cfg.prefill_buckets if b >= max_model_len]
-    bytes_per_token = kv_bytes_per_token(dtype.name, model_cfg, draft_cfg)
+    kv_cache_dtype = cfg.kv_cache_dtype
+    bytes_per_token = kv_bytes_per_token(dtype.name, model_cfg, draft_cfg, kv_cache_dtype=kv_cache_dtype)
     num_pages = cfg.num_pages or _pool_pages(cfg, ps * bytes_per_token, max_pages_per_seq, weight_bytes)
     if num_pages < max_pages_per_seq + 1:
         raise ValueError(
@@ -541,6 +545,14 @@ def resolve(
         if backend != "cpu" or not native.available():
             why = "it runs on the CPU only" if backend != "cpu" else native.unavailable_reason()
             raise ValueError(f"attention_impl='native' is unavailable here: {why}")
+    attention_impl = cfg.attention_impl or default_attention(backend)
+    if kv_cache_dtype == "fp8" and attention_impl == "native":
+        if cfg.attention_impl == "native":
+            raise ValueError(
+                "kv_cache_dtype='fp8' is not supported by attention_impl='native' (the CPU kernel reads "
+                "int8 pages); use kv_cache_dtype='int8' or attention_impl='xla'"
+            )
+        attention_impl = "xla"  # the CPU default falls back to the XLA path, which reads fp8 pages
     spec_k = cfg.num_speculative_tokens if cfg.speculative_model else 0
     return RunnerConfig(
         max_slots=cfg.max_slots,
@@ -549,8 +561,9 @@ def resolve(
         num_pages=num_pages,
         prefill_buckets=tuple(fits + bigger[:1]),
         dtype=dtype.name,
-        attention_impl=cfg.attention_impl or default_attention(backend),
+        attention_impl=attention_impl,
         interpret=cfg.interpret if cfg.interpret is not None else backend == "cpu",
+        kv_cache_dtype=kv_cache_dtype,
         max_logprobs=min(max_logprobs, model_cfg.vocab_size),
         num_speculative_tokens=spec_k,
         tensor_parallel_size=cfg.tensor_parallel_size,
@@ -559,9 +572,11 @@ def resolve(
     )
 
 
-def kv_bytes_per_token(dtype: str, *cfgs: ModelConfig | None) -> int:
-    """KV bytes one token takes in the pool, the target's and a draft's together."""
-    return sum(kv_math.kv_bytes_per_token(c.shape(), kv_dtype=_KV_DTYPE[dtype]) for c in cfgs if c is not None)
+def kv_bytes_per_token(dtype: str, *cfgs: ModelConfig | None, kv_cache_dtype: str = "auto") -> int:
+    """KV bytes one token takes in the pool, the target's and a draft's together; an 8-bit
+    cache ("int8" / "fp8") counts its float32 per-token-per-head scales too."""
+    kv = _KV_DTYPE[dtype] if kv_cache_dtype == "auto" else kv_cache_dtype
+    return sum(kv_math.kv_bytes_per_token(c.shape(), kv_dtype=kv) for c in cfgs if c is not None)
 
 
 def _pool_pages(cfg, bytes_per_page: int, max_pages_per_seq: int, weight_bytes: int) -> int:

@@ -103,11 +103,17 @@ def measure_host(size_bytes: int = 512 * 1024 * 1024, repeats: int = 5) -> dict[
 
 
 def measure_engine_step(
-    model: ModelShape, batch: int, context_len: int, repeats: int = 5, attention_impl: str | None = None
+    model: ModelShape,
+    batch: int,
+    context_len: int,
+    repeats: int = 5,
+    attention_impl: str | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> float:
     """Median seconds of the real jaxserve decode step (float32, every slot active at
-    `context_len`, the engine's default attention for this backend unless `attention_impl`)
-    for a random-weight model of this shape: the number the roofline predicts."""
+    `context_len`, the engine's default attention for this backend unless `attention_impl`,
+    KV pages in float32 or `kv_cache_dtype`) for a random-weight model of this shape: the
+    number the roofline predicts."""
     import jax
     from flax import nnx
 
@@ -140,6 +146,7 @@ def measure_engine_step(
         num_pages=batch * pages + 1,
         dtype="float32",
         attention_impl=attention_impl,
+        kv_cache_dtype=kv_cache_dtype,
         enable_prefix_caching=False,
     )
     rc = model_runner.resolve(cfg, None, engine_cfg, weight_bytes=0, max_logprobs=0)
@@ -158,7 +165,10 @@ def measure_engine_step(
     return sorted(times)[len(times) // 2]
 
 
-def _measure_host_report(model: ModelShape, context_len: int, as_json: bool) -> int:
+def _measure_host_report(model: ModelShape, context_len: int, as_json: bool, kv_dtype: str = "fp32") -> int:
+    """kv_dtype: fp32 (the CPU's pages), or int8 / fp8 (the engine's kv_cache_dtype, scales counted)."""
+    kv_cache_dtype = kv_dtype if kv_dtype in ("int8", "fp8") else "auto"
+    kv_dtype = kv_dtype if kv_cache_dtype != "auto" else "fp32"
     host = measure_host()
     rows = []
     for b in (1, 8, 32):
@@ -169,7 +179,7 @@ def _measure_host_report(model: ModelShape, context_len: int, as_json: bool) -> 
             host["memory_bandwidth"],
             host["matmul_flops_fp32"],
             weight_dtype="fp32",
-            kv_dtype="fp32",
+            kv_dtype=kv_dtype,
         )
         rows.append(
             {
@@ -177,22 +187,28 @@ def _measure_host_report(model: ModelShape, context_len: int, as_json: bool) -> 
                 "memory_bound_s": mem,
                 "compute_bound_s": comp,
                 "predicted_s": max(mem, comp),
-                "measured_engine_s": measure_engine_step(model, b, context_len),
+                "measured_engine_s": measure_engine_step(model, b, context_len, kv_cache_dtype=kv_cache_dtype),
                 # the XLA attention path beside it, for comparison with the default
-                "measured_engine_xla_s": measure_engine_step(model, b, context_len, attention_impl="xla"),
+                "measured_engine_xla_s": measure_engine_step(
+                    model, b, context_len, attention_impl="xla", kv_cache_dtype=kv_cache_dtype
+                ),
             }
         )
         rows[-1]["measured_over_predicted"] = rows[-1]["measured_engine_s"] / rows[-1]["predicted_s"]
         rows[-1]["xla_over_predicted"] = rows[-1]["measured_engine_xla_s"] / rows[-1]["predicted_s"]
     if as_json:
-        print(json.dumps({"host": host, "model": model.name, "context_len": context_len, "steps": rows}, indent=2))
+        out = {"host": host, "model": model.name, "context_len": context_len, "kv_dtype": kv_dtype, "steps": rows}
+        print(json.dumps(out, indent=2))
         return 0
     print(
         f"host: memory bandwidth {host['memory_bandwidth'] / GB:.1f} GB/s (numpy sum "
         f"{host['memory_bandwidth_numpy'] / GB:.1f}, jax sum {host['memory_bandwidth_jax'] / GB:.1f}), "
         f"fp32 matmul {host['matmul_flops_fp32'] / 1e9:.0f} GFLOP/s  [{host['seconds']:.1f} s]"
     )
-    print(f"predicted fp32 decode step, {model.name} ({model.num_params / 1e6:.1f}M params), context {context_len}:")
+    print(
+        f"predicted decode step (fp32 weights, {kv_dtype} KV), {model.name} ({model.num_params / 1e6:.1f}M params), "
+        f"context {context_len}:"
+    )
     print(
         f"{'batch':>6} {'memory':>12} {'compute':>12} {'predicted':>12} {'engine':>12} {'ratio':>7} "
         f"{'engine, xla attn':>17} {'ratio':>7}"
@@ -236,7 +252,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--measure-host",
         action="store_true",
-        help="measure this machine and predict fp32 decode steps at batch 1, 8, 32",
+        help="measure this machine and predict fp32 decode steps at batch 1, 8, 32 (KV fp32, or --kv-dtype int8/fp8)",
     )
     return ap
 
@@ -250,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         model = resolve_model(args.model)
         if args.measure_host:
-            return _measure_host_report(model, _positive_int("context_len", args.context), args.json)
+            return _measure_host_report(model, _positive_int("context_len", args.context), args.json, args.kv_dtype)
         reserve = None if args.activation_reserve_gb is None else args.activation_reserve_gb * GB
         p = plan(
             model,

@@ -5,8 +5,10 @@
 //   context_lens [B] int32; positions [B, T] int32.  Key j of row b is visible to query t iff
 //   j < context_lens[b] and j <= positions[b, t].  A query that sees nothing gets zeros.
 //   Grouped-query attention: H = KVH * G; query head h uses KV head h / G.
-// Pages are float32 or bfloat16 (read and widened to float32 here); q is float32 or bfloat16;
-// all arithmetic and accumulation is float32; the output has q's dtype.
+// Pages are float32 or bfloat16 (read and widened to float32 here), or int8 with float32 scales
+// [num_pages, page_size, KVH] (JaxservePagedAttentionQ8: one scale per token per KV head, a
+// key/value vector is q * scale; see reference.quantize_kv); q is float32 or bfloat16; all
+// arithmetic and accumulation is float32; the output has q's dtype.
 //
 // Work split: one work item = (row b, a block of KV heads, a block of up to 32 queries).  The
 // item walks the row's pages in block-table order, a chunk of whole pages (64 tokens) at a time:
@@ -84,11 +86,34 @@ JS_INLINE Vf<N> vload(const uint16_t* p) {  // bfloat16 -> float32 is a 16-bit s
   typename VT<N>::U u = __builtin_convertvector(h, typename VT<N>::U) << 16;
   return (Vf<N>)u;
 }
+// int8 -> float32, exact, N lanes from p.  (__builtin_convertvector from int8 lanes is scalarised
+// by GCC, and widening a 16-byte load to a 64-byte vector goes through the stack, a stalled
+// store-to-load forward per vector.)  So 4N bytes are loaded as N 32-bit words (when they lie
+// inside the pool: `end`), lane i takes word i/4 (vpermd), shifts its byte i%4 to the top and
+// back down arithmetically (sign extension), and converts (vcvtdq2ps).
+template <int N, int... I>
+JS_INLINE Vf<N> load_i8(const int8_t* p, const int8_t* end, std::integer_sequence<int, I...>) {
+  typename VT<N>::U w;
+  if (p + sizeof w <= end) {
+    std::memcpy(&w, p, sizeof w);
+  } else {  // the last rows of the pool: no read past it
+    w = typename VT<N>::U{};
+    std::memcpy(&w, p, N);
+  }
+  typename VT<N>::U r = __builtin_shufflevector(w, w, (I / 4)...);
+  const typename VT<N>::U shl = {uint32_t(24 - 8 * (I % 4))...};
+  return __builtin_convertvector((typename VT<N>::I)(r << shl) >> 24, Vf<N>);
+}
+template <int N>
+JS_INLINE Vf<N> vload_i8(const int8_t* p, const int8_t* end) {
+  return load_i8<N>(p, end, std::make_integer_sequence<int, N>{});
+}
 template <int N>
 JS_INLINE void vstore(float* p, Vf<N> v) {
   std::memcpy(p, &v, sizeof v);
 }
 JS_INLINE float widen(float x) { return x; }
+JS_INLINE float widen(int8_t x) { return float(x); }
 JS_INLINE float widen(uint16_t x) {
   uint32_t u = uint32_t(x) << 16;
   float f;
@@ -199,6 +224,8 @@ struct Problem {
   const int32_t* bt;
   const int32_t* lens;
   const int32_t* pos;
+  const float* ks;  // int8 pages: scales [num_pages, ps, KVH] (else null)
+  const float* vs;
   int64_t B, T, H, KVH, G, D, P, num_pages, ps;
   float scale;
   bool q_bf16;
@@ -277,7 +304,38 @@ JS_INLINE void prefetch_row(const KT* p, int64_t d) {
   for (int64_t off = 0; off < d * int64_t(sizeof(KT)); off += 64) __builtin_prefetch(c + off, 0, 3);
 }
 
-// One work item.  KT: page element type (float, or uint16_t holding bfloat16).  N: vector lanes.
+// The chunk's rows of one KV head (element offsets off[j] + hoff) widened to float32 in dst
+// [nvalid][D]: bfloat16 by a shift, int8 times its token-head's scale (scale index =
+// element offset / D, as the scales are the pages without their last axis).  Prefetches the
+// same head's rows of the next chunk.
+template <class KT, int N, int HD>
+JS_INLINE void widen_rows(const KT* pool, const KT* pool_end, const float* scales, const int64_t* off,
+                          const int64_t* off_next, int64_t nvalid, int64_t n_next, int64_t hoff, int64_t D,
+                          float* dst) {
+  constexpr bool kQ8 = std::is_same_v<KT, int8_t>;
+  constexpr int DV = HD / N;
+  for (int64_t j = 0; j < nvalid; ++j) {
+    if (j < n_next) prefetch_row(pool + off_next[j] + hoff, D);
+    const KT* src = pool + off[j] + hoff;
+    float* row = dst + j * D;
+    float s = 1.0f;
+    if constexpr (kQ8) s = scales[(off[j] + hoff) / (HD > 0 ? int64_t(HD) : D)];  // HD: a constant divisor
+    if constexpr (DV > 0) {
+      for (int c = 0; c < DV; ++c) {
+        if constexpr (kQ8) {
+          vstore<N>(row + c * N, vload_i8<N>(src + c * N, pool_end) * s);
+        } else {
+          vstore<N>(row + c * N, vload<N>(src + c * N));
+        }
+      }
+    } else {
+      for (int64_t d = 0; d < D; ++d) row[d] = kQ8 ? widen(src[d]) * s : widen(src[d]);
+    }
+  }
+}
+
+// One work item.  KT: page element type (float, uint16_t holding bfloat16, or int8_t with a
+// float32 scale per token per KV head, multiplied in while a chunk is widened).  N: vector lanes.
 // HD: the head dim (a multiple of N), or 0 for the scalar path (any head dim).
 template <class KT, int N, int HD>
 JS_INLINE void run_item(const Problem& pr, int64_t item, Scratch& sc) {
@@ -323,6 +381,8 @@ JS_INLINE void run_item(const Problem& pr, int64_t item, Scratch& sc) {
 
   const KT* kpool = static_cast<const KT*>(pr.k);
   const KT* vpool = static_cast<const KT*>(pr.v);
+  const KT* kend = kpool + pr.num_pages * pr.ps * pr.KVH * D;
+  const KT* vend = vpool + pr.num_pages * pr.ps * pr.KVH * D;
   const int64_t tstride = KVH * D;  // elements between consecutive tokens of a page
   const int64_t pstride = ps * tstride;
   const int32_t* bt = pr.bt + b * pr.P;
@@ -356,18 +416,7 @@ JS_INLINE void run_item(const Problem& pr, int64_t item, Scratch& sc) {
       float* lk = sc.l + kh * R;
 
       // bfloat16: widen the chunk's K rows to float32 once (float32 rows are read in place).
-      if constexpr (!kF32) {
-        for (int64_t j = 0; j < nvalid; ++j) {
-          if (j < n_next) prefetch_row(kpool + off_next[j] + hoff, D);
-          const KT* src = kpool + off[j] + hoff;
-          float* dst = sc.kf + j * D;
-          if constexpr (DV > 0) {
-            for (int c = 0; c < DV; ++c) vstore<N>(dst + c * N, vload<N>(src + c * N));
-          } else {
-            for (int64_t d = 0; d < D; ++d) dst[d] = widen(src[d]);
-          }
-        }
-      }
+      if constexpr (!kF32) widen_rows<KT, N, HD>(kpool, kend, pr.ks, off, off_next, nvalid, n_next, hoff, D, sc.kf);
       auto krow = [&](int64_t j) -> const float* {
         if constexpr (kF32) return kpool + off[j] + hoff;
         else return sc.kf + j * D;
@@ -453,18 +502,7 @@ JS_INLINE void run_item(const Problem& pr, int64_t item, Scratch& sc) {
       }
 
       // V rows as float32, as for K.
-      if constexpr (!kF32) {
-        for (int64_t j = 0; j < nvalid; ++j) {
-          if (j < n_next) prefetch_row(vpool + off_next[j] + hoff, D);
-          const KT* src = vpool + off[j] + hoff;
-          float* dst = sc.vf + j * D;
-          if constexpr (DV > 0) {
-            for (int c = 0; c < DV; ++c) vstore<N>(dst + c * N, vload<N>(src + c * N));
-          } else {
-            for (int64_t d = 0; d < D; ++d) dst[d] = widen(src[d]);
-          }
-        }
-      }
+      if constexpr (!kF32) widen_rows<KT, N, HD>(vpool, vend, pr.vs, off, off_next, nvalid, n_next, hoff, D, sc.vf);
 
       // acc[r] += sum_j P[r][j] v_j, the accumulator in registers (two sets: even and odd j).
       for (int64_t r = 0; r < R; ++r) {
@@ -632,10 +670,11 @@ std::string dims_str(ffi::AnyBuffer::Dimensions d) {
   return s + "]";
 }
 
-ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k,
-                              ffi::AnyBuffer v, ffi::BufferR2<ffi::S32> bt,
-                              ffi::BufferR1<ffi::S32> lens, ffi::BufferR2<ffi::S32> pos,
-                              ffi::Result<ffi::AnyBuffer> out, float scale,
+// Both handlers: scales (k_scales, v_scales) are null for float pages.
+ffi::Error PagedAttentionCore(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                              const ffi::AnyBuffer* k_scales, const ffi::AnyBuffer* v_scales,
+                              ffi::BufferR2<ffi::S32> bt, ffi::BufferR1<ffi::S32> lens,
+                              ffi::BufferR2<ffi::S32> pos, ffi::Result<ffi::AnyBuffer> out, float scale,
                               int64_t kv_heads_per_item) {
   auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), od = out->dimensions();
   if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4 || od.size() != 4)
@@ -647,8 +686,19 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBu
     if (qd[i] != od[i]) return ffi::Error::InvalidArgument("paged_attention: output shape");
   }
   const auto kt = k.element_type(), qt = q.element_type();
-  if (kt != v.element_type() || (kt != ffi::F32 && kt != ffi::BF16))
+  const bool q8 = k_scales != nullptr;
+  if (q8) {
+    if (kt != ffi::S8 || v.element_type() != ffi::S8)
+      return ffi::Error::InvalidArgument("paged_attention: quantized pages must both be int8");
+    for (const ffi::AnyBuffer* sb : {k_scales, v_scales}) {
+      auto sd = sb->dimensions();
+      if (sb->element_type() != ffi::F32 || sd.size() != 3 || sd[0] != kd[0] || sd[1] != kd[1] || sd[2] != kd[2])
+        return ffi::Error::InvalidArgument("paged_attention: scales must be float32 [num_pages, page_size, KVH], got " +
+                                           dims_str(sd) + " for pages " + dims_str(kd));
+    }
+  } else if (kt != v.element_type() || (kt != ffi::F32 && kt != ffi::BF16)) {
     return ffi::Error::InvalidArgument("paged_attention: pages must both be float32 or bfloat16");
+  }
   if ((qt != ffi::F32 && qt != ffi::BF16) || out->element_type() != qt)
     return ffi::Error::InvalidArgument("paged_attention: q must be float32 or bfloat16, output the same");
 
@@ -679,6 +729,8 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBu
   pr.bt = bt.typed_data();
   pr.lens = lens.typed_data();
   pr.pos = pos.typed_data();
+  pr.ks = q8 ? static_cast<const float*>(k_scales->untyped_data()) : nullptr;
+  pr.vs = q8 ? static_cast<const float*>(v_scales->untyped_data()) : nullptr;
   if (pr.B == 0 || pr.T == 0 || pr.H == 0 || pr.D == 0) return ffi::Error::Success();
   if (pr.num_pages == 0 || pr.ps == 0 || pr.P == 0) {  // nothing to attend to
     std::memset(pr.out, 0, pr.B * pr.T * pr.H * pr.D * (pr.q_bf16 ? 2 : 4));
@@ -690,7 +742,7 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBu
   plan(pr, workers, kv_heads_per_item);
 
   const int isa = current_isa().load(std::memory_order_relaxed);
-  ItemFn fn = kt == ffi::F32 ? pick<float>(isa, pr.D) : pick<uint16_t>(isa, pr.D);
+  ItemFn fn = q8 ? pick<int8_t>(isa, pr.D) : kt == ffi::F32 ? pick<float>(isa, pr.D) : pick<uint16_t>(isa, pr.D);
 
   auto sh = std::make_shared<Shared>();
   sh->pr = pr;
@@ -704,6 +756,22 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBu
   }
   if (sh->out_of_memory.load()) return ffi::Error::Internal("paged_attention: out of memory for scratch");
   return ffi::Error::Success();
+}
+
+ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                              ffi::AnyBuffer v, ffi::BufferR2<ffi::S32> bt,
+                              ffi::BufferR1<ffi::S32> lens, ffi::BufferR2<ffi::S32> pos,
+                              ffi::Result<ffi::AnyBuffer> out, float scale,
+                              int64_t kv_heads_per_item) {
+  return PagedAttentionCore(pool, q, k, v, nullptr, nullptr, bt, lens, pos, out, scale, kv_heads_per_item);
+}
+
+ffi::Error PagedAttentionQ8Impl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                                ffi::AnyBuffer v, ffi::AnyBuffer k_scales, ffi::AnyBuffer v_scales,
+                                ffi::BufferR2<ffi::S32> bt, ffi::BufferR1<ffi::S32> lens,
+                                ffi::BufferR2<ffi::S32> pos, ffi::Result<ffi::AnyBuffer> out, float scale,
+                                int64_t kv_heads_per_item) {
+  return PagedAttentionCore(pool, q, k, v, &k_scales, &v_scales, bt, lens, pos, out, scale, kv_heads_per_item);
 }
 
 }  // namespace
@@ -723,6 +791,24 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedAttention, PagedAttentionImpl,
                                   .Attr<float>("scale")
                                   .Attr<int64_t>("kv_heads_per_item"));
 
+// int8 pages with float32 scales [num_pages, page_size, KVH] (kv_cache_dtype="int8").
+JS_EXPORT XLA_FFI_Error* JaxservePagedAttentionQ8(XLA_FFI_CallFrame* call_frame);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedAttentionQ8, PagedAttentionQ8Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()               // q [B, T, H, D]
+                                  .Arg<ffi::AnyBuffer>()               // k pages (int8)
+                                  .Arg<ffi::AnyBuffer>()               // v pages (int8)
+                                  .Arg<ffi::AnyBuffer>()               // k scales [num_pages, ps, KVH]
+                                  .Arg<ffi::AnyBuffer>()               // v scales
+                                  .Arg<ffi::BufferR2<ffi::S32>>()      // block_tables [B, P]
+                                  .Arg<ffi::BufferR1<ffi::S32>>()      // context_lens [B]
+                                  .Arg<ffi::BufferR2<ffi::S32>>()      // positions [B, T]
+                                  .Ret<ffi::AnyBuffer>()               // out [B, T, H, D]
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("kv_heads_per_item"));
+
 // Which vector code runs: 0 baseline, 1 AVX2+FMA, 2 AVX-512.
 JS_EXPORT int jaxserve_cpu_isa() { return current_isa().load(); }
 // The best instruction set this host supports.
@@ -733,7 +819,7 @@ JS_EXPORT int jaxserve_cpu_set_isa(int isa) {
   return current_isa().load();
 }
 // Bumped whenever the FFI signature changes, so a stale library is not used.
-JS_EXPORT int jaxserve_cpu_abi_version() { return 1; }
+JS_EXPORT int jaxserve_cpu_abi_version() { return 2; }
 
 // The sha256 of the source this library was built from (native.py passes it), so that a source
 // checkout rebuilds a library made from another version of this file.

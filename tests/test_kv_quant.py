@@ -1,0 +1,418 @@
+"""The 8-bit KV cache (kv_cache_dtype="int8" / "fp8"): the quantizer against a NumPy reference
+(byte for byte), every attention path reading quantized pages against the jnp oracle on the
+dequantized pages (NaN scales wherever no live context reaches), the page write and copy
+paths, the pool's sizing and kv-math's, and the engine end to end: greedy outputs of the
+int8-cache engine run alone equal the same engine batched (prefix caching, copy-on-write and
+preemption on), every page back in the pool, zero compiles after warm-up."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from paged_pools import close, page_pool, randn
+
+from jaxserve import kv_math
+from jaxserve.engine.engine_config import EngineConfig
+from jaxserve.models.model_config import ModelConfig
+from jaxserve.runner import model_runner
+from pallas_kernels import native, reference
+from pallas_kernels import paged_attention as pk
+
+DTYPES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
+
+
+def np_quantize(x: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray]:
+    """The NumPy reference of reference.quantize_kv: scale = max|x| * float32(1/qmax) per
+    vector (last axis), q = x * (1/scale) clipped to [-qmax, qmax], rounded half to even
+    (int8) or cast with round-to-nearest-even (float8_e4m3fn); scale 0 -> q 0."""
+    qmax = 127.0 if kind == "int8" else 448.0
+    x = np.asarray(x, np.float32)
+    scale = (np.abs(x).max(-1) * np.float32(1.0 / qmax)).astype(np.float32)
+    safe = np.where(scale > 0, scale, np.float32(1))
+    inv = np.where(scale > 0, np.float32(1) / safe, np.float32(0)).astype(np.float32)
+    y = np.clip(x * inv[..., None], -qmax, qmax).astype(np.float32)
+    if kind == "int8":
+        return np.rint(y).astype(np.int8), scale
+    return y.astype(ml_dtypes.float8_e4m3fn), scale
+
+
+def _bits(a) -> np.ndarray:
+    a = np.asarray(a)
+    return a.view(np.uint8) if a.dtype.itemsize == 1 else a.view(np.uint32)
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_quantize_matches_numpy_exactly(kind):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((7, 9, 3, 64)).astype(np.float32) * rng.lognormal(0, 3, (7, 9, 3, 1)).astype(np.float32)
+    x[0, 0, 0] = 0.0  # a zero vector: scale 0, q 0
+    x[0, 0, 1, :5] = [1e-30, -1e-30, 0, 0, 0]  # tiny (denormal scale)
+    x[1, 1, 1] = np.linspace(-5, 5, 64)  # exact ties after scaling
+    x[2, 2, 2, 3] = 3e38  # near float32's max
+    for dtype in (jnp.float32, jnp.bfloat16):
+        xj = jnp.asarray(x).astype(dtype)
+        q, s = jax.jit(reference.quantize_kv, static_argnums=1)(xj, DTYPES[kind])
+        want_q, want_s = np_quantize(np.asarray(xj.astype(jnp.float32)), kind)
+        assert q.dtype == DTYPES[kind] and s.dtype == jnp.float32 and s.shape == x.shape[:-1]
+        np.testing.assert_array_equal(_bits(s), _bits(want_s))
+        np.testing.assert_array_equal(_bits(q), _bits(want_q))
+        assert (np.asarray(q[0, 0, 0]).astype(np.float32) == 0).all() and float(s[0, 0, 0]) == 0.0
+        # dequantized error: at most half a step (int8), float8's relative rounding otherwise
+        deq = np.asarray(reference.dequantize(q, s))
+        err = np.abs(deq - np.asarray(xj.astype(jnp.float32)))
+        bound = 0.5 * np.asarray(s)[..., None] if kind == "int8" else np.abs(deq) / 16 + np.asarray(s)[..., None]
+        assert (err <= bound * 1.0001 + 1e-45).all()
+
+
+_quantize = jax.jit(reference.quantize_kv, static_argnums=1)
+_floats = st.floats(-1e6, 1e6, width=32) | st.sampled_from([0.0, -0.0, 1e-38, -3e-39, 0.5, 1.5, 2.5, 65504.0])
+
+
+@settings(max_examples=40, deadline=None)
+@given(kind=st.sampled_from(["int8", "fp8"]), data=st.data())
+def test_quantize_matches_numpy_hypothesis(kind, data):
+    """Any float32 values (one shape, so one compile per dtype): identical bytes and scales."""
+    x = np.asarray(data.draw(st.lists(_floats, min_size=64, max_size=64), label="x"), np.float32).reshape(2, 2, 16)
+    if data.draw(st.booleans(), label="zero vector"):
+        x[1, 0] = 0.0
+    q, s = _quantize(jnp.asarray(x), DTYPES[kind])
+    want_q, want_s = np_quantize(x, kind)
+    np.testing.assert_array_equal(_bits(s), _bits(want_s))
+    np.testing.assert_array_equal(_bits(q), _bits(want_q))
+
+
+@pytest.mark.parametrize("kind", ["auto", "int8", "fp8"])
+def test_write_kv_writes_the_quantized_bytes(kind):
+    """write_kv puts quantize_kv's bytes and scales at the slots and hands back k/v as the
+    pool now holds them (dequantized), so a fresh prompt sees what later steps read."""
+    rng = np.random.default_rng(1)
+    cache = reference.empty_kv_cache(6, 4, 2, 16, jnp.float32, kind)
+    assert len(cache) == (2 if kind == "auto" else 4)
+    k, v = randn(rng, (1, 5, 2, 16)), randn(rng, (1, 5, 2, 16))
+    slots = jnp.asarray([[4, 5, 6, 13, 0]], jnp.int32)
+    new, k_seen, v_seen = jax.jit(reference.write_kv)(cache, k, v, slots)
+    flat = lambda a: np.asarray(a).reshape(24, *a.shape[2:])  # noqa: E731
+    if kind == "auto":
+        np.testing.assert_array_equal(flat(new[0])[[4, 5, 6, 13, 0]], np.asarray(k[0]))
+        np.testing.assert_array_equal(np.asarray(k_seen), np.asarray(k))
+        np.testing.assert_array_equal(np.asarray(v_seen), np.asarray(v))
+        return
+    for pages, scales, x, seen in ((new[0], new[2], k, k_seen), (new[1], new[3], v, v_seen)):
+        want_q, want_s = np_quantize(np.asarray(x[0]), kind)
+        np.testing.assert_array_equal(_bits(flat(pages)[[4, 5, 6, 13, 0]]), _bits(want_q))
+        np.testing.assert_array_equal(flat(scales)[[4, 5, 6, 13, 0]], want_s)
+        np.testing.assert_array_equal(np.asarray(seen[0]), want_q.astype(np.float32) * want_s[..., None])
+        untouched = np.setdiff1d(np.arange(24), [4, 5, 6, 13, 0])
+        assert (flat(scales)[untouched] == 0).all()
+
+
+def _quantized_pool(rng, lens, ps, kvh, d, kind, even_width=False, poison=np.nan):
+    """page_pool's layout quantized: (clean cache tuple, poisoned cache tuple, dequantized
+    k, v, block tables). Poisoned: the scales of every slot no live context reaches are
+    `poison` (NaN: a kernel that reads one fails; the XLA chunked loop reads whole chunks and
+    masks scores, so it gets a large finite value)."""
+    k, _, k_bad, _, bt = page_pool(rng, lens, ps, kvh, d, jnp.float32, even_width=even_width)
+    v = randn(rng, k.shape)
+    dead = jnp.isnan(k_bad[..., 0])
+    qk, sk = reference.quantize_kv(k, DTYPES[kind])
+    qv, sv = reference.quantize_kv(v, DTYPES[kind])
+    bad = tuple(jnp.where(dead, poison, s) for s in (sk, sv))
+    return (qk, qv, sk, sv), (qk, qv, *bad), reference.dequantize(qk, sk), reference.dequantize(qv, sv), bt
+
+
+_oracle = jax.jit(reference.paged_attention, static_argnums=6)
+_native = jax.jit(native.paged_attention, static_argnums=6)
+_chunked = jax.jit(reference.paged_attention_chunked, static_argnums=(6, 7))
+
+
+@pytest.mark.parametrize(
+    "t,ratio,d,ps,max_len",
+    [(1, 4, 64, 16, 700), (33, 8, 32, 32, 400), (3, 2, 40, 16, 130)],
+)
+def test_native_int8_matches_oracle(t, ratio, d, ps, max_len):
+    """The C++ kernel on int8 pages + scales (decode, chunks within one and across two query
+    blocks, vector and scalar head dims; random lengths, some rows inactive) against the
+    oracle on the dequantized pages."""
+    for seed in range(2):
+        rng = np.random.default_rng(seed)
+        lens = [max_len] + [int(x) if x >= t else 0 for x in rng.integers(0, max_len, 2)]
+        _, bad, kd, vd, bt = _quantized_pool(rng, lens, ps, 2, d, "int8")
+        q = randn(rng, (3, t, 2 * ratio, d))
+        cl = jnp.asarray(lens, jnp.int32)
+        pos = cl[:, None] - t + jnp.arange(t, dtype=jnp.int32)[None, :]
+        got = np.asarray(_native(q, *bad[:2], bt, cl, pos, 1 / math.sqrt(d), *bad[2:]))
+        sees = (np.asarray(pos) >= 0) & (np.asarray(lens) > 0)[:, None]
+        assert (got[~sees] == 0).all()
+        close(got[sees], np.asarray(_oracle(q, kd, vd, bt, cl, pos, 1 / math.sqrt(d)))[sees], jnp.float32)
+
+
+@pytest.mark.parametrize("isa", native.ISAS)
+def test_native_int8_every_vector_variant(isa):
+    best = native.set_cpu_isa("avx512")
+    if native.ISAS.index(isa) > native.ISAS.index(best):
+        pytest.skip(f"this host cannot run {isa} (best: {best})")
+    try:
+        native.set_cpu_isa(isa)
+        rng = np.random.default_rng(7)
+        _, bad, kd, vd, bt = _quantized_pool(rng, [300, 0, 41, 1], 8, 2, 64, "int8")
+        for t in (1, 5):
+            q = randn(rng, (4, t, 8, 64), jnp.bfloat16)
+            cl = jnp.asarray([300, 0, 41, 1], jnp.int32)
+            pos = jnp.maximum(cl[:, None] - t + jnp.arange(t)[None], 0)
+            got = np.asarray(_native(q, *bad[:2], bt, cl, pos, 0.125, *bad[2:]).astype(jnp.float32))
+            want = np.asarray(_oracle(q.astype(jnp.float32), kd, vd, bt, cl, pos, 0.125))
+            close(got[[0, 2]], want[[0, 2]], jnp.bfloat16)
+    finally:
+        native.set_cpu_isa("avx512")
+
+
+def test_native_refuses_fp8_pages():
+    rng = np.random.default_rng(2)
+    clean, _, _, _, bt = _quantized_pool(rng, [20], 8, 2, 32, "fp8")
+    cl = jnp.asarray([20], jnp.int32)
+    with pytest.raises(ValueError, match="int8"):
+        native.paged_attention(randn(rng, (1, 1, 4, 32)), *clean[:2], bt, cl, cl[:, None] - 1, 0.2, *clean[2:])
+
+
+@pytest.mark.parametrize("kind", ["fp8"])
+def test_xla_chunked_quantized_matches_oracle(kind):
+    """The XLA serving loop on fp8 pages (int8: test_attention_dispatchers_read_quantized_pages)."""
+    b, t, ratio, ps = 3, 3, 2, 4
+    for seed in range(2):
+        _check_chunked(np.random.default_rng(seed), kind, b, t, ratio, ps)
+
+
+def _check_chunked(rng, kind, b, t, ratio, ps):
+    lens = [int(x) for x in rng.integers(t, 90, b)]
+    lens[0] = 90  # a fixed table width
+    _, bad, kd, vd, bt = _quantized_pool(rng, lens, ps, 2, 16, kind, even_width=True, poison=1e30)
+    q = randn(rng, (b, t, 2 * ratio, 16))
+    cl = jnp.asarray(lens, jnp.int32)
+    pos = cl[:, None] - t + jnp.arange(t, dtype=jnp.int32)[None, :]
+    want = _oracle(q, kd, vd, bt, cl, pos, 0.25)
+    got = _chunked(q, *bad[:2], bt, cl, pos, 0.25, 2, *bad[2:])
+    close(got, want, jnp.float32)
+    # the oracle itself reads quantized pages the same way
+    close(_oracle(q, *bad[:2], bt, cl, pos, 0.25, *bad[2:]), want, jnp.float32)
+
+
+@pytest.mark.parametrize(
+    "backend,kind,ratio,ps,lens",
+    [
+        ("tpu", "fp8", 1, 16, [17, 48]),
+        ("gpu", "fp8", 4, 8, [5, 61]),
+    ],
+)
+def test_pallas_decode_quantized_matches_oracle(backend, kind, ratio, ps, lens):
+    """Both Pallas lowerings (interpreted) dequantize fp8 pages per token in the kernel, with
+    the page-block / split knobs (int8: test_attention_dispatchers_read_quantized_pages)."""
+    rng = np.random.default_rng(sum(lens))
+    _, bad, kd, vd, bt = _quantized_pool(rng, lens, ps, 2, 64, kind, even_width=True)
+    q = randn(rng, (2, 2 * ratio, 64))
+    cl = jnp.asarray(lens, jnp.int32)
+    want = _oracle(q[:, None], kd, vd, bt, cl, cl[:, None] - 1, 0.125)[:, 0]
+    knobs = {"pages_per_block": 2} if backend == "tpu" else {"num_splits": 2, "pages_per_iter": 2}
+    got = pk.paged_decode_attention(
+        q, *bad[:2], bt, cl, scale=0.125, backend=backend, interpret=True, k_scales=bad[2], v_scales=bad[3], **knobs
+    )
+    close(got, want, jnp.float32)
+
+
+@pytest.mark.parametrize(
+    "impl,mode",
+    [(i, m) for i in ("xla", "native", "pallas-tpu", "pallas-gpu") for m in ("decode", "context")]
+    + [("xla", "prefill")],
+)
+def test_attention_dispatchers_read_quantized_pages(impl, mode):
+    """reference.attention, native.attention and the Pallas dispatcher on an int8 cache tuple:
+    decode and context read the pages (the oracle on dequantized pages); prefill attends to the
+    k/v it is given (write_kv hands it the dequantized values)."""
+    rng = np.random.default_rng(3)
+    ps, kvh, d = 8, 2, 32
+    if mode == "prefill":
+        lens, t = [25], 32
+    elif mode == "decode":
+        lens, t = [37, 1, 66], 1
+    else:
+        lens, t = [34], 16
+    clean, bad, kd, vd, bt = _quantized_pool(rng, lens, ps, kvh, d, "int8", even_width=True, poison=1e30)
+    cache = clean if impl == "xla" else bad
+    b = len(lens)
+    q = randn(rng, (b, t, 2 * kvh, d))
+    cl = jnp.asarray(lens, jnp.int32)
+    if mode == "prefill":
+        seg = jnp.asarray([[0] * 11 + [1] * 14 + [-1] * 7], jnp.int32)
+        pos = jnp.asarray(np.concatenate([np.arange(11), np.arange(14), np.zeros(7)])[None], jnp.int32)
+        k, v = (reference.dequantize(*reference.quantize_kv(randn(rng, (1, t, kvh, d)), jnp.int8)) for _ in "kv")
+        want = reference.causal_attention(q, k, v, 0.2, seg)
+    else:
+        pos = cl[:, None] - t + jnp.arange(t, dtype=jnp.int32)[None, :]
+        seg = jnp.zeros_like(pos)
+        k = v = jnp.zeros((b, t, kvh, d))
+        want = _oracle(q, kd, vd, bt, cl, pos, 0.2)
+    meta = reference.AttentionMetadata(jnp.zeros_like(pos), bt, cl, pos, seg)
+    if impl == "xla":
+        fn = reference.attention
+    elif impl == "native":
+        fn = native.attention
+    else:
+        fn = lambda *a, **kw: pk.attention(*a, interpret=True, backend=impl.split("-")[1], **kw)  # noqa: E731
+    got = jax.jit(lambda q, k, v, c, m: fn(q, k, v, c, m, scale=0.2, mode=mode))(q, k, v, cache, meta)
+    assert got.shape == q.shape and got.dtype == q.dtype
+    if mode == "prefill":
+        live = np.asarray(seg[0] >= 0)
+        close(np.asarray(got)[:, live], np.asarray(want)[:, live], jnp.float32)
+    else:
+        close(got, want, jnp.float32)
+
+
+# -- the pool: sizing, resolve, copy -----------------------------------------------------
+
+
+def _model_cfg(head_dim: int, layers: int = 2, kv_heads: int = 2) -> ModelConfig:
+    return ModelConfig(
+        architecture="LlamaForCausalLM",
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=160,
+        num_layers=layers,
+        num_heads=4,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        max_position_embeddings=4096,
+    )
+
+
+def _pages(cfg: ModelConfig, dtype: str, kind: str, budget: int = 64 << 20) -> int:
+    e = EngineConfig(dtype=dtype, kv_cache_dtype=kind, kv_cache_memory_bytes=budget, max_model_len=256)
+    return model_runner.resolve(cfg, None, e, weight_bytes=0, max_logprobs=0).num_pages
+
+
+@pytest.mark.parametrize("head_dim", [16, 32, 64, 128])
+def test_int8_pool_holds_more_pages_at_a_fixed_budget(head_dim):
+    """The engine's own sizing at a fixed kv_cache_memory_bytes, scale bytes counted:
+    per token-head, int8 takes D + 4 bytes (a float32 scale) against 4D (fp32), 2D (bf16)."""
+    cfg = _model_cfg(head_dim)
+    fp32, bf16 = _pages(cfg, "float32", "auto"), _pages(cfg, "bfloat16", "auto")
+    int8, fp8 = _pages(cfg, "float32", "int8"), _pages(cfg, "bfloat16", "fp8")
+    assert int8 == fp8
+    assert int8 / fp32 >= 1.9
+    assert int8 / fp32 == pytest.approx(4 * head_dim / (head_dim + 4), rel=1e-3)
+    assert int8 / bf16 == pytest.approx(2 * head_dim / (head_dim + 4), rel=1e-3)
+    if head_dim >= 76:  # 2D / (D + 4) >= 1.9 from D = 76: every production head dim (128)
+        assert int8 / bf16 >= 1.9
+    # kv-math says the same
+    shape = cfg.shape()
+    assert kv_math.kv_bytes_per_token(shape, "int8") == 2 * 2 * 2 * (head_dim + 4)
+    assert model_runner.kv_bytes_per_token("float32", cfg, kv_cache_dtype="int8") == kv_math.kv_bytes_per_token(
+        shape, "int8"
+    )
+
+
+def test_kv_math_capacity_follows_kv_dtype():
+    """kv-math's plan for a real model (Llama-3.1-8B on an H100, 8k context): an 8-bit cache
+    fits >= 1.9x the requests of a bf16 one, scales counted."""
+    m = kv_math.resolve_model("llama-3.1-8b")
+    bf16 = kv_math.plan(m, "h100", kv_dtype="bf16", context_len=8192)
+    int8 = kv_math.plan(m, "h100", kv_dtype="int8", context_len=8192)
+    assert int8.kv_bytes_per_token == 2 * 32 * 8 * (128 + 4)
+    assert int8.max_concurrent_requests >= 1.9 * bf16.max_concurrent_requests
+    lo8, _ = kv_math.decode_step_bounds(m, 32, 8192, 3.35e12, 1e15, kv_dtype="int8")
+    lo16, _ = kv_math.decode_step_bounds(m, 32, 8192, 3.35e12, 1e15, kv_dtype="bf16")
+    assert lo8 < lo16
+
+
+def test_resolve_kv_cache_dtype_choices():
+    cfg = _model_cfg(32)
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        EngineConfig(kv_cache_dtype="int4")
+    e = EngineConfig(kv_cache_dtype="fp8", num_pages=64, max_model_len=128)
+    assert model_runner.resolve(cfg, None, e, 0, 0).attention_impl in ("xla", "pallas")  # never native
+    if native.available():
+        with pytest.raises(ValueError, match="kv_cache_dtype='fp8'.*native"):
+            model_runner.resolve(cfg, None, EngineConfig(**{**e.__dict__, "attention_impl": "native"}), 0, 0)
+        rc = model_runner.resolve(cfg, None, EngineConfig(kv_cache_dtype="int8", num_pages=64, max_model_len=128), 0, 0)
+        assert rc.attention_impl == "native" and rc.kv_cache_dtype == "int8"
+
+
+def test_copy_pages_copies_scales():
+    """The copy-on-write step copies pages and their scales, in every layer."""
+    rng = np.random.default_rng(4)
+    kv = tuple(
+        tuple(jnp.asarray(rng.integers(-127, 128, s), jnp.int8) for s in [(6, 4, 2, 8)] * 2)
+        + tuple(randn(rng, (6, 4, 2)) for _ in range(2))
+        for _ in range(2)
+    )
+    src, dst = jnp.asarray([1, 3, 0], jnp.int32), jnp.asarray([5, 2, 0], jnp.int32)
+    out = jax.jit(model_runner._copy_pages)(kv, src, dst)
+    for layer, new in zip(kv, out):
+        for a, b in zip(layer, new):
+            want = np.asarray(a).copy()
+            want[[5, 2]] = np.asarray(a)[[1, 3]]
+            np.testing.assert_array_equal(np.asarray(b), want)
+
+
+# -- the engine ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def qllm(tok_model):
+    from jaxserve import LLM
+
+    return LLM(
+        tok_model[0],
+        max_slots=8,
+        page_size=8,
+        max_model_len=160,
+        num_pages=40,
+        prefill_buckets=(32, 64),
+        kv_cache_dtype="int8",
+    )
+
+
+def test_int8_engine_alone_equals_batched_and_returns_every_page(qllm):
+    """Greedy outputs of the int8-cache engine batched (shared prefixes, a partly shared page,
+    a pool small enough to preempt) equal each request run alone on the same engine; the pool
+    holds the engine's int8 pages and scales; nothing compiles after warm-up; every page is
+    back in the pool afterwards."""
+    from jaxserve import SamplingParams
+    from jaxserve.runner.executable_cache import compile_count
+
+    kv = qllm.runner.kv
+    assert len(kv[0]) == 4 and kv[0][0].dtype == jnp.int8 and kv[0][2].dtype == jnp.float32
+    pool_bytes = sum(x.nbytes for layer in kv for x in layer)
+    rc = qllm.runner.cfg
+    assert pool_bytes == rc.num_pages * rc.page_size * model_runner.kv_bytes_per_token(
+        rc.dtype, qllm.runner.model_cfg, kv_cache_dtype="int8"
+    )
+    rng = np.random.default_rng(0)
+    shared = [int(x) for x in rng.integers(3, 512, 21)]  # 2 full pages and a partial one
+    prompts = [shared + [int(x) for x in rng.integers(3, 512, int(n))] for n in rng.integers(0, 30, 6)]
+    prompts += [[int(x) for x in rng.integers(3, 512, int(n))] for n in rng.integers(1, 60, 6)]
+    outs = [int(x) for x in rng.integers(20, 70, len(prompts))]
+    params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in outs]
+    before = compile_count()
+    qllm.generate([shared], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))  # cache the prefix
+    batched = qllm.generate(prompts, params)
+    assert qllm.scheduler.num_preemptions > 0
+    assert sum(r.num_cached_prompt_tokens for r in batched) > 0
+    alone = []
+    for p, sp in zip(prompts, params):
+        qllm.flush_prefix_cache()
+        alone.append(qllm.generate([p], sp)[0].token_ids)
+    assert compile_count() == before
+    for r, a, m in zip(batched, alone, outs):
+        assert len(r.token_ids) == m
+        assert r.token_ids == a
+    qllm.flush_prefix_cache()
+    qllm.allocator.check()
+    assert qllm.allocator.num_free == qllm.allocator.capacity, "pages leaked"
