@@ -7,6 +7,7 @@ preemption on), every page back in the pool, zero compiles after warm-up."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import jax
@@ -416,3 +417,54 @@ def test_int8_engine_alone_equals_batched_and_returns_every_page(qllm):
     qllm.flush_prefix_cache()
     qllm.allocator.check()
     assert qllm.allocator.num_free == qllm.allocator.capacity, "pages leaked"
+
+
+TP_SCRIPT = r"""
+import json, sys
+import numpy as np, jax
+from jaxserve import LLM, SamplingParams
+assert len(jax.devices()) == 4, jax.devices()
+rng = np.random.default_rng(0)
+prompts = [[int(x) for x in rng.integers(3, 512, int(n))] for n in rng.integers(2, 40, 4)]
+params = [SamplingParams(max_tokens=int(m), temperature=0, ignore_eos=True) for m in rng.integers(3, 20, 4)]
+out = {}
+for tp in (1, 2, 4):
+    llm = LLM(sys.argv[1], tensor_parallel_size=tp, kv_cache_dtype="int8", max_slots=2, page_size=8,
+              max_model_len=64, num_pages=40, prefill_buckets=(64,))
+    toks = [o.token_ids for o in llm.generate(prompts, params)]
+    kv = llm.runner.target.kv[0]  # after the run: each step donates the pool and returns a new one
+    out[tp] = {"tokens": toks, "shards": [list(x.addressable_shards[0].data.shape) for x in kv],
+               "dtypes": [str(x.dtype) for x in kv], "impl": llm.runner.attention_impl}
+print("RESULT" + json.dumps(out))
+"""
+
+
+def test_int8_cache_under_tensor_parallelism(tmp_path):
+    """4 CPU devices (a subprocess): the int8 cache's scales split with their KV heads at tp=2
+    (2 KV heads), replicated and sliced per chip at tp=4; greedy tokens equal one device's."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from conftest import make_hf_model
+
+    make_hf_model(
+        "llama", tmp_path, hidden_size=64, num_attention_heads=8, num_key_value_heads=2, intermediate_size=128
+    )
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    r = subprocess.run(
+        [sys.executable, "-c", TP_SCRIPT, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+        cwd=Path(__file__).resolve().parents[1],
+    )
+    line = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT")]
+    assert line, r.stdout[-3000:] + r.stderr[-3000:]
+    out = json.loads(line[0][6:])
+    assert out["2"]["tokens"] == out["4"]["tokens"] == out["1"]["tokens"]
+    assert out["1"]["dtypes"] == ["int8", "int8", "float32", "float32"]
+    assert out["2"]["shards"] == [[40, 8, 1, 8]] * 2 + [[40, 8, 1]] * 2  # pages and scales split by KV head
+    assert out["4"]["shards"] == [[40, 8, 2, 8]] * 2 + [[40, 8, 2]] * 2  # 2 KV heads < 4 chips: replicated
