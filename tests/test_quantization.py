@@ -147,6 +147,13 @@ def test_bad_quantization_names_the_field(tmp_path):
         EngineConfig(quantization="int4")
     with pytest.raises(ValueError, match="quantization"):
         quantization.check_mode("fp8")
+    # the executable store's key is built from the EngineConfig repr (model_runner.resolve), and
+    # gin's ServeConfig and the CLI get a field / flag for every EngineConfig field
+    assert "quantization='int8'" in repr(EngineConfig(quantization="int8"))
+    from jaxserve import cli, serve_config
+
+    assert "quantization" in serve_config.ENGINE_FIELDS
+    assert cli.ENGINE_FLAGS["--quantization"][0] == "quantization"
 
 
 @pytest.fixture(scope="module")
