@@ -429,7 +429,7 @@ prompts = [[int(x) for x in rng.integers(3, 512, int(n))] for n in rng.integers(
 params = [SamplingParams(max_tokens=int(m), temperature=0, ignore_eos=True) for m in rng.integers(3, 20, 4)]
 out = {}
 for tp in (1, 2, 4):
-    llm = LLM(sys.argv[1], tensor_parallel_size=tp, kv_cache_dtype="int8", max_slots=2, page_size=8,
+    llm = LLM(sys.argv[1], tensor_parallel_size=tp, kv_cache_dtype="int8", max_slots=1, page_size=8,
               max_model_len=64, num_pages=40, prefill_buckets=(64,))
     toks = [o.token_ids for o in llm.generate(prompts, params)]
     kv = llm.runner.target.kv[0]  # after the run: each step donates the pool and returns a new one
