@@ -259,6 +259,11 @@ class RunnerConfig:
     max_logprobs: int = 0  # the top-n alternatives a decode step computes when any row asks for logprobs
     num_speculative_tokens: int = 0  # k of a speculative step; 0 = no speculation
     tensor_parallel_size: int = 1
+    # Decode batch buckets are powers of two from 8 rows (on TPU/GPU a sublane tile: fewer rows
+    # cost the same). On the CPU every padded row costs its share of the matmuls, so a lone
+    # request (the latency case, and speculative verification at batch 1) gets a bucket of one
+    # row; 2-7 rows still pad to 8 (each bucket is 4 more executables to compile at start).
+    single_row_bucket: bool = False
     store_context: str | None = None  # with compilation_cache_dir: the key of the executable store
     compilation_cache_dir: str | None = None
 
@@ -324,6 +329,8 @@ class ModelRunner:
         # Decode runs over the live sequences only, padded to a power-of-two batch: the slot
         # a request holds is host bookkeeping, the device addresses KV through pages.
         self.batch_buckets = pow2_buckets(min(8, cfg.max_slots), cfg.max_slots)
+        if cfg.single_row_bucket and self.batch_buckets[0] > 1:
+            self.batch_buckets = (1, *self.batch_buckets)
         # The previous decode step's sampled ids, on the device, and where each of its rows
         # sits in them: the next step reads its input tokens from here (decode_async's feed).
         self._prev_tokens = jnp.zeros((self.batch_buckets[-1],), jnp.int32)
@@ -567,6 +574,7 @@ def resolve(
         max_logprobs=min(max_logprobs, model_cfg.vocab_size),
         num_speculative_tokens=spec_k,
         tensor_parallel_size=cfg.tensor_parallel_size,
+        single_row_bucket=backend == "cpu",
         compilation_cache_dir=cfg.compilation_cache_dir,
         store_context=f"{dataclasses.replace(cfg, compilation_cache_dir=None)!r} {model_cfg!r} {draft_cfg!r}",
     )
