@@ -323,7 +323,8 @@ def test_measure_host_small() -> None:
     assert host["memory_bandwidth"] > 0 and host["matmul_flops_fp32"] > 0
 
 
-def test_measure_engine_step_runs_the_real_decode_step():
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_measure_engine_step_runs_the_real_decode_step(quantization):
     shape = km.ModelShape(
         name="tiny",
         num_layers=2,
@@ -336,5 +337,5 @@ def test_measure_engine_step_runs_the_real_decode_step():
         tie_word_embeddings=False,
         max_position_embeddings=128,
     )
-    secs = kv_math_cli.measure_engine_step(shape, batch=2, context_len=40, repeats=3)
+    secs = kv_math_cli.measure_engine_step(shape, batch=2, context_len=40, repeats=3, quantization=quantization)
     assert 0 < secs < 5

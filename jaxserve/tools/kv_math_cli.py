@@ -8,6 +8,7 @@ a tool at the top of the stack, so it may build an engine to time it.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -109,11 +110,12 @@ def measure_engine_step(
     repeats: int = 5,
     attention_impl: str | None = None,
     kv_cache_dtype: str = "auto",
+    quantization: str | None = None,
 ) -> float:
     """Median seconds of the real jaxserve decode step (float32, every slot active at
     `context_len`, the engine's default attention for this backend unless `attention_impl`,
-    KV pages in float32 or `kv_cache_dtype`) for a random-weight model of this shape: the
-    number the roofline predicts."""
+    KV pages in float32 or `kv_cache_dtype`, weights in float32 or int8 with `quantization`)
+    for a random-weight model of this shape: the number the roofline predicts."""
     import jax
     from flax import nnx
 
@@ -150,7 +152,12 @@ def measure_engine_step(
         enable_prefix_caching=False,
     )
     rc = model_runner.resolve(cfg, None, engine_cfg, weight_bytes=0, max_logprobs=0)
-    runner = model_runner.ModelRunner(LlamaForCausalLM(cfg, dtype="float32", rngs=nnx.Rngs(0)), cfg, rc)
+    module = LlamaForCausalLM(cfg, dtype="float32", rngs=nnx.Rngs(0))
+    if quantization is not None:
+        from jaxserve.models.linear import quantize_modules
+
+        quantize_modules(module, quantization)
+    runner = model_runner.ModelRunner(module, cfg, rc)
     rows = [
         Chunk([0], context_len, list(range(1 + i * pages, 1 + (i + 1) * pages)), (0.0, 0, 1.0, 0, 0))
         for i in range(batch)
@@ -165,10 +172,16 @@ def measure_engine_step(
     return sorted(times)[len(times) // 2]
 
 
-def _measure_host_report(model: ModelShape, context_len: int, as_json: bool, kv_dtype: str = "fp32") -> int:
-    """kv_dtype: fp32 (the CPU's pages), or int8 / fp8 (the engine's kv_cache_dtype, scales counted)."""
+def _measure_host_report(
+    model: ModelShape, context_len: int, as_json: bool, kv_dtype: str = "fp32", weight_dtype: str = "fp32"
+) -> int:
+    """kv_dtype: fp32 (the CPU's pages), or int8 / fp8 (the engine's kv_cache_dtype, scales counted);
+    weight_dtype: fp32, or int8 (the engine's quantization="int8")."""
     kv_cache_dtype = kv_dtype if kv_dtype in ("int8", "fp8") else "auto"
     kv_dtype = kv_dtype if kv_cache_dtype != "auto" else "fp32"
+    quantization = "int8" if weight_dtype == "int8" else None
+    weight_dtype = "int8" if quantization else "fp32"
+    measure = functools.partial(measure_engine_step, kv_cache_dtype=kv_cache_dtype, quantization=quantization)
     host = measure_host()
     rows = []
     for b in (1, 8, 32):
@@ -178,7 +191,7 @@ def _measure_host_report(model: ModelShape, context_len: int, as_json: bool, kv_
             context_len,
             host["memory_bandwidth"],
             host["matmul_flops_fp32"],
-            weight_dtype="fp32",
+            weight_dtype=weight_dtype,
             kv_dtype=kv_dtype,
         )
         rows.append(
@@ -187,17 +200,22 @@ def _measure_host_report(model: ModelShape, context_len: int, as_json: bool, kv_
                 "memory_bound_s": mem,
                 "compute_bound_s": comp,
                 "predicted_s": max(mem, comp),
-                "measured_engine_s": measure_engine_step(model, b, context_len, kv_cache_dtype=kv_cache_dtype),
+                "measured_engine_s": measure(model, b, context_len),
                 # the XLA attention path beside it, for comparison with the default
-                "measured_engine_xla_s": measure_engine_step(
-                    model, b, context_len, attention_impl="xla", kv_cache_dtype=kv_cache_dtype
-                ),
+                "measured_engine_xla_s": measure(model, b, context_len, attention_impl="xla"),
             }
         )
         rows[-1]["measured_over_predicted"] = rows[-1]["measured_engine_s"] / rows[-1]["predicted_s"]
         rows[-1]["xla_over_predicted"] = rows[-1]["measured_engine_xla_s"] / rows[-1]["predicted_s"]
     if as_json:
-        out = {"host": host, "model": model.name, "context_len": context_len, "kv_dtype": kv_dtype, "steps": rows}
+        out = {
+            "host": host,
+            "model": model.name,
+            "context_len": context_len,
+            "kv_dtype": kv_dtype,
+            "weight_dtype": weight_dtype,
+            "steps": rows,
+        }
         print(json.dumps(out, indent=2))
         return 0
     print(
@@ -206,7 +224,7 @@ def _measure_host_report(model: ModelShape, context_len: int, as_json: bool, kv_
         f"fp32 matmul {host['matmul_flops_fp32'] / 1e9:.0f} GFLOP/s  [{host['seconds']:.1f} s]"
     )
     print(
-        f"predicted decode step (fp32 weights, {kv_dtype} KV), {model.name} ({model.num_params / 1e6:.1f}M params), "
+        f"predicted decode step ({weight_dtype} weights, {kv_dtype} KV), {model.name} ({model.num_params / 1e6:.1f}M params), "
         f"context {context_len}:"
     )
     print(
@@ -252,7 +270,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--measure-host",
         action="store_true",
-        help="measure this machine and predict fp32 decode steps at batch 1, 8, 32 (KV fp32, or --kv-dtype int8/fp8)",
+        help="measure this machine and predict fp32 decode steps at batch 1, 8, 32 (KV fp32, or --kv-dtype "
+        "int8/fp8; weights fp32, or --weight-dtype int8: the engine's quantization)",
     )
     return ap
 
@@ -266,7 +285,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         model = resolve_model(args.model)
         if args.measure_host:
-            return _measure_host_report(model, _positive_int("context_len", args.context), args.json, args.kv_dtype)
+            if args.weight_dtype not in ("bf16", "fp32", "int8"):  # bf16 is the planner's default: fp32 here
+                raise ValueError(f"weight_dtype: --measure-host runs fp32 or int8 weights, not {args.weight_dtype}")
+            return _measure_host_report(
+                model, _positive_int("context_len", args.context), args.json, args.kv_dtype, args.weight_dtype
+            )
         reserve = None if args.activation_reserve_gb is None else args.activation_reserve_gb * GB
         p = plan(
             model,
