@@ -19,7 +19,6 @@ The int8 KV cache runs only where ``EngineConfig`` has ``kv_cache_dtype``.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import statistics
 import sys
@@ -39,36 +38,8 @@ CONFIGS = {  # name -> (quantization, kv_cache_dtype)
 }
 
 
-def kv_option_exists() -> bool:
-    from jaxserve.engine.engine_config import EngineConfig
-
-    return "kv_cache_dtype" in {f.name for f in dataclasses.fields(EngineConfig)}
-
-
 def engine_options(quant, kv) -> dict:
-    opts = {"quantization": quant}
-    if kv is not None:
-        opts["kv_cache_dtype"] = kv
-    return opts
-
-
-def model_config(spec: dict, context: int):
-    from jaxserve.models.model_config import ModelConfig
-
-    return ModelConfig(
-        architecture="LlamaForCausalLM",
-        vocab_size=spec["vocab_size"],
-        hidden_size=spec["hidden_size"],
-        intermediate_size=spec["intermediate_size"],
-        num_layers=spec["num_hidden_layers"],
-        num_heads=spec["num_attention_heads"],
-        num_kv_heads=spec["num_key_value_heads"],
-        head_dim=spec["hidden_size"] // spec["num_attention_heads"],
-        rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-        max_position_embeddings=max(context + 1, spec["max_position_embeddings"]),
-        tie_word_embeddings=spec["tie_word_embeddings"],
-    )
+    return {"quantization": quant, "kv_cache_dtype": kv or "auto"}
 
 
 def step_bytes(runner, batch: int, context: int) -> int:
@@ -87,36 +58,15 @@ def step_bytes(runner, batch: int, context: int) -> int:
 
 
 class StepTimer:
-    """One jitted decode step of a random-weight model, every slot at `context` tokens."""
+    """One jitted decode step of a random-weight model, every slot at `context` tokens
+    (kv-math's `decode_step_runner`: the step `jaxserve kv-math --measure-host` times)."""
 
-    def __init__(self, cfg, batch: int, context: int, quant, kv):
-        from flax import nnx
+    def __init__(self, shape, batch: int, context: int, quant, kv):
+        from jaxserve.tools.kv_math_cli import decode_step_runner
 
-        from jaxserve.engine.engine_config import EngineConfig
-        from jaxserve.models import linear
-        from jaxserve.models.llama import LlamaForCausalLM
-        from jaxserve.runner import model_runner
-        from jaxserve.runner.step_batch import Chunk
-
-        ps = 16
-        pages = -(-(context + 1) // ps)
-        ec = EngineConfig(
-            max_slots=batch,
-            page_size=ps,
-            max_model_len=pages * ps,
-            num_pages=batch * pages + 1,
-            dtype="float32",
-            enable_prefix_caching=False,
-            **engine_options(quant, kv),
+        self.runner, self.rows = decode_step_runner(
+            shape, batch, context, kv_cache_dtype=kv or "auto", quantization=quant
         )
-        rc = model_runner.resolve(cfg, None, ec, weight_bytes=0, max_logprobs=0)
-        module = LlamaForCausalLM(cfg, dtype="float32", rngs=nnx.Rngs(0))
-        linear.quantize_modules(module, quant)
-        self.runner = model_runner.ModelRunner(module, cfg, rc)
-        self.rows = [
-            Chunk([0], context, list(range(1 + i * pages, 1 + (i + 1) * pages)), (0.0, 0, 1.0, 0, 0))
-            for i in range(batch)
-        ]
         self.bytes = step_bytes(self.runner, batch, context)
         self.time()  # compile
 
@@ -145,12 +95,11 @@ def bandwidth(size_bytes: int = 256 << 20, repeats: int = 5) -> float:
     return x.nbytes / best
 
 
-def bench_steps(spec, configs, batches, context, repeats, steps_per_repeat) -> dict:
-    cfg = model_config(spec, context)
+def bench_steps(shape, configs, batches, context, repeats, steps_per_repeat) -> dict:
     bw_before = bandwidth()
     out = {}
     for b in batches:
-        timers = {name: StepTimer(cfg, b, context, *CONFIGS[name]) for name in configs}
+        timers = {name: StepTimer(shape, b, context, *CONFIGS[name]) for name in configs}
         times = {name: [] for name in configs}
         for _ in range(repeats):  # take turns: the shared machine's load hits every config alike
             for name, t in timers.items():
@@ -269,10 +218,6 @@ def main(argv=None) -> int:
 
     wl = json.loads(Path(args.workload).read_text())
     configs = [c for c in args.configs.split(",") if c]
-    if not kv_option_exists():
-        skipped = [c for c in configs if CONFIGS[c][1] is not None]
-        configs = [c for c in configs if CONFIGS[c][1] is None]
-        print(f"EngineConfig has no kv_cache_dtype yet: skipping {skipped}", flush=True)
     results = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "backend": jax.default_backend(),
@@ -285,7 +230,11 @@ def main(argv=None) -> int:
         results["matmul"] = bench_matmul(rows, shapes, max(3, args.repeats))
     if not args.skip_steps:
         batches = [int(b) for b in args.batches.split(",")]
-        r = bench_steps(wl["model"], configs, batches, args.context, args.repeats, args.steps_per_repeat)
+        from jaxserve.kv_math import resolve_model
+
+        r = bench_steps(
+            resolve_model(args.workload), configs, batches, args.context, args.repeats, args.steps_per_repeat
+        )
         results.update(r)
         print(
             f"decode step, context {args.context}, bandwidth {r['bandwidth_before'] / 1e9:.1f} GB/s before, "

@@ -103,20 +103,20 @@ def measure_host(size_bytes: int = 512 * 1024 * 1024, repeats: int = 5) -> dict[
     }
 
 
-def measure_engine_step(
+def decode_step_runner(
     model: ModelShape,
     batch: int,
     context_len: int,
-    repeats: int = 5,
+    *,
     attention_impl: str | None = None,
     kv_cache_dtype: str = "auto",
     quantization: str | None = None,
-) -> float:
-    """Median seconds of the real jaxserve decode step (float32, every slot active at
-    `context_len`, the engine's default attention for this backend unless `attention_impl`,
-    KV pages in float32 or `kv_cache_dtype`, weights in float32 or int8 with `quantization`)
-    for a random-weight model of this shape: the number the roofline predicts."""
-    import jax
+):
+    """A ModelRunner for a random-weight model of this shape (float32; the engine's default
+    attention for this backend unless `attention_impl`; KV pages in float32 or `kv_cache_dtype`;
+    weights in float32 or int8 with `quantization`) and its decode rows: `batch` slots, each at
+    `context_len` tokens on its own pages. Returns (runner, rows); `runner.decode(rows, 0)` is
+    one step. The step kv-math predicts, also timed by scripts/bench_quant.py."""
     from flax import nnx
 
     from jaxserve.engine.engine_config import EngineConfig
@@ -157,11 +157,34 @@ def measure_engine_step(
         from jaxserve.models.linear import quantize_modules
 
         quantize_modules(module, quantization)
-    runner = model_runner.ModelRunner(module, cfg, rc)
     rows = [
         Chunk([0], context_len, list(range(1 + i * pages, 1 + (i + 1) * pages)), (0.0, 0, 1.0, 0, 0))
         for i in range(batch)
     ]
+    return model_runner.ModelRunner(module, cfg, rc), rows
+
+
+def measure_engine_step(
+    model: ModelShape,
+    batch: int,
+    context_len: int,
+    repeats: int = 5,
+    attention_impl: str | None = None,
+    kv_cache_dtype: str = "auto",
+    quantization: str | None = None,
+) -> float:
+    """Median seconds of the real jaxserve decode step of `decode_step_runner`: the number the
+    roofline predicts."""
+    import jax
+
+    runner, rows = decode_step_runner(
+        model,
+        batch,
+        context_len,
+        attention_impl=attention_impl,
+        kv_cache_dtype=kv_cache_dtype,
+        quantization=quantization,
+    )
     runner.decode(rows, 0)  # compile
     times = []
     for _ in range(repeats):
