@@ -111,3 +111,17 @@ def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
     with torch.no_grad():
         out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
     return out[0, len(prompt) :].tolist()
+
+
+def pool_whole(llm, timeout: float = 10.0) -> None:
+    """Once the engine (stepped by a server's loop thread) has no request left, every page is
+    free or held by the prefix cache: nothing leaked."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not llm.scheduler.running and not llm.scheduler.waiting:
+            break
+        time.sleep(0.02)
+    cached = set(llm.prefix_cache.pages())
+    assert llm.allocator.num_free + len(cached) == llm.allocator.capacity

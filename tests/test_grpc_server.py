@@ -9,12 +9,12 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import numpy as np
 import pytest
+from conftest import pool_whole as _pool_whole
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.serving.client import Client
@@ -64,16 +64,6 @@ def served(tok_model):
     st = ServerThread(llm, max_waiting=64)
     yield st, llm, reqs, ref_ids, texts, ref_text
     st.stop()
-
-
-def _pool_whole(llm: LLM, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not llm.scheduler.running and not llm.scheduler.waiting:
-            break
-        time.sleep(0.02)
-    cached = set(llm.prefix_cache.pages())
-    assert llm.allocator.num_free + len(cached) == llm.allocator.capacity
 
 
 def test_stream_equals_generate_text_and_ids(served):

@@ -20,6 +20,7 @@ import urllib.request
 import grpc
 import openai
 import pytest
+from conftest import pool_whole as _pool_whole
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.models.registry import DEFAULT_MODEL
@@ -84,16 +85,6 @@ def _client(st, **kw) -> openai.OpenAI:
 
 def _model(st) -> str:
     return st.server.http.model_name
-
-
-def _pool_whole(llm: LLM, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not llm.scheduler.running and not llm.scheduler.waiting:
-            break
-        time.sleep(0.02)
-    cached = set(llm.prefix_cache.pages())
-    assert llm.allocator.num_free + len(cached) == llm.allocator.capacity
 
 
 def _ids(logprobs_content) -> list[int]:
