@@ -47,6 +47,7 @@ ENGINE_FLAGS = {
     "--quantization": ("quantization", str, "int8: weight-only int8 projections, per-output-channel scales"),
     "--attention-impl": ("attention_impl", str, "xla | pallas (default: by backend)"),
     "--kv-cache-dtype": ("kv_cache_dtype", str, "auto | int8 | fp8: 8-bit KV pages with per-token scales"),
+    "--matmul-impl": ("matmul_impl", str, "native | xla: the projections' matmul (default: native on CPU)"),
     "--tensor-parallel-size": ("tensor_parallel_size", int, "chips in the tensor-parallel mesh"),
     "--speculative-model": ("speculative_model", str, 'a draft checkpoint directory, or "ngram"'),
     "--num-speculative-tokens": ("num_speculative_tokens", int, "draft tokens per step"),

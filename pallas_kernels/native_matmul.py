@@ -1,13 +1,21 @@
-"""Weight-only int8 matmul on the CPU through XLA FFI, with its jnp reference.
+"""The projections' matmul on the CPU through XLA FFI, from weights packed into panels.
 
-``int8_matmul(x, w, scale)`` computes ``y[..., n] = scale[n] * sum_k x[..., k] * w[n, k]``:
-x [..., K] float32, w [N, K] int8 (one row per output channel), scale [N] float32; the result is
-float32 [..., N]. Inside or outside ``jax.jit`` (not under ``vmap``). The C++ kernel
-(``cpu/int8_matmul.cc``, in the same shared library as the paged-attention kernel, built and
-loaded by ``native``) widens the int8 weights in registers as it streams them: the step reads one
-byte per weight and never holds a float copy of them. Where the library is unavailable (not the
-CPU, no compiler) ``int8_matmul`` computes ``reference`` instead, which XLA runs by converting the
-weights to float32 first.
+A decode step multiplies a few rows by every weight, so it has to stream the weights once at
+memory speed; XLA:CPU's GEMM reads them at 12-14 GB/s from 8 rows up (30 GB/s for one row) on the
+development machine. ``cpu/matmul.cc`` (built into the same shared library as the attention
+kernel by ``native``) reads weights packed once at load into panels of ``PANEL`` columns, each
+panel [K, 64] contiguous: the whole array is [P, K, 64], P = ceil(N / 64), zero-padded past N.
+
+- ``pack(w)``: float32 kernel [K, N] (the layout ``models.linear`` holds) -> [P, K, 64].
+- ``pack_int8(q, scale)``: int8 weights [N, K] (one row per output channel, as quantized at load)
+  and their per-channel scales [N] -> int8 [P, K, 64] with each row's 64 bytes interleaved (byte
+  4i + j holds column 16j + i: what the kernel's widening reads in order) and scales [P * 64].
+- ``matmul(x, w, scale, n=N)``: x [..., K] float32 -> float32 [..., N]; int8 panels need scale.
+- ``reference``: the same from the unpacked weights in jnp, the oracle.
+
+Inside or outside ``jax.jit`` (not under ``vmap``). Where the library is unavailable (not the
+CPU, no compiler) ``available()`` is False and nothing should be packed: ``models.linear`` keeps
+its XLA layout then.
 """
 
 from __future__ import annotations
@@ -21,15 +29,17 @@ import numpy as np
 
 from pallas_kernels import native
 
-TARGET = "jaxserve_int8_matmul"
-ABI_VERSION = 1  # must match jaxserve_int8_matmul_abi_version() in cpu/int8_matmul.cc
+PANEL = 64  # columns per panel (kPanel in cpu/matmul.cc)
+TARGET_F32 = "jaxserve_matmul_f32"
+TARGET_Q8 = "jaxserve_matmul_q8"
+ABI_VERSION = 1  # must match jaxserve_matmul_abi_version() in cpu/matmul.cc
 
 _lock = threading.Lock()
 _state: dict = {}
 
 
 def available() -> bool:
-    """True when the native int8 matmul is built, loaded and registered with XLA (CPU only)."""
+    """True when the native matmul is built, loaded and registered with XLA (CPU only)."""
     if "ok" in _state:
         return _state["ok"]
     with _lock:
@@ -41,16 +51,15 @@ def available() -> bool:
             _state["error"] = native.unavailable_reason()
         else:
             try:
-                lib.jaxserve_int8_matmul_abi_version.restype = ctypes.c_int
-                if lib.jaxserve_int8_matmul_abi_version() != ABI_VERSION:
-                    raise RuntimeError(
-                        f"int8 matmul ABI {lib.jaxserve_int8_matmul_abi_version()}, expected {ABI_VERSION}"
-                    )
-                jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxserveInt8Matmul), platform="cpu")
+                lib.jaxserve_matmul_abi_version.restype = ctypes.c_int
+                if lib.jaxserve_matmul_abi_version() != ABI_VERSION:
+                    raise RuntimeError(f"matmul ABI {lib.jaxserve_matmul_abi_version()}, expected {ABI_VERSION}")
+                jax.ffi.register_ffi_target(TARGET_F32, jax.ffi.pycapsule(lib.JaxserveMatmulF32), platform="cpu")
+                jax.ffi.register_ffi_target(TARGET_Q8, jax.ffi.pycapsule(lib.JaxserveMatmulQ8), platform="cpu")
                 ok = True
-            except Exception as e:  # a library built without this kernel: use the reference
+            except Exception as e:  # a library built without this kernel: XLA's dot instead
                 _state["error"] = f"{type(e).__name__}: {e}"
-                native.log.warning("native int8 matmul unavailable, XLA will dequantize: %s", _state["error"])
+                native.log.warning("native matmul unavailable, XLA's dot will be used: %s", _state["error"])
         _state["ok"] = ok
         return ok
 
@@ -59,30 +68,83 @@ def unavailable_reason() -> str | None:
     return None if available() else _state.get("error")
 
 
-def reference(x, w, scale):
-    """The oracle: x @ float32(w).T * scale, in float32 (XLA converts the weights first)."""
+def num_panels(n: int) -> int:
+    return -(-n // PANEL)
+
+
+def _panels(w_kn: np.ndarray) -> np.ndarray:
+    """[K, N] -> [P, K, 64], zero-padded past N."""
+    k, n = w_kn.shape
+    pad = num_panels(n) * PANEL - n
+    w_kn = np.pad(w_kn, ((0, 0), (0, pad)))
+    return np.ascontiguousarray(w_kn.reshape(k, -1, PANEL).transpose(1, 0, 2))
+
+
+def pack(w) -> np.ndarray:
+    """float32 kernel [K, N] -> float32 panels [P, K, 64] (on the host, once at load)."""
+    w = np.asarray(w)
+    if w.ndim != 2 or w.dtype != np.float32:
+        raise ValueError(f"pack: a float32 kernel [K, N], got {w.shape} {w.dtype}")
+    return _panels(w)
+
+
+def pack_int8(q, scale) -> tuple[np.ndarray, np.ndarray]:
+    """int8 weights [N, K] and scales [N] -> interleaved int8 panels [P, K, 64], scales [P * 64]."""
+    q, scale = np.asarray(q), np.asarray(scale)
+    if q.ndim != 2 or q.dtype != np.int8 or scale.shape != (q.shape[0],):
+        raise ValueError(f"pack_int8: int8 [N, K] and scales [N], got {q.shape} {q.dtype}, {scale.shape}")
+    p = _panels(q.T)
+    p = p.reshape(*p.shape[:2], 4, 16).transpose(0, 1, 3, 2).reshape(p.shape)  # byte 4i + j <- column 16j + i
+    s = np.pad(scale.astype(np.float32), (0, p.shape[0] * PANEL - scale.shape[0]))
+    return np.ascontiguousarray(p), s
+
+
+def unpack(w, n: int) -> jax.Array:
+    """Panels back to the [K, N] matrix (float32; int8 panels as their int8 values, unscaled)."""
+    w = jnp.asarray(w)
+    if w.dtype == jnp.int8:
+        w = w.reshape(*w.shape[:2], 16, 4).transpose(0, 1, 3, 2).reshape(w.shape)
+    p, k, _ = w.shape
+    return w.transpose(1, 0, 2).reshape(k, p * PANEL)[:, :n].astype(jnp.float32)
+
+
+def reference(x, w, scale=None, *, n: int) -> jax.Array:
+    """The oracle: x @ unpack(w) (* scale), in float32, by XLA."""
     x = jnp.asarray(x, jnp.float32)
-    y = jax.lax.dot_general(
-        x, jnp.asarray(w).astype(jnp.float32), (((x.ndim - 1,), (1,)), ((), ())), precision=jax.lax.Precision.HIGHEST
-    )
-    return y * jnp.asarray(scale, jnp.float32)
+    y = jax.lax.dot_general(x, unpack(w, n), (((x.ndim - 1,), (0,)), ((), ())), precision=jax.lax.Precision.HIGHEST)
+    if scale is not None:
+        y = y * jnp.asarray(scale, jnp.float32)[:n]
+    return y
 
 
-def int8_matmul(x, w, scale):
-    """x [..., K] @ (w [N, K] int8 * scale [N])^T -> float32 [..., N], in the native kernel where
-    ``available()``, else ``reference``."""
+def matmul(x, w, scale=None, *, n: int) -> jax.Array:
+    """x [..., K] @ panels w -> float32 [..., n] in the native kernel (``reference`` where it is
+    unavailable). Float32 panels take no scale; int8 panels need theirs ([P * 64])."""
     x = jnp.asarray(x)
     if x.dtype != jnp.float32:
         x = x.astype(jnp.float32)
-    if w.dtype != jnp.int8 or w.ndim != 2 or x.shape[-1] != w.shape[1] or scale.shape != (w.shape[0],):
+    q8 = w.dtype == jnp.int8
+    if (
+        w.ndim != 3
+        or w.shape[2] != PANEL
+        or x.shape[-1] != w.shape[1]
+        or num_panels(n) != w.shape[0]
+        or w.dtype not in (jnp.float32, jnp.int8)
+        or (scale is None) == q8
+        or (q8 and scale.shape != (w.shape[0] * PANEL,))
+    ):
         raise ValueError(
-            f"int8_matmul: x [..., K] float, w [N, K] int8, scale [N]; got x {x.shape}, w {w.shape} {w.dtype}, "
-            f"scale {scale.shape}"
+            f"matmul: x [..., K] float, w [ceil(n / {PANEL}), K, {PANEL}] float32 or int8 (with scale "
+            f"[P * {PANEL}]); got x {x.shape}, w {w.shape} {w.dtype}, scale "
+            f"{None if scale is None else scale.shape}, n {n}"
         )
     if not available():
-        return reference(x, w, scale)
-    lead, k, n = x.shape[:-1], x.shape[-1], w.shape[0]
+        return reference(x, w, scale, n=n)
+    lead, k = x.shape[:-1], x.shape[-1]
     rows = int(np.prod(lead, dtype=np.int64))
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((rows, n), jnp.float32))
-    y = call(x.reshape(rows, k), w, jnp.asarray(scale, jnp.float32))
+    out = jax.ShapeDtypeStruct((rows, n), jnp.float32)
+    if q8:
+        y = jax.ffi.ffi_call(TARGET_Q8, out)(x.reshape(rows, k), w, jnp.asarray(scale, jnp.float32))
+    else:
+        y = jax.ffi.ffi_call(TARGET_F32, out)(x.reshape(rows, k), w)
     return y.reshape(*lead, n)

@@ -8,8 +8,8 @@ On the 56.4M bench model of ../shared/workloads/mixed-64.json (random weights, f
    the streaming bandwidth measured in the same run, before and after);
 2. the mixed workload offline (like scripts/bench_offline.py): useful output tokens per second,
    configurations taking turns;
-3. with ``--matmul``: the int8 matmul alone, native kernel against XLA's dequantize-then-dot and
-   float32, over row counts (what sets ``quantization.NATIVE_MAX_ROWS``).
+3. with ``--matmul``: one projection alone over row counts, XLA's float32 dot against the native
+   kernel on float32 and int8 panels and XLA's dequantize-then-dot, beside the streaming bound.
 
 The int8 KV cache runs only where ``EngineConfig`` has ``kv_cache_dtype``.
 
@@ -158,39 +158,49 @@ def bench_workload(wl, configs, repeats, max_slots) -> dict:
 
 
 def bench_matmul(rows_list, shapes, repeats) -> dict:
+    """One projection alone, four ways taking turns: XLA's float32 dot, the native kernel on
+    float32 panels, the native kernel on int8 panels, XLA's dequantize-then-dot (the TPU/GPU and
+    tensor-parallel form). Each beside the time to stream its weights once at the bandwidth
+    measured before the table."""
     import jax
     import jax.numpy as jnp
     import numpy as np
 
     from jaxserve.models import quantization
+    from pallas_kernels import native_matmul as nm
 
+    bw = bandwidth()
+    print(f"  streaming read {bw / 1e9:.1f} GB/s", flush=True)
     rng = np.random.default_rng(0)
-    out = {}
+    out = {"bandwidth": bw}
     for k, n in shapes:
-        w = jnp.asarray(rng.integers(-127, 128, (n, k)), jnp.int8)
-        s = jnp.asarray(rng.random(n), jnp.float32)
-        wf = jnp.asarray(rng.standard_normal((k, n)), jnp.float32)
+        wf = rng.standard_normal((k, n)).astype(np.float32)
+        q, s = quantization.quantize_int8(wf.T)
+        pf, (pq, ps) = nm.pack(wf), nm.pack_int8(q, s)
+        wf, q, s, pf, pq, ps = map(jnp.asarray, (wf, q, s, pf, pq, ps))
+        fns = {
+            "xla-f32": (jax.jit(lambda x, w: x @ w), (wf,), 4),
+            "native-f32": (jax.jit(lambda x, w: nm.matmul(x, w, n=n)), (pf,), 4),
+            "native-int8": (jax.jit(lambda x, w, sc: nm.matmul(x, w, sc, n=n)), (pq, ps), 1),
+            "xla-int8": (jax.jit(quantization.int8_matmul), (q, s), 1),
+        }
         for m in rows_list:
             x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
-            fns = {
-                "native": jax.jit(lambda x, w, s: quantization.int8_matmul(x, w, s, impl="native")),
-                "xla-dequant": jax.jit(lambda x, w, s: quantization.int8_matmul(x, w, s, impl="xla")),
-                "fp32": jax.jit(lambda x, wf, s: x @ wf),
-            }
-            args = {"native": (x, w, s), "xla-dequant": (x, w, s), "fp32": (x, wf, s)}
             times = {name: [] for name in fns}
-            for f in fns:
-                fns[f](*args[f]).block_until_ready()
+            for f, a, _ in fns.values():
+                f(x, *a).block_until_ready()
             for _ in range(repeats):
-                for name, f in fns.items():
+                for name, (f, a, _) in fns.items():
                     t0 = time.perf_counter()
-                    f(*args[name]).block_until_ready()
+                    f(x, *a).block_until_ready()
                     times[name].append(time.perf_counter() - t0)
             row = {name: statistics.median(v) for name, v in times.items()}
+            row["bound_f32"], row["bound_int8"] = 4 * k * n / bw, k * n / bw
             out[f"{k}x{n}/m{m}"] = row
             print(
-                f"  matmul [{m}, {k}] x [{k}, {n}]: native {row['native'] * 1e3:.3f} ms, "
-                f"xla-dequant {row['xla-dequant'] * 1e3:.3f} ms, fp32 {row['fp32'] * 1e3:.3f} ms",
+                f"  [{m:>3}, {k}] x [{k}, {n}]: "
+                + ", ".join(f"{name} {row[name] * 1e3:.3f} ms" for name in fns)
+                + f"  (bound f32 {row['bound_f32'] * 1e3:.3f}, int8 {row['bound_int8'] * 1e3:.3f} ms)",
                 flush=True,
             )
     return out
@@ -208,7 +218,7 @@ def main(argv=None) -> int:
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--skip-steps", action="store_true")
     ap.add_argument("--skip-workload", action="store_true")
-    ap.add_argument("--matmul", action="store_true", help="also time the int8 matmul alone over row counts")
+    ap.add_argument("--matmul", action="store_true", help="also time one projection alone over row counts")
     ap.add_argument("--json", help="write results here")
     args = ap.parse_args(argv)
 
@@ -221,7 +231,7 @@ def main(argv=None) -> int:
     results = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "backend": jax.default_backend(),
-        "native_int8_matmul": native_matmul.available(),
+        "native_matmul": native_matmul.available(),
         "configs": configs,
     }
     if args.matmul:

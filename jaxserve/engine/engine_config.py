@@ -20,6 +20,9 @@ class EngineConfig:
     quantization: str | None = None  # None | "int8": weight-only int8, per-output-channel scales
     kv_cache_dtype: str = "auto"  # "auto" (pages in dtype) | "int8" | "fp8" (8-bit pages, per-token-per-head scales)
     attention_impl: str | None = None  # "xla" | "pallas" | "native"; default pallas on TPU/GPU, native on CPU
+    # The projections' matmul: "native" (CPU: weights packed into panels, streamed by the C++
+    # kernel) | "xla"; default native on the CPU where the kernel is built, xla elsewhere.
+    matmul_impl: str | None = None
     interpret: bool | None = None  # run Pallas kernels interpreted (default: on CPU)
     enable_prefix_caching: bool = True
     speculative_model: str | None = None  # a draft checkpoint directory, or "ngram" (prompt lookup)
@@ -41,6 +44,8 @@ class EngineConfig:
             raise ValueError(f"quantization must be None or 'int8', got {self.quantization!r}")
         if self.attention_impl not in (None, "xla", "pallas", "native"):
             raise ValueError(f"attention_impl must be 'xla', 'pallas' or 'native', got {self.attention_impl!r}")
+        if self.matmul_impl not in (None, "xla", "native"):
+            raise ValueError(f"matmul_impl must be 'xla' or 'native', got {self.matmul_impl!r}")
         if list(self.prefill_buckets) != sorted(set(self.prefill_buckets)) or self.prefill_buckets[0] < 1:
             raise ValueError(f"prefill_buckets must be increasing positive sizes, got {self.prefill_buckets}")
         if self.speculative_model not in (None, "ngram") and self.num_speculative_tokens < 1:

@@ -7,23 +7,31 @@ Quantized (``to_int8``, done by the loader with ``quantization="int8"``) the ker
 by ``weight`` int8 [out, in] (the checkpoint's own layout: each output channel's weights are
 contiguous, which the native CPU kernel streams) and ``weight_scale`` float32 [out], one
 symmetric scale per output channel (``models.quantization``); ``y = int8_matmul(x, weight,
-weight_scale) + bias``. Loading, tensor-parallel placement (column- or row-parallel; the scales
-split with their output channels when those are split, replicated otherwise) and the storage
-all hang off this class instead of off string matching scattered through the loader and the
-sharding rules.
+weight_scale) + bias``, computed by XLA (dequantize, then dot).
+
+On the CPU the runner then packs every Linear for the native matmul (``pack_native``, done once
+at start; ``pallas_kernels.native_matmul``): ``packed`` [ceil(out / 64), in, 64] float32 or int8
+panels (and ``weight_scale`` padded to a whole panel), which the kernel streams once per step at
+memory speed where XLA:CPU's GEMM reads weights at half of it from 8 rows up. A tensor-parallel
+runner does not pack (XLA's partitioner cannot split a custom call), nor does a TPU/GPU.
+
+Loading, tensor-parallel placement (column- or row-parallel; the scales split with their output
+channels when those are split, replicated otherwise) and the storage all hang off this class
+instead of off string matching scattered through the loader and the sharding rules.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxserve.models import quantization as quant
 
 COLUMN, ROW, REPLICATED = "column", "row", "replicated"
-LEAVES = ("kernel", "bias", "weight", "weight_scale")  # a Linear's parameters, quantized or not
+LEAVES = ("kernel", "bias", "weight", "weight_scale")  # a Linear's parameters, quantized or not (unpacked)
 
 
 class Linear(nnx.Module):
@@ -35,7 +43,8 @@ class Linear(nnx.Module):
             self.bias = nnx.data(None)
         self.dtype = dtype
         self.quantization = None  # or "int8": weight + weight_scale replace kernel
-        self.matmul_impl = "auto"  # int8: see quantization.int8_matmul
+        self.out_features = dout
+        self.packed_native = False  # pack_native: panels for the native CPU matmul replace both
 
     def to_int8(self) -> None:
         """Replace the float kernel by int8 weights and per-output-channel scales, in place. On
@@ -51,10 +60,35 @@ class Linear(nnx.Module):
         self.weight_scale = nnx.Param(s)
         self.quantization = "int8"
 
+    def pack_native(self) -> bool:
+        """Replace the kernel (or int8 weight) by panels for the native CPU matmul, in place;
+        False (nothing changed) for weights it does not take (bfloat16)."""
+        from pallas_kernels import native_matmul
+
+        if self.packed_native:
+            return True
+        if self.quantization == "int8":
+            w, s = native_matmul.pack_int8(np.asarray(self.weight[...]), np.asarray(self.weight_scale[...]))
+            del self.weight
+            self.weight_scale = nnx.Param(jnp.asarray(s))
+        elif self.kernel[...].dtype == jnp.float32:
+            w = native_matmul.pack(np.asarray(self.kernel[...]))
+            del self.kernel
+        else:
+            return False
+        self.packed = nnx.Param(jnp.asarray(w))
+        self.packed_native = True
+        return True
+
     def __call__(self, x):
         x = x.astype(self.dtype)
-        if self.quantization == "int8":
-            y = quant.int8_matmul(x, self.weight[...], self.weight_scale[...], impl=self.matmul_impl)
+        if self.packed_native:
+            from pallas_kernels import native_matmul
+
+            scale = self.weight_scale[...] if self.quantization == "int8" else None
+            y = native_matmul.matmul(x, self.packed[...], scale, n=self.out_features).astype(self.dtype)
+        elif self.quantization == "int8":
+            y = quant.int8_matmul(x, self.weight[...], self.weight_scale[...])
         else:
             y = jax.lax.dot_general(x, self.kernel[...], (((x.ndim - 1,), (0,)), ((), ())))
         if self.bias is not None:
@@ -83,12 +117,10 @@ def quantize_modules(module: nnx.Module, mode: str | None, keep: tuple[str, ...]
     return done
 
 
-def set_matmul_impl(module: nnx.Module, impl: str) -> None:
-    """How every quantized Linear in ``module`` computes (quantization.int8_matmul's impl):
-    a tensor-parallel runner sets "xla", whose dot XLA's partitioner can split."""
-    for _, m in nnx.iter_modules(module):
-        if isinstance(m, Linear):
-            m.matmul_impl = impl
+def pack_native(module: nnx.Module) -> int:
+    """Pack every Linear in ``module`` for the native CPU matmul (Linear.pack_native); returns
+    how many were packed."""
+    return sum(m.pack_native() for _, m in nnx.iter_modules(module) if isinstance(m, Linear))
 
 
 def partition_spec(leaf: str, layout: str, axis: str) -> P:

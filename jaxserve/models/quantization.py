@@ -10,10 +10,11 @@ and ``q[j, i] * scale[j]`` is the dequantized weight, within ``scale[j] / 2`` of
 A row of zeros gets scale 0 and q 0. All arithmetic is float32 (a bfloat16 checkpoint is widened
 first), computed in NumPy at load time; tests/test_quantization.py checks them against a reference.
 
-The matmul with such a weight is ``int8_matmul``: the native CPU kernel for small row counts
-(decode), where it streams one byte per weight; XLA otherwise (TPU/GPU, large prefill chunks on
-the CPU, tensor parallelism), which converts the weights inside its own fusion or, on the CPU,
-into a temporary before the dot.
+The matmul with such a weight is ``int8_matmul``, XLA's dot of the converted weights: on TPU/GPU
+XLA fuses the conversion into the dot. On the CPU XLA writes a float32 copy of the weights first,
+so there the runner packs the int8 weights for the native kernel instead
+(``models.linear.Linear.pack_native``, ``pallas_kernels.native_matmul``), which widens them in
+registers as it streams them; XLA's form remains for tensor parallelism.
 """
 
 from __future__ import annotations
@@ -24,9 +25,6 @@ import numpy as np
 
 MODES = (None, "int8")
 INT8_MAX = 127
-# Up to this many rows (tokens) the native kernel beats XLA's dequantize-then-dot on the CPU
-# (measured with scripts/bench_quant.py --matmul: decode batches; prefill chunks go to XLA).
-NATIVE_MAX_ROWS = 64
 
 
 def check_mode(quantization) -> None:
@@ -56,20 +54,7 @@ def dequantize_int8(q, scale, dtype=jnp.float32) -> jax.Array:
     return (jnp.asarray(q).astype(jnp.float32) * jnp.asarray(scale, jnp.float32)[..., None]).astype(dtype)
 
 
-def int8_matmul(x, q, scale, *, impl: str = "auto") -> jax.Array:
-    """x [..., in] @ dequantize(q [out, in], scale [out]).T -> [..., out] in x's dtype.
-
-    impl "auto": the native kernel on the CPU for float32 x with at most NATIVE_MAX_ROWS rows
-    (decided from the static shape at trace time), else XLA; "native" forces the kernel where it
-    is available; "xla" never uses it (the kernel is a custom call that XLA's partitioner cannot
-    split, so a tensor-parallel model uses this)."""
-    if impl not in ("auto", "native", "xla"):
-        raise ValueError(f"impl must be 'auto', 'native' or 'xla', got {impl!r}")
-    rows = int(np.prod(x.shape[:-1], dtype=np.int64))
-    if impl != "xla" and x.dtype == jnp.float32 and jax.default_backend() == "cpu":
-        from pallas_kernels import native_matmul
-
-        if (impl == "native" or rows <= NATIVE_MAX_ROWS) and native_matmul.available():
-            return native_matmul.int8_matmul(x, q, scale)
+def int8_matmul(x, q, scale) -> jax.Array:
+    """x [..., in] @ dequantize(q [out, in], scale [out]).T -> [..., out] in x's dtype, by XLA."""
     y = jax.lax.dot_general(x, q.astype(x.dtype), (((x.ndim - 1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
     return (y * scale.astype(jnp.float32)).astype(x.dtype)

@@ -181,12 +181,13 @@ class _Weights:
         mesh=None,
         store: ExecutableStore | None = None,
         kv_cache_dtype: str = "auto",
+        matmul_impl: str = "xla",
     ):
         self.cfg = cfg
-        if mesh is not None:  # the native int8 matmul is a custom call XLA's partitioner cannot split
-            from jaxserve.models.linear import set_matmul_impl
+        if matmul_impl == "native":  # resolve() never picks it under tensor parallelism
+            from jaxserve.models.linear import pack_native
 
-            set_matmul_impl(module, "xla")
+            pack_native(module)
         self.graphdef, self.params = nnx.split(module)
         self.kv_sharding = None
         if mesh is not None:
@@ -256,6 +257,7 @@ class RunnerConfig:
     attention_impl: str
     interpret: bool
     kv_cache_dtype: str = "auto"  # "auto" (pages in dtype) | "int8" | "fp8" (8-bit pages + float32 scales)
+    matmul_impl: str = "xla"  # "native": Linear weights packed for the C++ CPU matmul
     max_logprobs: int = 0  # the top-n alternatives a decode step computes when any row asks for logprobs
     num_speculative_tokens: int = 0  # k of a speculative step; 0 = no speculation
     tensor_parallel_size: int = 1
@@ -321,6 +323,7 @@ class ModelRunner:
             self.mesh,
             self.store,
             kv_cache_dtype=cfg.kv_cache_dtype,
+            matmul_impl=cfg.matmul_impl,
         )
         self.target = build("target", model, model_cfg)
         self.draft = build("draft", draft, draft_cfg) if draft is not None else None
@@ -560,6 +563,7 @@ def resolve(
                 "int8 pages); use kv_cache_dtype='int8' or attention_impl='xla'"
             )
         attention_impl = "xla"  # the CPU default falls back to the XLA path, which reads fp8 pages
+    matmul_impl = _resolve_matmul(cfg, backend)
     spec_k = cfg.num_speculative_tokens if cfg.speculative_model else 0
     return RunnerConfig(
         max_slots=cfg.max_slots,
@@ -571,13 +575,33 @@ def resolve(
         attention_impl=attention_impl,
         interpret=cfg.interpret if cfg.interpret is not None else backend == "cpu",
         kv_cache_dtype=kv_cache_dtype,
+        matmul_impl=matmul_impl,
         max_logprobs=min(max_logprobs, model_cfg.vocab_size),
         num_speculative_tokens=spec_k,
         tensor_parallel_size=cfg.tensor_parallel_size,
         single_row_bucket=backend == "cpu",
         compilation_cache_dir=cfg.compilation_cache_dir,
-        store_context=f"{dataclasses.replace(cfg, compilation_cache_dir=None)!r} {model_cfg!r} {draft_cfg!r}",
+        # what the executables were compiled for, as resolved here (packed weights or not)
+        store_context=f"{dataclasses.replace(cfg, compilation_cache_dir=None)!r} {model_cfg!r} {draft_cfg!r} "
+        f"matmul={matmul_impl}",
     )
+
+
+def _resolve_matmul(cfg, backend: str) -> str:
+    """The native matmul on the CPU where it is built and the model is not split across chips
+    (XLA's partitioner cannot split a custom call); XLA's dot otherwise."""
+    from pallas_kernels import native_matmul
+
+    if cfg.matmul_impl == "native":
+        if backend != "cpu" or not native_matmul.available():
+            why = "it runs on the CPU only" if backend != "cpu" else native_matmul.unavailable_reason()
+            raise ValueError(f"matmul_impl='native' is unavailable here: {why}")
+        if cfg.tensor_parallel_size > 1:
+            raise ValueError("matmul_impl='native' cannot be split across chips; use tensor_parallel_size=1 or 'xla'")
+        return "native"
+    if cfg.matmul_impl is None and backend == "cpu" and cfg.tensor_parallel_size == 1 and native_matmul.available():
+        return "native"
+    return "xla"
 
 
 def kv_bytes_per_token(dtype: str, *cfgs: ModelConfig | None, kv_cache_dtype: str = "auto") -> int:

@@ -111,6 +111,7 @@ def decode_step_runner(
     attention_impl: str | None = None,
     kv_cache_dtype: str = "auto",
     quantization: str | None = None,
+    matmul_impl: str | None = None,
 ):
     """A ModelRunner for a random-weight model of this shape (float32; the engine's default
     attention for this backend unless `attention_impl`; KV pages in float32 or `kv_cache_dtype`;
@@ -149,6 +150,7 @@ def decode_step_runner(
         dtype="float32",
         attention_impl=attention_impl,
         kv_cache_dtype=kv_cache_dtype,
+        matmul_impl=matmul_impl,
         enable_prefix_caching=False,
     )
     rc = model_runner.resolve(cfg, None, engine_cfg, weight_bytes=0, max_logprobs=0)
@@ -172,6 +174,7 @@ def measure_engine_step(
     attention_impl: str | None = None,
     kv_cache_dtype: str = "auto",
     quantization: str | None = None,
+    matmul_impl: str | None = None,
 ) -> float:
     """Median seconds of the real jaxserve decode step of `decode_step_runner`: the number the
     roofline predicts."""
@@ -184,6 +187,7 @@ def measure_engine_step(
         attention_impl=attention_impl,
         kv_cache_dtype=kv_cache_dtype,
         quantization=quantization,
+        matmul_impl=matmul_impl,
     )
     runner.decode(rows, 0)  # compile
     times = []
@@ -224,8 +228,8 @@ def _measure_host_report(
                 "compute_bound_s": comp,
                 "predicted_s": max(mem, comp),
                 "measured_engine_s": measure(model, b, context_len),
-                # the XLA attention path beside it, for comparison with the default
-                "measured_engine_xla_s": measure(model, b, context_len, attention_impl="xla"),
+                # the XLA path (attention and matmul) beside it, for comparison with the default
+                "measured_engine_xla_s": measure(model, b, context_len, attention_impl="xla", matmul_impl="xla"),
             }
         )
         rows[-1]["measured_over_predicted"] = rows[-1]["measured_engine_s"] / rows[-1]["predicted_s"]
@@ -252,7 +256,7 @@ def _measure_host_report(
     )
     print(
         f"{'batch':>6} {'memory':>12} {'compute':>12} {'predicted':>12} {'engine':>12} {'ratio':>7} "
-        f"{'engine, xla attn':>17} {'ratio':>7}"
+        f"{'engine, xla':>17} {'ratio':>7}"
     )
     for r in rows:
         print(

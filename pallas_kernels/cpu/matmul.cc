@@ -1,0 +1,362 @@
+// The projections' matmul on the CPU, from weights packed into panels, called from jitted JAX
+// through XLA FFI:
+//
+//   y[m, n] = sum_k x[m, k] * w[k, n]                  (float32 panels)
+//   y[m, n] = scale[n] * sum_k x[m, k] * float(q[k, n]) (int8 panels, weight-only quantization)
+//
+// x [M, K] float32, y [M, N] float32.  Why panels: a decode step multiplies a few rows by every
+// weight, so it must stream the weights once at memory speed, and XLA:CPU's GEMM does not (12-14
+// GB/s at 8-16 rows here, against 30 GB/s for a matrix-vector product).  The loader's [K, N]
+// matrix is cut into panels of 64 columns, each stored contiguously as [K, 64]: the whole packed
+// array is [P, K, 64] with P = ceil(N / 64), zero-padded past N.  One panel row (64 columns) is 4
+// AVX-512 vectors (or 64 int8 bytes, one cache line), so the kernel reads a panel front to back,
+// keeps a tile of rows x 64 columns of y in registers, and never sums horizontally.
+//
+// int8 panels interleave each row's 64 bytes so that a plain 4-byte-lane load widens into
+// columns in order: byte 4i + j of a row holds column 16j + i.  A load of 4N bytes at byte offset
+// 4N h (N int32 lanes: 16 for AVX-512, 8 for AVX2, 4 baseline) sign-extended by shifts gives four
+// float vectors, vector j holding columns 16j + Nh .. 16j + Nh + N - 1: contiguous for every N,
+// so one packed layout serves every vector width (pallas_kernels/native_matmul.py packs it).
+//
+// Each y[m, n] is summed over k in order in one float32 lane (fused multiply-add where the ISA
+// has it), the int8 scale applied once at the end: a row's result never depends on the other rows
+// of the call or on how the work was split (batched equals alone).
+//
+// Work split: items are (a run of panels, a block of rows), taken from a shared atomic counter by
+// the calling thread and by tasks queued on XLA's own CPU thread pool, as in the paged-attention
+// kernel; a late task finds no item and touches nothing.  With more rows than one register tile,
+// an int8 panel is first widened into an L2-resident float32 scratch, so that every further tile
+// reads floats instead of widening again.
+//
+// Vector code: GCC/Clang vector extensions written once for N float lanes, compiled as baseline
+// (N = 4), AVX2+FMA (N = 8) and AVX-512 (N = 16), chosen at run time by the attention kernel's
+// switch (jaxserve_cpu_isa() in paged_attention.cc; JAXSERVE_CPU_ISA lowers it).
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <thread>
+#include <type_traits>
+
+#include "xla/ffi/api/ffi.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define JM_X86 1
+#endif
+
+namespace ffi = xla::ffi;
+
+#define JM_INLINE inline __attribute__((always_inline))
+#define JM_EXPORT extern "C" __attribute__((visibility("default")))
+
+// Defined in paged_attention.cc (same library): 0 baseline, 1 AVX2+FMA, 2 AVX-512.
+extern "C" int jaxserve_cpu_isa();
+
+namespace {
+
+constexpr int64_t kPanel = 64;  // columns per panel (pallas_kernels/native_matmul.py: PANEL)
+
+template <int N>
+struct MV {
+  typedef float F __attribute__((vector_size(4 * N)));
+  typedef int32_t I __attribute__((vector_size(4 * N)));
+};
+
+template <int N>
+JM_INLINE typename MV<N>::F vload(const float* p) {
+  typename MV<N>::F v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+template <int N>
+JM_INLINE void vstore(float* p, typename MV<N>::F v) {
+  std::memcpy(p, &v, sizeof v);
+}
+
+// Where vector j (0..3) of slice h of a panel row lands among the panel's 64 columns.  A slice is
+// 4N columns' worth of weights: float32 rows hold them in order; int8 rows interleaved (above).
+template <int N, class WT>
+constexpr int column(int h, int j) {
+  return std::is_same<WT, int8_t>::value ? 16 * j + N * h : 4 * N * h + N * j;
+}
+
+// The four weight vectors of slice h of one panel row.
+template <int N>
+JM_INLINE void load_slice(const float* row, int h, typename MV<N>::F (&w)[4]) {
+  for (int j = 0; j < 4; ++j) w[j] = vload<N>(row + 4 * N * h + N * j);
+}
+template <int N>
+JM_INLINE void load_slice(const int8_t* row, int h, typename MV<N>::F (&w)[4]) {
+  typename MV<N>::I v;
+  std::memcpy(&v, row + 4 * N * h, sizeof v);
+  w[0] = __builtin_convertvector((v << 24) >> 24, typename MV<N>::F);
+  w[1] = __builtin_convertvector((v << 16) >> 24, typename MV<N>::F);
+  w[2] = __builtin_convertvector((v << 8) >> 24, typename MV<N>::F);
+  w[3] = __builtin_convertvector(v >> 24, typename MV<N>::F);
+}
+
+struct Problem {
+  const float* x;       // [M, K]
+  const void* w;        // [P, K, 64] float32 or int8 (interleaved)
+  const float* scale;   // [P * 64] (int8 only; zero past N)
+  float* y;             // [M, N]
+  int64_t M, K, N, P;
+  int64_t panels_per_item, rows_per_item;  // rows_per_item: a multiple of every tile height
+  int64_t panel_items, n_items;
+};
+
+// y[m0, m0 + R) x (slice h of panel p) from panel rows `wp` ([K, 64] of type WT): R x 4 vector
+// accumulators (AVX-512: 6 x 4 + 4 weight vectors + 1 broadcast of the 32 registers).
+template <int N, int R, bool Q8, class WT>
+JM_INLINE void tile(const Problem& pr, const WT* wp, int64_t p, int h, int64_t m0) {
+  using F = typename MV<N>::F;
+  const int64_t K = pr.K;
+  F acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) acc[r][j] = F{};
+  const float* x0 = pr.x + m0 * K;
+  for (int64_t k = 0; k < K; ++k) {
+    F w[4];
+    load_slice<N>(wp + k * kPanel, h, w);
+    for (int r = 0; r < R; ++r) {
+      const float xv = x0[r * K + k];
+      for (int j = 0; j < 4; ++j) acc[r][j] += xv * w[j];
+    }
+  }
+  for (int j = 0; j < 4; ++j) {
+    const int64_t c = p * kPanel + column<N, WT>(h, j);  // first column of this vector
+    F s;
+    if constexpr (Q8) s = vload<N>(pr.scale + c);
+    const int64_t live = std::min<int64_t>(N, pr.N - c);
+    for (int r = 0; r < R; ++r) {
+      F v = acc[r][j];
+      if constexpr (Q8) v *= s;
+      float* yr = pr.y + (m0 + r) * pr.N + c;
+      if (live == N) {
+        vstore<N>(yr, v);
+      } else if (live > 0) {
+        float lanes[N];
+        std::memcpy(lanes, &v, sizeof lanes);
+        for (int64_t i = 0; i < live; ++i) yr[i] = lanes[i];
+      }
+    }
+  }
+}
+
+// Rows [m0, m1) of one panel, in tiles of RM rows (the last tile shorter), every slice.
+template <int N, int RM, bool Q8, class WT>
+JM_INLINE void panel_rows(const Problem& pr, const WT* wp, int64_t p, int64_t m0, int64_t m1) {
+  for (int h = 0; h < int(kPanel / (4 * N)); ++h) {
+    int64_t m = m0;
+    for (; m + RM <= m1; m += RM) tile<N, RM, Q8>(pr, wp, p, h, m);
+    switch (m1 - m) {  // the remainder, with its accumulators still in registers
+      case 0: break;
+#define JM_REST(r) \
+  case r: if constexpr (r < RM) tile<N, r, Q8>(pr, wp, p, h, m); break;
+      JM_REST(1) JM_REST(2) JM_REST(3) JM_REST(4) JM_REST(5)
+#undef JM_REST
+    }
+  }
+}
+
+// int8 panel [K, 64] -> float32 [K, 64] in column order (the scale is still applied at the end).
+template <int N>
+JM_INLINE void widen_panel(const int8_t* wp, int64_t K, float* out) {
+  for (int64_t k = 0; k < K; ++k)
+    for (int h = 0; h < int(kPanel / (4 * N)); ++h) {
+      typename MV<N>::F w[4];
+      load_slice<N>(wp + k * kPanel, h, w);
+      for (int j = 0; j < 4; ++j) vstore<N>(out + k * kPanel + column<N, int8_t>(h, j), w[j]);
+    }
+}
+
+template <int N, int RM, bool Q8>
+JM_INLINE void run_item(const Problem& pr, int64_t item, float* scratch) {
+  const int64_t pi = item % pr.panel_items, ri = item / pr.panel_items;
+  const int64_t p0 = pi * pr.panels_per_item, p1 = std::min(pr.P, p0 + pr.panels_per_item);
+  const int64_t m0 = ri * pr.rows_per_item, m1 = std::min(pr.M, m0 + pr.rows_per_item);
+  for (int64_t p = p0; p < p1; ++p) {
+    if constexpr (Q8) {
+      const int8_t* wp = static_cast<const int8_t*>(pr.w) + p * pr.K * kPanel;
+      if (m1 - m0 > RM && scratch) {
+        widen_panel<N>(wp, pr.K, scratch);
+        panel_rows<N, RM, true, float>(pr, scratch, p, m0, m1);
+      } else {
+        panel_rows<N, RM, true, int8_t>(pr, wp, p, m0, m1);
+      }
+    } else {
+      panel_rows<N, RM, false, float>(pr, static_cast<const float*>(pr.w) + p * pr.K * kPanel, p, m0, m1);
+    }
+  }
+}
+
+using ItemFn = void (*)(const Problem&, int64_t, float*);
+
+template <bool Q8>
+void item_generic(const Problem& pr, int64_t i, float* s) {
+  run_item<4, 2, Q8>(pr, i, s);
+}
+#if JM_X86
+template <bool Q8>
+__attribute__((target("avx2,fma"))) void item_avx2(const Problem& pr, int64_t i, float* s) {
+  run_item<8, 3, Q8>(pr, i, s);
+}
+template <bool Q8>
+__attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,avx2,fma"))) void item_avx512(const Problem& pr, int64_t i,
+                                                                                       float* s) {
+  run_item<16, 6, Q8>(pr, i, s);
+}
+#endif
+
+ItemFn pick(int isa, bool q8) {
+#if JM_X86
+  if (isa == 2) return q8 ? &item_avx512<true> : &item_avx512<false>;
+  if (isa == 1) return q8 ? &item_avx2<true> : &item_avx2<false>;
+#endif
+  (void)isa;
+  return q8 ? &item_generic<true> : &item_generic<false>;
+}
+
+struct Shared {
+  Problem pr;
+  ItemFn fn;
+  bool scratch;  // int8 with more rows than a tile: widen each panel once
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+};
+
+void work(Shared& sh) {
+  int64_t i = sh.next.fetch_add(1, std::memory_order_relaxed);
+  if (i >= sh.pr.n_items) return;  // nothing left: touch nothing (the call may have returned)
+  std::unique_ptr<float[]> scratch;
+  if (sh.scratch) scratch.reset(new (std::nothrow) float[sh.pr.K * kPanel]);  // none: widen per tile
+  for (; i < sh.pr.n_items; i = sh.next.fetch_add(1, std::memory_order_relaxed)) {
+    sh.fn(sh.pr, i, scratch.get());
+    sh.done.fetch_add(1, std::memory_order_release);
+  }
+}
+
+JM_INLINE void relax() {
+#if JM_X86
+  _mm_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
+std::string dims_str(ffi::AnyBuffer::Dimensions d) {
+  std::string s = "[";
+  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
+  return s + "]";
+}
+
+// Work per item: about this many weight elements (times M / 4 once the rows make the item
+// compute-bound), i.e. 5-10 us of streaming, well over the ~1 us of queueing a task, and at most 8
+// items per worker, so a worker slowed by another process leaves little behind.
+constexpr int64_t kItemElems = 1 << 15;
+constexpr int64_t kItemsPerWorker = 8;
+
+ffi::Error Run(ffi::ThreadPool pool, Problem pr, bool q8) {
+  if (pr.M == 0 || pr.N == 0) return ffi::Error::Success();
+  if (pr.K == 0) {
+    std::memset(pr.y, 0, sizeof(float) * pr.M * pr.N);
+    return ffi::Error::Success();
+  }
+  const int isa = jaxserve_cpu_isa();
+  const int64_t rm = isa == 2 ? 6 : isa == 1 ? 3 : 2;  // rows per register tile of the variant
+  const int64_t workers = std::max<int64_t>(1, pool.num_threads());
+  const int64_t per_panel = pr.K * kPanel * std::max<int64_t>(1, pr.M / 4);
+  int64_t items = std::clamp<int64_t>(pr.P * per_panel / kItemElems, 1, kItemsPerWorker * workers);
+  // Split the rows too when there are too few panels to go round (a large prefill chunk through
+  // a narrow projection); every row block is a whole number of tiles of every variant (6).
+  const int64_t row_blocks = pr.P >= items ? 1 : std::min<int64_t>((items + pr.P - 1) / pr.P, (pr.M + 5) / 6);
+  pr.panel_items = std::min(pr.P, items);
+  pr.panels_per_item = (pr.P + pr.panel_items - 1) / pr.panel_items;
+  pr.panel_items = (pr.P + pr.panels_per_item - 1) / pr.panels_per_item;
+  pr.rows_per_item = 6 * (((pr.M + row_blocks - 1) / row_blocks + 5) / 6);
+  pr.n_items = pr.panel_items * ((pr.M + pr.rows_per_item - 1) / pr.rows_per_item);
+
+  auto sh = std::make_shared<Shared>();
+  sh->pr = pr;
+  sh->fn = pick(isa, q8);
+  sh->scratch = q8 && std::min(pr.M, pr.rows_per_item) > rm;
+  const int64_t helpers = std::min(workers - 1, pr.n_items - 1);
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([sh] { work(*sh); });
+  work(*sh);
+  for (int spins = 0; sh->done.load(std::memory_order_acquire) < pr.n_items; ++spins) {
+    if (spins < 256) relax();
+    else std::this_thread::yield();
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error Check(ffi::AnyBuffer::Dimensions xd, ffi::AnyBuffer::Dimensions wd, ffi::AnyBuffer::Dimensions yd,
+                 int64_t scale_len, const char* what) {
+  if (xd[1] != wd[1] || wd[2] != kPanel || yd[0] != xd[0] || yd[1] > wd[0] * kPanel ||
+      yd[1] <= (wd[0] - 1) * kPanel || (scale_len >= 0 && scale_len != wd[0] * kPanel))
+    return ffi::Error::InvalidArgument(std::string(what) + ": x [M, K], w [ceil(N / 64), K, 64]" +
+                                       (scale_len >= 0 ? ", scale [ceil(N / 64) * 64]" : "") +
+                                       " -> y [M, N]; got x " + dims_str(xd) + ", w " + dims_str(wd) + ", y " +
+                                       dims_str(yd));
+  return ffi::Error::Success();
+}
+
+Problem Make(const float* x, const void* w, const float* scale, float* y, ffi::AnyBuffer::Dimensions xd,
+             ffi::AnyBuffer::Dimensions wd, ffi::AnyBuffer::Dimensions yd) {
+  Problem pr{};
+  pr.x = x;
+  pr.w = w;
+  pr.scale = scale;
+  pr.y = y;
+  pr.M = xd[0];
+  pr.K = xd[1];
+  pr.P = wd[0];
+  pr.N = yd[1];
+  return pr;
+}
+
+ffi::Error MatmulF32Impl(ffi::ThreadPool pool, ffi::BufferR2<ffi::F32> x, ffi::BufferR3<ffi::F32> w,
+                         ffi::ResultBufferR2<ffi::F32> y) {
+  if (auto e = Check(x.dimensions(), w.dimensions(), y->dimensions(), -1, "matmul"); e.failure()) return e;
+  return Run(pool, Make(x.typed_data(), w.typed_data(), nullptr, y->typed_data(), x.dimensions(), w.dimensions(),
+                        y->dimensions()),
+             false);
+}
+
+ffi::Error MatmulQ8Impl(ffi::ThreadPool pool, ffi::BufferR2<ffi::F32> x, ffi::BufferR3<ffi::S8> w,
+                        ffi::BufferR1<ffi::F32> scale, ffi::ResultBufferR2<ffi::F32> y) {
+  if (auto e = Check(x.dimensions(), w.dimensions(), y->dimensions(), scale.dimensions()[0], "int8 matmul");
+      e.failure())
+    return e;
+  return Run(pool, Make(x.typed_data(), w.typed_data(), scale.typed_data(), y->typed_data(), x.dimensions(),
+                        w.dimensions(), y->dimensions()),
+             true);
+}
+
+}  // namespace
+
+JM_EXPORT XLA_FFI_Error* JaxserveMatmulF32(XLA_FFI_CallFrame* call_frame);
+JM_EXPORT XLA_FFI_Error* JaxserveMatmulQ8(XLA_FFI_CallFrame* call_frame);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMatmulF32, MatmulF32Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::BufferR2<ffi::F32>>()   // x [M, K]
+                                  .Arg<ffi::BufferR3<ffi::F32>>()   // w [P, K, 64]
+                                  .Ret<ffi::BufferR2<ffi::F32>>());  // y [M, N]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMatmulQ8, MatmulQ8Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::BufferR2<ffi::F32>>()   // x [M, K]
+                                  .Arg<ffi::BufferR3<ffi::S8>>()    // w [P, K, 64], interleaved
+                                  .Arg<ffi::BufferR1<ffi::F32>>()   // scale [P * 64]
+                                  .Ret<ffi::BufferR2<ffi::F32>>());  // y [M, N]
+
+// Bumped whenever these kernels' FFI signatures or the packed layout change, so that a stale
+// library is not used.
+JM_EXPORT int jaxserve_matmul_abi_version() { return 1; }

@@ -1,0 +1,181 @@
+"""The native CPU matmul (pallas_kernels/native_matmul.py, cpu/matmul.cc) against float64 NumPy
+on the unpacked weights: float32 and int8 panels, any row count (one register tile, several, the
+remainder), K and N that are not multiples of the vector width or of a panel, every vector
+variant; rows independent of each other; packing round trips; and the engine's default CPU step
+runs on it, with no float copy of int8 weights."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pallas_kernels import native, native_matmul
+
+EPS32 = float(np.finfo(np.float32).eps)
+
+
+def test_native_matmul_is_built_here():
+    """The CPU path this project ships (a failure here means XLA's dot is what runs)."""
+    assert native_matmul.available(), native_matmul.unavailable_reason()
+
+
+def _case(rows, k, n, seed, int8):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    if int8:
+        q = rng.integers(-127, 128, (n, k)).astype(np.int8)
+        s = (rng.random(n) * 0.1).astype(np.float32)
+        w, scale = native_matmul.pack_int8(q, s)
+        dense = q.T.astype(np.float64) * s.astype(np.float64)  # [K, N]
+    else:
+        dense = rng.standard_normal((k, n)).astype(np.float32)
+        w, scale = native_matmul.pack(dense), None
+        dense = dense.astype(np.float64)
+    return x, w, scale, dense
+
+
+def _check(y, x, dense):
+    """Float32 sums in another order: |error| <= (K + 2) eps sum_k |x_k w_k| (the standard bound
+    for a length-K dot product, doubled for the scale's own rounding)."""
+    ref = x.astype(np.float64) @ dense
+    mag = np.abs(x).astype(np.float64) @ np.abs(dense)
+    assert y.shape == ref.shape and y.dtype == np.float32
+    assert np.all(np.abs(y - ref) <= 2 * (x.shape[1] + 2) * EPS32 * mag + 1e-30)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    rows=st.integers(1, 80),
+    k=st.integers(1, 300),
+    n=st.integers(1, 200),
+    int8=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_matches_numpy(rows, k, n, int8, seed):
+    x, w, scale, dense = _case(rows, k, n, seed, int8)
+    y = np.asarray(jax.jit(native_matmul.matmul, static_argnames="n")(x, w, scale, n=n))
+    _check(y, x, dense)
+
+
+@pytest.mark.parametrize("isa", native.ISAS)
+def test_every_vector_variant(isa):
+    """Each variant's tile height and slice width: rows past one tile and its remainder, int8
+    panels widened per tile (few rows) and into the scratch (many), a partial last panel."""
+    before = native.cpu_isa()
+    try:
+        if native.set_cpu_isa(isa) != isa:
+            pytest.skip(f"this host has no {isa}")  # a variant test, not a core one
+        for rows, k, n in ((1, 200, 37), (3, 64, 64), (7, 77, 130), (13, 513, 200), (70, 100, 65)):
+            for int8 in (False, True):
+                x, w, scale, dense = _case(rows, k, n, rows, int8)
+                _check(np.asarray(native_matmul.matmul(x, w, scale, n=n)), x, dense)
+    finally:
+        native.set_cpu_isa(before)
+
+
+@pytest.mark.parametrize("int8", [False, True])
+def test_rows_are_independent(int8):
+    """A row's result does not depend on the other rows of the call or on how the work was split
+    (batched == alone, bit for bit), which the engine's batch-invariance tests rely on."""
+    x, w, scale, _ = _case(100, 130, 300, 7, int8)
+    f = jax.jit(native_matmul.matmul, static_argnames="n")
+    full = np.asarray(f(x, w, scale, n=300))
+    for r in (0, 5, 6, 99):
+        np.testing.assert_array_equal(np.asarray(f(x[r : r + 1], w, scale, n=300))[0], full[r])
+    np.testing.assert_array_equal(np.asarray(f(x[3:17], w, scale, n=300)), full[3:17])
+
+
+def test_pack_round_trips():
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((33, 130)).astype(np.float32)
+    p = native_matmul.pack(w)
+    assert p.shape == (3, 33, 64) and np.all(p[2, :, 2:] == 0)  # zero-padded past N
+    np.testing.assert_array_equal(np.asarray(native_matmul.unpack(p, 130)), w)
+    q = rng.integers(-127, 128, (130, 33)).astype(np.int8)
+    pq, s = native_matmul.pack_int8(q, np.ones(130, np.float32))
+    assert pq.shape == (3, 33, 64) and s.shape == (192,) and np.all(s[130:] == 0)
+    assert pq[0, 0, 4 * 1 + 2] == q[16 * 2 + 1, 0]  # byte 4i + j holds column 16j + i
+    np.testing.assert_array_equal(np.asarray(native_matmul.unpack(pq, 130)), q.T)
+
+
+def test_bad_shapes_name_the_argument():
+    x, w, _, _ = _case(2, 8, 70, 0, False)
+    with pytest.raises(ValueError, match="matmul"):
+        native_matmul.matmul(x, w, n=200)  # n does not match the panels
+    with pytest.raises(ValueError, match="scale"):
+        native_matmul.matmul(x, w.astype(np.int8), n=70)  # int8 panels without their scales
+    with pytest.raises(ValueError, match="pack"):
+        native_matmul.pack(np.ones((4, 4), np.float64))
+
+
+def _model(quant):
+    from flax import nnx
+
+    from jaxserve.models.linear import quantize_modules
+    from jaxserve.models.llama import LlamaForCausalLM
+    from jaxserve.models.model_config import ModelConfig
+
+    cfg = ModelConfig(
+        architecture="LlamaForCausalLM",
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=160,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
+    module = LlamaForCausalLM(cfg, dtype="float32", rngs=nnx.Rngs(0))
+    quantize_modules(module, quant)
+    return module
+
+
+@pytest.mark.parametrize("quant", [None, "int8"])
+def test_packed_model_equals_unpacked(quant):
+    """Packing every projection changes the logits only by float32 summation order; the compiled
+    forward calls the kernel once per projection and, with int8 weights, holds no float32 copy
+    of any of them."""
+    from flax import nnx
+
+    from jaxserve.models.linear import pack_native
+
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 512, (2, 9)), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(9, dtype=jnp.int32), (2, 9))
+    module = _model(quant)
+    want = np.asarray(module(tokens, positions)[0])
+    assert pack_native(module) == 2 * 7 + 1  # q, k, v, o, gate, up, down per layer; lm_head
+    graphdef, state = nnx.split(module)
+    fwd = jax.jit(lambda st, t, p: nnx.merge(graphdef, st)(t, p)[0])
+    np.testing.assert_allclose(np.asarray(fwd(state, tokens, positions)), want, rtol=1e-4, atol=1e-4)
+    hlo = fwd.lower(state, tokens, positions).compile().as_text()
+    target = native_matmul.TARGET_Q8 if quant else native_matmul.TARGET_F32
+    assert hlo.count(f'custom_call_target="{target}"') == 2 * 7 + 1
+    if quant:
+        assert not any(f"f32[{a},{b}]" in hlo for a, b in ((160, 64), (64, 160), (32, 64), (64, 32)))
+
+
+def test_engine_packs_on_the_cpu_and_not_when_told():
+    from flax import nnx
+
+    from jaxserve.engine.engine_config import EngineConfig
+    from jaxserve.runner import model_runner
+
+    cfg = _model(None).cfg
+    for impl, want in ((None, "native"), ("xla", "xla")):
+        rc = model_runner.resolve(cfg, None, EngineConfig(num_pages=16, max_model_len=64, matmul_impl=impl), 0, 0)
+        assert rc.matmul_impl == want
+        runner = model_runner.ModelRunner(_model(None), cfg, rc)
+        leaves = {str(p[-1]) for p, _ in nnx.to_flat_state(runner.target.params)}
+        assert ("packed" in leaves) == (want == "native") and ("kernel" in leaves) == (want == "xla")
+    with pytest.raises(ValueError, match="matmul_impl"):
+        EngineConfig(matmul_impl="blas")
+    with pytest.raises(ValueError, match="matmul_impl"):
+        model_runner.resolve(cfg, None, EngineConfig(matmul_impl="native", tensor_parallel_size=2), 0, 0)
