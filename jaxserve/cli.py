@@ -340,6 +340,8 @@ def kv_math_args_from_config(cfg) -> list[str]:
         out += ["--kv-dtype", _KV_DTYPES[cfg.dtype], "--weight-dtype", _KV_DTYPES[cfg.dtype]]
     if cfg.kv_cache_dtype in ("int8", "fp8"):
         out += ["--kv-dtype", cfg.kv_cache_dtype]  # after the dtype's: argparse keeps the last
+    if cfg.quantization == "int8":
+        out += ["--weight-dtype", "int8"]
     return out
 
 

@@ -9,6 +9,7 @@ import logging
 import pytest
 
 from jaxserve import cli
+from jaxserve import kv_math as km
 from jaxserve.serve_config import DEFAULT_GIN_FILE, load_config
 
 COMMANDS = ["serve", "generate", "client", "kv-math", "bench", "convert"]
@@ -210,6 +211,18 @@ def test_kv_math_sizes_a_gin_deployment(capsys):
     assert (plan["model"], plan["num_chips"], plan["context_len"]) == ("llama-3.1-70b", 8, 8192)
     code, out, _ = run(["kv-math", "--gin_file", "llama-3.1-70b-instruct.gin", "--chips", "4", "--json"], capsys)
     assert json.loads(out)["num_chips"] == 4  # an explicit flag beats gin
+    gin = ["kv-math", "--gin_file", "llama-3.1-70b-instruct.gin", "--json"]
+    plans = {}
+    for q in ("None", "'int8'"):
+        quant = ["--gin_param", f"ServeConfig.quantization = {q}", "--gin_param", "ServeConfig.kv_cache_dtype = 'int8'"]
+        code, out, _ = run(gin + quant, capsys)
+        assert code == 0
+        plans[q] = json.loads(out)
+    # the deployment's int8 KV cache and int8 weights reach the plan: kv-math's own bytes per token
+    want = km.kv_bytes_per_token(km.PRESETS["llama-3.1-70b"], kv_dtype="int8")
+    assert plans["None"]["kv_dtype"] == "int8" and plans["None"]["kv_bytes_per_token"] == want
+    assert (plans["None"]["weight_dtype"], plans["'int8'"]["weight_dtype"]) == ("bf16", "int8")
+    assert plans["'int8'"]["weight_bytes_total"] < 0.6 * plans["None"]["weight_bytes_total"]
 
 
 def test_client_target_from_gin():
