@@ -24,9 +24,9 @@ GiB = 1024**3
 GB = 10**9
 DTYPE_BYTES: dict[str, float] = {"bf16": 2, "fp16": 2, "fp8": 1, "int8": 1, "fp32": 4, "int4": 0.5}
 WEIGHT_ONLY_DTYPES = frozenset({"int4"})  # no engine here keeps a 4-bit KV cache
-# An 8-bit KV cache keeps a float32 scale per token per KV head beside K and beside V
-# (jaxserve's kv_cache_dtype="int8"/"fp8"), so a token-head costs head_dim + 4 bytes, not head_dim.
-KV_SCALE_BYTES: dict[str, int] = {"int8": 4, "fp8": 4}
+# An 8-bit KV cache keeps a bfloat16 scale per token per KV head beside K and beside V
+# (jaxserve's kv_cache_dtype="int8"/"fp8"), so a token-head costs head_dim + 2 bytes, not head_dim.
+KV_SCALE_BYTES: dict[str, int] = {"int8": 2, "fp8": 2}
 DEFAULT_ACTIVATION_RESERVE_FRACTION = 0.05  # of each chip's HBM: prefill-chunk activations, logits, XLA scratch
 DEFAULT_PAGE_SIZE = 16
 

@@ -2,7 +2,7 @@
 
 ``paged_attention`` is a drop-in for ``reference.paged_attention`` on the CPU, inside or
 outside ``jax.jit``: q [B, T, H, D] (float32 or bfloat16), pages [num_pages, page_size, KVH, D]
-(float32 or bfloat16; or int8 with float32 scales [num_pages, page_size, KVH], the
+(float32 or bfloat16; or int8 with bfloat16 scales [num_pages, page_size, KVH], the
 kv_cache_dtype="int8" pool), block_tables [B, P], context_lens [B], positions [B, T]; key j of row b
 is visible to query t iff j < context_lens[b] and j <= positions[b, t]; a query that sees
 nothing gets zeros (the reference would average every key there; no live query is like that).
@@ -43,8 +43,8 @@ SOURCE = CPU_DIR / "paged_attention.cc"
 SOURCES = (SOURCE, CPU_DIR / "matmul.cc")  # compiled together into one library
 LIB_NAME = "_jaxserve_cpu.so"
 TARGET = "jaxserve_paged_attention"
-TARGET_Q8 = "jaxserve_paged_attention_q8"  # int8 pages + float32 scales (kv_cache_dtype="int8")
-ABI_VERSION = 2  # must match jaxserve_cpu_abi_version() in the .cc
+TARGET_Q8 = "jaxserve_paged_attention_q8"  # int8 pages + bfloat16 scales (kv_cache_dtype="int8")
+ABI_VERSION = 3  # must match jaxserve_cpu_abi_version() in the .cc (3: bfloat16 scales)
 ISAS = ("generic", "avx2", "avx512")
 
 # -O3 and a portable baseline; the kernel carries its own AVX2 and AVX-512 variants, chosen at
@@ -234,8 +234,9 @@ def paged_attention(
 ):
     """Same arguments and result as ``reference.paged_attention``; runs the native CPU kernel.
 
-    With k_scales/v_scales (float32 [num_pages, page_size, KVH]) the pages are int8
-    (kv_cache_dtype="int8", reference.quantize_kv) and are dequantized while read; float8
+    With k_scales/v_scales (bfloat16 [num_pages, page_size, KVH], as the pool stores them;
+    other float types are rounded to bfloat16) the pages are int8 (kv_cache_dtype="int8",
+    reference.quantize_kv) and are dequantized while read; float8
     pages are not supported here (ValueError). ``kv_heads_per_item`` (0 = automatic) sets how
     many KV heads one work item covers. Raises RuntimeError where ``available()`` is False.
     """
@@ -250,7 +251,7 @@ def paged_attention(
             raise ValueError(
                 f"the native kernel reads int8 quantized pages only (kv_cache_dtype='int8'), got {k_pages.dtype}"
             )
-        scales = (jnp.asarray(k_scales, jnp.float32), jnp.asarray(v_scales, jnp.float32))
+        scales = (jnp.asarray(k_scales, jnp.bfloat16), jnp.asarray(v_scales, jnp.bfloat16))  # the kernel reads BF16
     else:
         page_dtype = k_pages.dtype if k_pages.dtype in _FLOATS else jnp.dtype(jnp.float32)
         k_pages = k_pages.astype(page_dtype)

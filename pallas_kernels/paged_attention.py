@@ -106,9 +106,9 @@ def _tpu_decode_kernel(
                 kpos_col = start + lax.broadcasted_iota(jnp.int32, (ps, 1), 0)
                 k = k_refs[c][:, pl.ds(j * d, d)]
                 v = v_refs[c][:, pl.ds(j * d, d)]
-                if quantized:  # one scale per token of this head: [ps, 1] across the lanes
-                    k = k.astype(jnp.float32) * ks_refs[c][:, pl.ds(j, 1)]
-                    v = v.astype(jnp.float32) * vs_refs[c][:, pl.ds(j, 1)]
+                if quantized:  # one bfloat16 scale per token of this head: [ps, 1] across the lanes
+                    k = k.astype(jnp.float32) * ks_refs[c][:, pl.ds(j, 1)].astype(jnp.float32)
+                    v = v.astype(jnp.float32) * vs_refs[c][:, pl.ds(j, 1)].astype(jnp.float32)
                 v = jnp.where(kpos_col < length, v, jnp.zeros_like(v))
                 s = dot_nt(q, k) * scale
                 mask = jnp.broadcast_to(kpos_row < length, s.shape)
@@ -240,9 +240,9 @@ def _gpu_decode_kernel(
         pages = bt_ref[pl.ds(it * n, n)]
         k = k_ref[pages].reshape(span, d)
         v = v_ref[pages].reshape(span, d)
-        if quantized:  # dequantize per token: int8/fp8 times its scale, in float32
-            k = k.astype(jnp.float32) * ks_ref[pages].reshape(span, 1)
-            v = v.astype(jnp.float32) * vs_ref[pages].reshape(span, 1)
+        if quantized:  # dequantize per token: int8/fp8 times its bfloat16 scale, in float32
+            k = k.astype(jnp.float32) * ks_ref[pages].reshape(span, 1).astype(jnp.float32)
+            v = v.astype(jnp.float32) * vs_ref[pages].reshape(span, 1).astype(jnp.float32)
         kpos = (first + it * n) * ps + lax.broadcasted_iota(jnp.int32, (span,), 0)
         valid = kpos < length
         v = jnp.where(valid[:, None], v, jnp.zeros_like(v))
@@ -368,8 +368,8 @@ def paged_decode_attention(
     """One query per slot, q [B, H, D], over its pages -> [B, H, D] in q.dtype.
 
     k_pages/v_pages [num_pages, page_size, KVH, D] (int8 / float8 with k_scales/v_scales
-    float32 [num_pages, page_size, KVH]: dequantized per token in the kernel, float32
-    arithmetic); block_tables [B, P] int32 (entries past
+    bfloat16 [num_pages, page_size, KVH]: widened and multiplied in per token in the kernel,
+    float32 arithmetic); block_tables [B, P] int32 (entries past
     a slot's context must still be valid page indices; they are never attended);
     context_lens [B] (key j visible iff j < context_lens[b]).
     TPU knobs: pages_per_block (pages per grid step, default 128 tokens' worth),

@@ -4,7 +4,7 @@ Shapes: q [B, T, H, D]; pages [num_pages, page_size, KVH, D]; grouped-query atte
 folds the H query heads into KVH groups of G = H // KVH so K/V are never repeated.
 
 A layer's KV cache is ``(k_pages, v_pages)`` or, quantized (``kv_cache_dtype`` "int8" or
-"fp8"), ``(k_pages, v_pages, k_scales, v_scales)``: int8 / float8_e4m3fn pages and float32
+"fp8"), ``(k_pages, v_pages, k_scales, v_scales)``: int8 / float8_e4m3fn pages and bfloat16
 scales [num_pages, page_size, KVH], one per token per head (``quantize_kv``). Every reader
 dequantizes per token while it reads and computes in float32; ``write_kv`` is the one write
 path, so every attention implementation sees the same bytes.
@@ -41,6 +41,8 @@ KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 KV_PAGE_DTYPES = {"auto": None, "int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
 # the largest magnitude a page element holds: a token-head's max |x| maps to it
 QMAX = {jnp.dtype(jnp.int8): 127.0, jnp.dtype(jnp.float8_e4m3fn): 448.0}
+# an 8-bit cache's per-token-per-head scales: 2 bytes, float32's exponent range (quantize_kv)
+SCALE_DTYPE = jnp.bfloat16
 
 
 def is_quantized(cache) -> bool:
@@ -50,27 +52,46 @@ def is_quantized(cache) -> bool:
 
 def quantize_kv(x, dtype):
     """Symmetric per-token-per-head quantization of x [..., D] -> (q [..., D] of dtype,
-    scale [...] float32), dequantized as q * scale.
+    scale [...] bfloat16), dequantized as q * float32(scale).
 
-    scale = max|x| * (1/qmax) (qmax 127 for int8, 448 for float8_e4m3fn), q = x * (1/scale)
-    rounded to nearest even (int8; float8's cast rounds) and clipped to [-qmax, qmax]; a
-    vector of zeros gets scale 0 and q 0. Written with a multiply by a reciprocal on purpose:
-    XLA rewrites a division by a broadcast value that way, so spelling it out keeps the bytes
-    identical to the NumPy reference (tests/test_kv_quant.py) on the CPU."""
+    scale = bfloat16(max|x| * float32(1/qmax)), rounded to nearest even (qmax 127 for int8,
+    448 for float8_e4m3fn); then q = x * (1/float32(scale)), clipped to [-qmax, qmax] and
+    rounded to nearest even (int8; float8's cast rounds), computed from the *stored* scale
+    so that q * scale is what every reader gets. bfloat16, not float32, because the scale
+    is 2 bytes beside D one-byte values instead of 4 (int8 holds 2D / (D + 2) times a
+    bfloat16 cache's tokens, not 2D / (D + 4)); bfloat16, not float16, because it keeps
+    float32's exponent range (float16 would round the scale of a head whose values are all
+    near 1e-6 to zero). Rounding the scale down (by at most 2^-8 of it) can put |x| / scale
+    up to qmax / (1 - 2^-8): the clip takes it back to qmax, an error of at most 2^-8 of
+    max|x| (int8: 127 / (1 - 2^-8) < 127.5 rounds to 127 anyway, so every element stays
+    within half a step).
+
+    Values below float32's smallest normal count as zero, and so does a scale that would be
+    below it (max|x| < qmax * 2^-126): XLA on the CPU flushes such denormals anyway, so
+    saying it explicitly keeps every backend and the NumPy reference in agreement, and the
+    reciprocal of a nonzero scale is always finite. A vector of zeros gets scale 0 and q 0.
+    The bfloat16 rounding is ``lax.reduce_precision`` (a float32 -> bfloat16 -> float32
+    round trip may be dropped by XLA under excess precision), and the multiply by a
+    reciprocal is deliberate: XLA rewrites a division by a broadcast value that way, so
+    spelling it out keeps the bytes identical to the NumPy reference (tests/test_kv_quant.py)."""
     dtype = jnp.dtype(dtype)
     qmax = QMAX[dtype]
+    tiny = jnp.float32(jnp.finfo(jnp.float32).tiny)
     x32 = x.astype(jnp.float32)
-    scale = jnp.max(jnp.abs(x32), axis=-1) * jnp.float32(1.0 / qmax)
+    x32 = jnp.where(jnp.abs(x32) < tiny, jnp.float32(0), x32)  # (NaN stays NaN)
+    raw = jnp.max(jnp.abs(x32), axis=-1) * jnp.float32(1.0 / qmax)
+    raw = jnp.where(raw < tiny, jnp.float32(0), raw)
+    scale = jax.lax.reduce_precision(raw, exponent_bits=8, mantissa_bits=7)  # bfloat16's, exactly
     inv = jnp.where(scale > 0, jnp.float32(1.0) / jnp.where(scale > 0, scale, 1.0), 0.0)
     y = jnp.clip(x32 * inv[..., None], -qmax, qmax)
     if dtype == jnp.int8:
         y = jnp.round(y)
-    return y.astype(dtype), scale
+    return y.astype(dtype), scale.astype(SCALE_DTYPE)
 
 
 def dequantize(pages, scales):
-    """pages [..., D] (int8 / float8) x scales [...] -> float32 [..., D]."""
-    return pages.astype(jnp.float32) * scales[..., None]
+    """pages [..., D] (int8 / float8) x scales [...] (bfloat16) -> float32 [..., D]."""
+    return pages.astype(jnp.float32) * scales.astype(jnp.float32)[..., None]
 
 
 def read_pages(pages, scales, idx):
@@ -90,7 +111,7 @@ def split_cache(kv_pages):
 
 def empty_kv_cache(num_pages: int, page_size: int, kv_heads: int, head_dim: int, dtype, kv_cache_dtype: str = "auto"):
     """One layer's zeroed cache tuple: (k, v) pages of dtype, or for "int8"/"fp8" 8-bit pages
-    plus float32 scales [num_pages, page_size, KVH]."""
+    plus bfloat16 scales [num_pages, page_size, KVH]."""
     shape = (num_pages, page_size, kv_heads, head_dim)
     page_dtype = KV_PAGE_DTYPES[kv_cache_dtype]
     if page_dtype is None:
@@ -99,8 +120,8 @@ def empty_kv_cache(num_pages: int, page_size: int, kv_heads: int, head_dim: int,
     return (
         jnp.zeros(shape, page_dtype),
         jnp.zeros(shape, page_dtype),
-        jnp.zeros(scales, jnp.float32),
-        jnp.zeros(scales, jnp.float32),
+        jnp.zeros(scales, SCALE_DTYPE),
+        jnp.zeros(scales, SCALE_DTYPE),
     )
 
 

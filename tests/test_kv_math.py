@@ -42,8 +42,8 @@ def test_kv_bytes_per_token_bf16(name: str, expected: int) -> None:
 
 def test_kv_bytes_per_token_dtypes() -> None:
     m = PRESETS["llama-3-8b"]
-    assert kv_bytes_per_token(m, "fp8") == 2 * 32 * 8 * (128 + 4)  # 67,584: a float32 scale per token-head
-    assert kv_bytes_per_token(m, "int8") == 67_584
+    assert kv_bytes_per_token(m, "fp8") == 2 * 32 * 8 * (128 + 2)  # 66,560: a bfloat16 scale per token-head
+    assert kv_bytes_per_token(m, "int8") == 66_560
     assert kv_bytes_per_token(m, "fp32") == 262_144
 
 

@@ -29,57 +29,117 @@ from pallas_kernels import paged_attention as pk
 DTYPES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
 
 
+TINY = np.finfo(np.float32).tiny  # 2^-126, float32's smallest normal
+
+
 def np_quantize(x: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray]:
-    """The NumPy reference of reference.quantize_kv: scale = max|x| * float32(1/qmax) per
-    vector (last axis), q = x * (1/scale) clipped to [-qmax, qmax], rounded half to even
-    (int8) or cast with round-to-nearest-even (float8_e4m3fn); scale 0 -> q 0."""
+    """The NumPy reference of reference.quantize_kv: values below float32's smallest normal
+    count as zero; scale = bfloat16(max|x| * float32(1/qmax)) per vector (last axis), rounded
+    to nearest even by ml_dtypes (0 if below the smallest normal); q = x * (1/float32(scale))
+    clipped to [-qmax, qmax], rounded half to even (int8) or cast with round-to-nearest-even
+    (float8_e4m3fn); scale 0 -> q 0. Returns (q, scale as ml_dtypes.bfloat16)."""
     qmax = 127.0 if kind == "int8" else 448.0
     x = np.asarray(x, np.float32)
-    scale = (np.abs(x).max(-1) * np.float32(1.0 / qmax)).astype(np.float32)
-    safe = np.where(scale > 0, scale, np.float32(1))
-    inv = np.where(scale > 0, np.float32(1) / safe, np.float32(0)).astype(np.float32)
+    x = np.where(np.abs(x) < TINY, np.float32(0), x)
+    raw = (np.abs(x).max(-1) * np.float32(1.0 / qmax)).astype(np.float32)
+    raw = np.where(raw < TINY, np.float32(0), raw)
+    scale = raw.astype(ml_dtypes.bfloat16)
+    s32 = scale.astype(np.float32)
+    safe = np.where(s32 > 0, s32, np.float32(1))
+    inv = np.where(s32 > 0, np.float32(1) / safe, np.float32(0)).astype(np.float32)
     y = np.clip(x * inv[..., None], -qmax, qmax).astype(np.float32)
     if kind == "int8":
         return np.rint(y).astype(np.int8), scale
     return y.astype(ml_dtypes.float8_e4m3fn), scale
 
 
+def np_round_bf16(x: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bits by hand (round to nearest even on the uint32 bits, finite
+    values): a check on ml_dtypes' rounding, which np_quantize relies on."""
+    u = np.asarray(x, np.float32).view(np.uint32).astype(np.uint64)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
 def _bits(a) -> np.ndarray:
     a = np.asarray(a)
-    return a.view(np.uint8) if a.dtype.itemsize == 1 else a.view(np.uint32)
+    return a.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[a.dtype.itemsize])
+
+
+def _tie_amax(qmax: float, up: bool) -> np.float32:
+    """A max|x| whose max|x| * float32(1/qmax) lies exactly halfway between two bfloat16s, the
+    lower one even (up=False: rounds down) or odd (up=True: rounds up)."""
+    inv = np.float32(1 / qmax)
+    for top in range(0x3F80, 0x4000, 2):  # bfloat16 bits in [1, 2): even
+        tie = np.uint32(((top + up) << 16) | 0x8000).view(np.float32)
+        a = np.float32(tie * np.float32(qmax))
+        for _ in range(8):
+            if a * inv == tie:
+                return a
+            a = np.nextafter(a, np.float32(np.inf) if a * inv < tie else np.float32(0))
+    raise AssertionError("no tie found")
 
 
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
 def test_quantize_matches_numpy_exactly(kind):
+    qmax = 127.0 if kind == "int8" else 448.0
     rng = np.random.default_rng(0)
     x = rng.standard_normal((7, 9, 3, 64)).astype(np.float32) * rng.lognormal(0, 3, (7, 9, 3, 1)).astype(np.float32)
     x[0, 0, 0] = 0.0  # a zero vector: scale 0, q 0
-    x[0, 0, 1, :5] = [1e-30, -1e-30, 0, 0, 0]  # tiny (denormal scale)
+    x[0, 0, 1:3] = x[0, 1] = 0.0
+    x[0, 0, 1, :2] = [1e-30, -1e-30]  # tiny
+    x[0, 0, 2, :3] = [1e-39, -3e-40, 1e-45]  # denormals only: counted as zero
+    x[0, 1, 0, :2] = [qmax * TINY * 1.01, 1e-39]  # scale just above float32's smallest normal
+    x[0, 1, 1, :2] = [qmax * TINY * 0.99, -1.0e-37]  # scale just below it: 0
+    x[0, 1, 2, :2] = [3.0, 1e-39]  # a denormal beside normal values: 0
     x[1, 1, 1] = np.linspace(-5, 5, 64)  # exact ties after scaling
     x[2, 2, 2, 3] = 3e38  # near float32's max
+    x[3, 3, 0] = np.linspace(-1, 1, 64) * np.float32(qmax * (1 + 2**-9 - 2**-20))  # scale rounds down: clipped
+    x[3, 3, 1] = np.linspace(-1, 1, 64, dtype=np.float32) * _tie_amax(qmax, up=False)  # the scale: a tie, to even
+    x[3, 3, 2] = np.linspace(-1, 1, 64, dtype=np.float32) * _tie_amax(qmax, up=True)
     for dtype in (jnp.float32, jnp.bfloat16):
         xj = jnp.asarray(x).astype(dtype)
+        x32 = np.asarray(xj.astype(jnp.float32))
         q, s = jax.jit(reference.quantize_kv, static_argnums=1)(xj, DTYPES[kind])
-        want_q, want_s = np_quantize(np.asarray(xj.astype(jnp.float32)), kind)
-        assert q.dtype == DTYPES[kind] and s.dtype == jnp.float32 and s.shape == x.shape[:-1]
+        want_q, want_s = np_quantize(x32, kind)
+        assert q.dtype == DTYPES[kind] and s.dtype == jnp.bfloat16 and s.shape == x.shape[:-1]
         np.testing.assert_array_equal(_bits(s), _bits(want_s))
         np.testing.assert_array_equal(_bits(q), _bits(want_q))
-        assert (np.asarray(q[0, 0, 0]).astype(np.float32) == 0).all() and float(s[0, 0, 0]) == 0.0
+        # the scale is max|x| / qmax rounded to nearest even bfloat16 (by hand, not ml_dtypes)
+        raw = np.abs(np.where(np.abs(x32) < TINY, 0, x32)).max(-1).astype(np.float32) * np.float32(1 / qmax)
+        np.testing.assert_array_equal(_bits(s), np.where(raw < TINY, 0, np_round_bf16(raw)))
+        s32 = np.asarray(s.astype(jnp.float32))
+        for i in [(0, 0, 0), (0, 0, 2), (0, 1, 1)]:
+            assert (np.asarray(q[i]).astype(np.float32) == 0).all() and s32[i] == 0.0
+        assert s32[0, 1, 0] > 0 and np.asarray(q[0, 1, 0, 1]).astype(np.float32) == 0
+        assert np.asarray(q[0, 1, 2, 1]).astype(np.float32) == 0
+        if dtype == jnp.float32:  # rounding the scale down pushed |x| / scale past qmax
+            assert np.abs(x32[3, 3, 0]).max() / s32[3, 3, 0] > qmax
+            assert float(np.abs(np.asarray(q[3, 3, 0]).astype(np.float32)).max()) == qmax
+            ties = raw[3, 3, 1:3].view(np.uint32)
+            assert ((ties & 0xFFFF) == 0x8000).all() and list(ties >> 16 & 1) == [0, 1]
+            assert list(_bits(s)[3, 3, 1:3]) == [ties[0] >> 16, (ties[1] >> 16) + 1]
         # dequantized error: at most half a step (int8), float8's relative rounding otherwise
+        # (+ the clip where the scale rounded down: at most qmax * 2^-8 steps); values that
+        # count as zero are off by less than float32's smallest normal
         deq = np.asarray(reference.dequantize(q, s))
-        err = np.abs(deq - np.asarray(xj.astype(jnp.float32)))
-        bound = 0.5 * np.asarray(s)[..., None] if kind == "int8" else np.abs(deq) / 16 + np.asarray(s)[..., None]
-        assert (err <= bound * 1.0001 + 1e-45).all()
+        err = np.abs(deq - x32)
+        step = s32[..., None]
+        bound = 0.5 * step if kind == "int8" else np.abs(deq) / 16 + step + qmax * 2**-8 * step
+        bound = np.maximum(bound, np.where(s32 == 0, qmax * TINY, TINY)[..., None])
+        assert (err <= bound * 1.0001).all()
 
 
 _quantize = jax.jit(reference.quantize_kv, static_argnums=1)
-_floats = st.floats(-1e6, 1e6, width=32) | st.sampled_from([0.0, -0.0, 1e-38, -3e-39, 0.5, 1.5, 2.5, 65504.0])
+_floats = st.floats(-1e6, 1e6, width=32) | st.sampled_from(
+    [0.0, -0.0, 1e-38, -3e-39, 1e-45, 1.2e-38, 1.5e-36, -5.3e-36, 5.4e-36, 0.5, 1.5, 2.5, 65504.0]
+)
 
 
 @settings(max_examples=40, deadline=None)
 @given(kind=st.sampled_from(["int8", "fp8"]), data=st.data())
 def test_quantize_matches_numpy_hypothesis(kind, data):
-    """Any float32 values (one shape, so one compile per dtype): identical bytes and scales."""
+    """Any float32 values (one shape, so one compile per dtype), denormals and the edge of a
+    zero scale (qmax * 2^-126) among them: identical bytes and scales."""
     x = np.asarray(data.draw(st.lists(_floats, min_size=64, max_size=64), label="x"), np.float32).reshape(2, 2, 16)
     if data.draw(st.booleans(), label="zero vector"):
         x[1, 0] = 0.0
@@ -108,10 +168,11 @@ def test_write_kv_writes_the_quantized_bytes(kind):
     for pages, scales, x, seen in ((new[0], new[2], k, k_seen), (new[1], new[3], v, v_seen)):
         want_q, want_s = np_quantize(np.asarray(x[0]), kind)
         np.testing.assert_array_equal(_bits(flat(pages)[[4, 5, 6, 13, 0]]), _bits(want_q))
-        np.testing.assert_array_equal(flat(scales)[[4, 5, 6, 13, 0]], want_s)
-        np.testing.assert_array_equal(np.asarray(seen[0]), want_q.astype(np.float32) * want_s[..., None])
+        np.testing.assert_array_equal(_bits(flat(scales)[[4, 5, 6, 13, 0]]), _bits(want_s))
+        want_seen = want_q.astype(np.float32) * want_s.astype(np.float32)[..., None]
+        np.testing.assert_array_equal(np.asarray(seen[0]), want_seen)
         untouched = np.setdiff1d(np.arange(24), [4, 5, 6, 13, 0])
-        assert (flat(scales)[untouched] == 0).all()
+        assert scales.dtype == jnp.bfloat16 and (flat(scales)[untouched] == 0).all()
 
 
 def _quantized_pool(rng, lens, ps, kvh, d, kind, even_width=False, poison=np.nan):
@@ -180,6 +241,24 @@ def test_native_refuses_fp8_pages():
     cl = jnp.asarray([20], jnp.int32)
     with pytest.raises(ValueError, match="int8"):
         native.paged_attention(randn(rng, (1, 1, 4, 32)), *clean[:2], bt, cl, cl[:, None] - 1, 0.2, *clean[2:])
+
+
+def test_native_kernel_takes_bfloat16_scales():
+    """The FFI target reads the pool's bfloat16 scales as they are (ABI 3) and refuses the
+    float32 scales of ABI 2 with an error naming them, instead of misreading their bytes."""
+    rng = np.random.default_rng(5)
+    clean, _, _, _, bt = _quantized_pool(rng, [20], 8, 2, 32, "int8")
+    assert native.ABI_VERSION == 3 and clean[2].dtype == jnp.bfloat16
+    q, cl = randn(rng, (1, 1, 4, 32)), jnp.asarray([20], jnp.int32)
+    call = jax.ffi.ffi_call(native.TARGET_Q8, jax.ShapeDtypeStruct(q.shape, q.dtype))
+    args = (bt, cl, cl[:, None] - 1)
+    kw = {"scale": np.float32(0.2), "kv_heads_per_item": np.int64(0)}
+    np.testing.assert_array_equal(
+        np.asarray(call(q, *clean, *args, **kw)),
+        np.asarray(native.paged_attention(q, *clean[:2], *args, 0.2, *clean[2:])),
+    )
+    with pytest.raises(Exception, match="scales must be bfloat16"):
+        np.asarray(call(q, *clean[:2], *(s.astype(jnp.float32) for s in clean[2:]), *args, **kw))
 
 
 @pytest.mark.parametrize("kind", ["fp8"])
@@ -301,19 +380,23 @@ def _pages(cfg: ModelConfig, dtype: str, kind: str, budget: int = 64 << 20) -> i
 @pytest.mark.parametrize("head_dim", [16, 32, 64, 128])
 def test_int8_pool_holds_more_pages_at_a_fixed_budget(head_dim):
     """The engine's own sizing at a fixed kv_cache_memory_bytes, scale bytes counted:
-    per token-head, int8 takes D + 4 bytes (a float32 scale) against 4D (fp32), 2D (bf16)."""
+    per token-head, int8 takes D + 2 bytes (a bfloat16 scale) against 4D (fp32), 2D (bf16).
+    2D / (D + 2) >= 1.9 from D = 38: 1.94x at 64, 1.97x at 128; not at 16 (1.78x) or 32
+    (1.88x), where the scale is a larger share of a token-head."""
     cfg = _model_cfg(head_dim)
     fp32, bf16 = _pages(cfg, "float32", "auto"), _pages(cfg, "bfloat16", "auto")
     int8, fp8 = _pages(cfg, "float32", "int8"), _pages(cfg, "bfloat16", "fp8")
     assert int8 == fp8
     assert int8 / fp32 >= 1.9
-    assert int8 / fp32 == pytest.approx(4 * head_dim / (head_dim + 4), rel=1e-3)
-    assert int8 / bf16 == pytest.approx(2 * head_dim / (head_dim + 4), rel=1e-3)
-    if head_dim >= 76:  # 2D / (D + 4) >= 1.9 from D = 76: every production head dim (128)
-        assert int8 / bf16 >= 1.9
+    assert int8 / fp32 == pytest.approx(4 * head_dim / (head_dim + 2), rel=1e-3)
+    assert int8 / bf16 == pytest.approx(2 * head_dim / (head_dim + 2), rel=1e-3)
+    assert (int8 / bf16 >= 1.9) == (head_dim >= 64)  # of 16, 32, 64, 128
     # kv-math says the same
     shape = cfg.shape()
-    assert kv_math.kv_bytes_per_token(shape, "int8") == 2 * 2 * 2 * (head_dim + 4)
+    assert kv_math.kv_bytes_per_token(shape, "int8") == 2 * 2 * 2 * (head_dim + 2)
+    assert kv_math.kv_bytes_per_token(shape, "bf16") / kv_math.kv_bytes_per_token(shape, "int8") == pytest.approx(
+        2 * head_dim / (head_dim + 2)
+    )
     assert model_runner.kv_bytes_per_token("float32", cfg, kv_cache_dtype="int8") == kv_math.kv_bytes_per_token(
         shape, "int8"
     )
@@ -321,11 +404,11 @@ def test_int8_pool_holds_more_pages_at_a_fixed_budget(head_dim):
 
 def test_kv_math_capacity_follows_kv_dtype():
     """kv-math's plan for a real model (Llama-3.1-8B on an H100, 8k context): an 8-bit cache
-    fits >= 1.9x the requests of a bf16 one, scales counted."""
+    fits >= 1.9x the requests of a bf16 one, scales counted (2 x 128 / 130 = 1.97x the bytes)."""
     m = kv_math.resolve_model("llama-3.1-8b")
     bf16 = kv_math.plan(m, "h100", kv_dtype="bf16", context_len=8192)
     int8 = kv_math.plan(m, "h100", kv_dtype="int8", context_len=8192)
-    assert int8.kv_bytes_per_token == 2 * 32 * 8 * (128 + 4)
+    assert int8.kv_bytes_per_token == 2 * 32 * 8 * (128 + 2)
     assert int8.max_concurrent_requests >= 1.9 * bf16.max_concurrent_requests
     lo8, _ = kv_math.decode_step_bounds(m, 32, 8192, 3.35e12, 1e15, kv_dtype="int8")
     lo16, _ = kv_math.decode_step_bounds(m, 32, 8192, 3.35e12, 1e15, kv_dtype="bf16")
@@ -350,7 +433,7 @@ def test_copy_pages_copies_scales():
     rng = np.random.default_rng(4)
     kv = tuple(
         tuple(jnp.asarray(rng.integers(-127, 128, s), jnp.int8) for s in [(6, 4, 2, 8)] * 2)
-        + tuple(randn(rng, (6, 4, 2)) for _ in range(2))
+        + tuple(randn(rng, (6, 4, 2), jnp.bfloat16) for _ in range(2))
         for _ in range(2)
     )
     src, dst = jnp.asarray([1, 3, 0], jnp.int32), jnp.asarray([5, 2, 0], jnp.int32)
@@ -389,7 +472,7 @@ def test_int8_engine_alone_equals_batched_and_returns_every_page(qllm):
     from jaxserve.runner.executable_cache import compile_count
 
     kv = qllm.runner.kv
-    assert len(kv[0]) == 4 and kv[0][0].dtype == jnp.int8 and kv[0][2].dtype == jnp.float32
+    assert len(kv[0]) == 4 and kv[0][0].dtype == jnp.int8 and kv[0][2].dtype == jnp.bfloat16
     pool_bytes = sum(x.nbytes for layer in kv for x in layer)
     rc = qllm.runner.cfg
     assert pool_bytes == rc.num_pages * rc.page_size * model_runner.kv_bytes_per_token(
@@ -465,6 +548,6 @@ def test_int8_cache_under_tensor_parallelism(tmp_path):
     assert line, r.stdout[-3000:] + r.stderr[-3000:]
     out = json.loads(line[0][6:])
     assert out["2"]["tokens"] == out["4"]["tokens"] == out["1"]["tokens"]
-    assert out["1"]["dtypes"] == ["int8", "int8", "float32", "float32"]
+    assert out["1"]["dtypes"] == ["int8", "int8", "bfloat16", "bfloat16"]
     assert out["2"]["shards"] == [[40, 8, 1, 8]] * 2 + [[40, 8, 1]] * 2  # pages and scales split by KV head
     assert out["4"]["shards"] == [[40, 8, 2, 8]] * 2 + [[40, 8, 2]] * 2  # 2 KV heads < 4 chips: replicated

@@ -92,7 +92,10 @@ class EngineCore:
             "KV cache: %d pages x %d tokens (%.1f MiB), %d slots, max_model_len %d, attention %s",
             rc.num_pages,
             rc.page_size,
-            rc.num_pages * rc.page_size * model_runner.kv_bytes_per_token(rc.dtype, self.model_cfg, draft_cfg) / 2**20,
+            rc.num_pages
+            * rc.page_size
+            * model_runner.kv_bytes_per_token(rc.dtype, self.model_cfg, draft_cfg, kv_cache_dtype=rc.kv_cache_dtype)
+            / 2**20,
             rc.max_slots,
             rc.max_model_len,
             rc.attention_impl,

@@ -256,7 +256,7 @@ class RunnerConfig:
     dtype: str
     attention_impl: str
     interpret: bool
-    kv_cache_dtype: str = "auto"  # "auto" (pages in dtype) | "int8" | "fp8" (8-bit pages + float32 scales)
+    kv_cache_dtype: str = "auto"  # "auto" (pages in dtype) | "int8" | "fp8" (8-bit pages + bfloat16 scales)
     matmul_impl: str = "xla"  # "native": Linear weights packed for the C++ CPU matmul
     max_logprobs: int = 0  # the top-n alternatives a decode step computes when any row asks for logprobs
     num_speculative_tokens: int = 0  # k of a speculative step; 0 = no speculation
@@ -606,7 +606,7 @@ def _resolve_matmul(cfg, backend: str) -> str:
 
 def kv_bytes_per_token(dtype: str, *cfgs: ModelConfig | None, kv_cache_dtype: str = "auto") -> int:
     """KV bytes one token takes in the pool, the target's and a draft's together; an 8-bit
-    cache ("int8" / "fp8") counts its float32 per-token-per-head scales too."""
+    cache ("int8" / "fp8") counts its bfloat16 per-token-per-head scales too."""
     kv = _KV_DTYPE[dtype] if kv_cache_dtype == "auto" else kv_cache_dtype
     return sum(kv_math.kv_bytes_per_token(c.shape(), kv_dtype=kv) for c in cfgs if c is not None)
 

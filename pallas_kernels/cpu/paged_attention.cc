@@ -5,7 +5,7 @@
 //   context_lens [B] int32; positions [B, T] int32.  Key j of row b is visible to query t iff
 //   j < context_lens[b] and j <= positions[b, t].  A query that sees nothing gets zeros.
 //   Grouped-query attention: H = KVH * G; query head h uses KV head h / G.
-// Pages are float32 or bfloat16 (read and widened to float32 here), or int8 with float32 scales
+// Pages are float32 or bfloat16 (read and widened to float32 here), or int8 with bfloat16 scales
 // [num_pages, page_size, KVH] (JaxservePagedAttentionQ8: one scale per token per KV head, a
 // key/value vector is q * scale; see reference.quantize_kv); q is float32 or bfloat16; all
 // arithmetic and accumulation is float32; the output has q's dtype.
@@ -224,8 +224,8 @@ struct Problem {
   const int32_t* bt;
   const int32_t* lens;
   const int32_t* pos;
-  const float* ks;  // int8 pages: scales [num_pages, ps, KVH] (else null)
-  const float* vs;
+  const uint16_t* ks;  // int8 pages: bfloat16 scales [num_pages, ps, KVH] (else null)
+  const uint16_t* vs;
   int64_t B, T, H, KVH, G, D, P, num_pages, ps;
   float scale;
   bool q_bf16;
@@ -305,11 +305,11 @@ JS_INLINE void prefetch_row(const KT* p, int64_t d) {
 }
 
 // The chunk's rows of one KV head (element offsets off[j] + hoff) widened to float32 in dst
-// [nvalid][D]: bfloat16 by a shift, int8 times its token-head's scale (scale index =
-// element offset / D, as the scales are the pages without their last axis).  Prefetches the
-// same head's rows of the next chunk.
+// [nvalid][D]: bfloat16 by a shift, int8 times its token-head's scale (a bfloat16, widened by
+// the same shift; scale index = element offset / D, as the scales are the pages without their
+// last axis).  Prefetches the same head's rows of the next chunk.
 template <class KT, int N, int HD>
-JS_INLINE void widen_rows(const KT* pool, const KT* pool_end, const float* scales, const int64_t* off,
+JS_INLINE void widen_rows(const KT* pool, const KT* pool_end, const uint16_t* scales, const int64_t* off,
                           const int64_t* off_next, int64_t nvalid, int64_t n_next, int64_t hoff, int64_t D,
                           float* dst) {
   constexpr bool kQ8 = std::is_same_v<KT, int8_t>;
@@ -319,7 +319,7 @@ JS_INLINE void widen_rows(const KT* pool, const KT* pool_end, const float* scale
     const KT* src = pool + off[j] + hoff;
     float* row = dst + j * D;
     float s = 1.0f;
-    if constexpr (kQ8) s = scales[(off[j] + hoff) / (HD > 0 ? int64_t(HD) : D)];  // HD: a constant divisor
+    if constexpr (kQ8) s = widen(scales[(off[j] + hoff) / (HD > 0 ? int64_t(HD) : D)]);  // HD: a constant divisor
     if constexpr (DV > 0) {
       for (int c = 0; c < DV; ++c) {
         if constexpr (kQ8) {
@@ -335,7 +335,7 @@ JS_INLINE void widen_rows(const KT* pool, const KT* pool_end, const float* scale
 }
 
 // One work item.  KT: page element type (float, uint16_t holding bfloat16, or int8_t with a
-// float32 scale per token per KV head, multiplied in while a chunk is widened).  N: vector lanes.
+// bfloat16 scale per token per KV head, multiplied in while a chunk is widened).  N: vector lanes.
 // HD: the head dim (a multiple of N), or 0 for the scalar path (any head dim).
 template <class KT, int N, int HD>
 JS_INLINE void run_item(const Problem& pr, int64_t item, Scratch& sc) {
@@ -692,9 +692,9 @@ ffi::Error PagedAttentionCore(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBu
       return ffi::Error::InvalidArgument("paged_attention: quantized pages must both be int8");
     for (const ffi::AnyBuffer* sb : {k_scales, v_scales}) {
       auto sd = sb->dimensions();
-      if (sb->element_type() != ffi::F32 || sd.size() != 3 || sd[0] != kd[0] || sd[1] != kd[1] || sd[2] != kd[2])
-        return ffi::Error::InvalidArgument("paged_attention: scales must be float32 [num_pages, page_size, KVH], got " +
-                                           dims_str(sd) + " for pages " + dims_str(kd));
+      if (sb->element_type() != ffi::BF16 || sd.size() != 3 || sd[0] != kd[0] || sd[1] != kd[1] || sd[2] != kd[2])
+        return ffi::Error::InvalidArgument("paged_attention: scales must be bfloat16 [num_pages, page_size, KVH], " +
+                                           std::string("got ") + dims_str(sd) + " for pages " + dims_str(kd));
     }
   } else if (kt != v.element_type() || (kt != ffi::F32 && kt != ffi::BF16)) {
     return ffi::Error::InvalidArgument("paged_attention: pages must both be float32 or bfloat16");
@@ -729,8 +729,8 @@ ffi::Error PagedAttentionCore(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBu
   pr.bt = bt.typed_data();
   pr.lens = lens.typed_data();
   pr.pos = pos.typed_data();
-  pr.ks = q8 ? static_cast<const float*>(k_scales->untyped_data()) : nullptr;
-  pr.vs = q8 ? static_cast<const float*>(v_scales->untyped_data()) : nullptr;
+  pr.ks = q8 ? static_cast<const uint16_t*>(k_scales->untyped_data()) : nullptr;
+  pr.vs = q8 ? static_cast<const uint16_t*>(v_scales->untyped_data()) : nullptr;
   if (pr.B == 0 || pr.T == 0 || pr.H == 0 || pr.D == 0) return ffi::Error::Success();
   if (pr.num_pages == 0 || pr.ps == 0 || pr.P == 0) {  // nothing to attend to
     std::memset(pr.out, 0, pr.B * pr.T * pr.H * pr.D * (pr.q_bf16 ? 2 : 4));
@@ -791,7 +791,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedAttention, PagedAttentionImpl,
                                   .Attr<float>("scale")
                                   .Attr<int64_t>("kv_heads_per_item"));
 
-// int8 pages with float32 scales [num_pages, page_size, KVH] (kv_cache_dtype="int8").
+// int8 pages with bfloat16 scales [num_pages, page_size, KVH] (kv_cache_dtype="int8").
 JS_EXPORT XLA_FFI_Error* JaxservePagedAttentionQ8(XLA_FFI_CallFrame* call_frame);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedAttentionQ8, PagedAttentionQ8Impl,
@@ -800,7 +800,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedAttentionQ8, PagedAttentionQ8Impl,
                                   .Arg<ffi::AnyBuffer>()               // q [B, T, H, D]
                                   .Arg<ffi::AnyBuffer>()               // k pages (int8)
                                   .Arg<ffi::AnyBuffer>()               // v pages (int8)
-                                  .Arg<ffi::AnyBuffer>()               // k scales [num_pages, ps, KVH]
+                                  .Arg<ffi::AnyBuffer>()               // k scales [num_pages, ps, KVH] bf16
                                   .Arg<ffi::AnyBuffer>()               // v scales
                                   .Arg<ffi::BufferR2<ffi::S32>>()      // block_tables [B, P]
                                   .Arg<ffi::BufferR1<ffi::S32>>()      // context_lens [B]
@@ -818,8 +818,9 @@ JS_EXPORT int jaxserve_cpu_set_isa(int isa) {
   current_isa().store(std::clamp(isa, 0, detect_isa()));
   return current_isa().load();
 }
-// Bumped whenever the FFI signature changes, so a stale library is not used.
-JS_EXPORT int jaxserve_cpu_abi_version() { return 2; }
+// Bumped whenever the FFI signature changes, so a stale library is not used (3: the int8 pages'
+// scales are bfloat16, float32 before).
+JS_EXPORT int jaxserve_cpu_abi_version() { return 3; }
 
 // The sha256 of the source this library was built from (native.py passes it), so that a source
 // checkout rebuilds a library made from another version of this file.
