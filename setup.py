@@ -61,6 +61,6 @@ class BuildNative(build_ext):
 
 
 setup(
-    ext_modules=[Extension(LIB, sources=SOURCES, optional=True)],
+    ext_modules=[Extension(LIB, sources=SOURCES, depends=["pallas_kernels/cpu/work_pool.h"], optional=True)],
     cmdclass={"build_ext": BuildNative},
 )

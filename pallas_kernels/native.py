@@ -82,11 +82,14 @@ def compiler() -> list[str] | None:
 
 
 def source_digest(sources=SOURCES) -> str:
-    """sha256 over every source (name and bytes), in order: any edit to any of them changes it."""
+    """sha256 over every source (name and bytes), in order, and the headers beside them (``*.h``
+    in their folders, which they include): any edit to any of them changes it."""
     if isinstance(sources, (str, Path)):
         sources = (sources,)
+    sources = [Path(s) for s in sources]
+    headers = sorted({h for s in sources for h in s.parent.glob("*.h")})
     h = hashlib.sha256()
-    for s in sources:
+    for s in [*sources, *headers]:
         data = Path(s).read_bytes()
         h.update(f"{Path(s).name}:{len(data)}:".encode())
         h.update(data)

@@ -23,8 +23,8 @@
 // of the call or on how the work was split (batched equals alone).
 //
 // Work split: items are (a run of panels, a block of rows), taken from a shared atomic counter by
-// the calling thread and by tasks queued on XLA's own CPU thread pool, as in the paged-attention
-// kernel; a late task finds no item and touches nothing.  With more rows than one register tile,
+// the calling thread and by tasks queued on XLA's own CPU thread pool (work_pool.h, shared with
+// the paged-attention kernel).  With more rows than one register tile,
 // an int8 panel is first widened into an L2-resident float32 scratch, so that every further tile
 // reads floats instead of widening again.
 //
@@ -33,15 +33,14 @@
 // switch (jaxserve_cpu_isa() in paged_attention.cc; JAXSERVE_CPU_ISA lowers it).
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <memory>
 #include <string>
-#include <thread>
 #include <type_traits>
 
 #include "xla/ffi/api/ffi.h"
+#include "work_pool.h"
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -221,39 +220,6 @@ ItemFn pick(int isa, bool q8) {
   return q8 ? &item_generic<true> : &item_generic<false>;
 }
 
-struct Shared {
-  Problem pr;
-  ItemFn fn;
-  bool scratch;  // int8 with more rows than a tile: widen each panel once
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-};
-
-void work(Shared& sh) {
-  int64_t i = sh.next.fetch_add(1, std::memory_order_relaxed);
-  if (i >= sh.pr.n_items) return;  // nothing left: touch nothing (the call may have returned)
-  std::unique_ptr<float[]> scratch;
-  if (sh.scratch) scratch.reset(new (std::nothrow) float[sh.pr.K * kPanel]);  // none: widen per tile
-  for (; i < sh.pr.n_items; i = sh.next.fetch_add(1, std::memory_order_relaxed)) {
-    sh.fn(sh.pr, i, scratch.get());
-    sh.done.fetch_add(1, std::memory_order_release);
-  }
-}
-
-JM_INLINE void relax() {
-#if JM_X86
-  _mm_pause();
-#elif defined(__aarch64__)
-  asm volatile("yield");
-#endif
-}
-
-std::string dims_str(ffi::AnyBuffer::Dimensions d) {
-  std::string s = "[";
-  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
-  return s + "]";
-}
-
 // Work per item: about this many weight elements (times M / 4 once the rows make the item
 // compute-bound), i.e. 5-10 us of streaming, well over the ~1 us of queueing a task, and at most 8
 // items per worker, so a worker slowed by another process leaves little behind.
@@ -280,17 +246,17 @@ ffi::Error Run(ffi::ThreadPool pool, Problem pr, bool q8) {
   pr.rows_per_item = 6 * (((pr.M + row_blocks - 1) / row_blocks + 5) / 6);
   pr.n_items = pr.panel_items * ((pr.M + pr.rows_per_item - 1) / pr.rows_per_item);
 
-  auto sh = std::make_shared<Shared>();
-  sh->pr = pr;
-  sh->fn = pick(isa, q8);
-  sh->scratch = q8 && std::min(pr.M, pr.rows_per_item) > rm;
-  const int64_t helpers = std::min(workers - 1, pr.n_items - 1);
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([sh] { work(*sh); });
-  work(*sh);
-  for (int spins = 0; sh->done.load(std::memory_order_acquire) < pr.n_items; ++spins) {
-    if (spins < 256) relax();
-    else std::this_thread::yield();
-  }
+  // int8 with more rows than a tile: each thread widens a panel once into its scratch (none
+  // allocated: widen per tile instead)
+  const bool scratch = q8 && std::min(pr.M, pr.rows_per_item) > rm;
+  const ItemFn fn = pick(isa, q8);
+  jaxserve_cpu::run_items(
+      pool, pr.n_items,
+      [scratch, k = pr.K] { return std::unique_ptr<float[]>(scratch ? new (std::nothrow) float[k * kPanel] : nullptr); },
+      [pr, fn](std::unique_ptr<float[]>& sc, int64_t i) {
+        fn(pr, i, sc.get());
+        return true;
+      });
   return ffi::Error::Success();
 }
 
@@ -300,8 +266,8 @@ ffi::Error Check(ffi::AnyBuffer::Dimensions xd, ffi::AnyBuffer::Dimensions wd, f
       yd[1] <= (wd[0] - 1) * kPanel || (scale_len >= 0 && scale_len != wd[0] * kPanel))
     return ffi::Error::InvalidArgument(std::string(what) + ": x [M, K], w [ceil(N / 64), K, 64]" +
                                        (scale_len >= 0 ? ", scale [ceil(N / 64) * 64]" : "") +
-                                       " -> y [M, N]; got x " + dims_str(xd) + ", w " + dims_str(wd) + ", y " +
-                                       dims_str(yd));
+                                       " -> y [M, N]; got x " + jaxserve_cpu::dims_str(xd) + ", w " + jaxserve_cpu::dims_str(wd) + ", y " +
+                                       jaxserve_cpu::dims_str(yd));
   return ffi::Error::Success();
 }
 

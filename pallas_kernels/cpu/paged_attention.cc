@@ -42,6 +42,7 @@
 #include <utility>
 
 #include "xla/ffi/api/ffi.h"
+#include "work_pool.h"
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -637,39 +638,6 @@ ItemFn pick(int isa, int64_t d) {
   }
 }
 
-struct Shared {
-  Problem pr;
-  ItemFn fn;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-  std::atomic<bool> out_of_memory{false};
-};
-
-void work(Shared& sh) {
-  int64_t i = sh.next.fetch_add(1, std::memory_order_relaxed);
-  if (i >= sh.pr.n_items) return;  // nothing left: touch nothing (the call may have returned)
-  Scratch sc(sh.pr);
-  for (; i < sh.pr.n_items; i = sh.next.fetch_add(1, std::memory_order_relaxed)) {
-    if (sc.base) sh.fn(sh.pr, i, sc);
-    else sh.out_of_memory.store(true, std::memory_order_relaxed);
-    sh.done.fetch_add(1, std::memory_order_release);
-  }
-}
-
-JS_INLINE void cpu_relax() {
-#if JS_X86
-  _mm_pause();
-#elif defined(__aarch64__)
-  asm volatile("yield");
-#endif
-}
-
-std::string dims_str(ffi::AnyBuffer::Dimensions d) {
-  std::string s = "[";
-  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
-  return s + "]";
-}
-
 // Both handlers: scales (k_scales, v_scales) are null for float pages.
 ffi::Error PagedAttentionCore(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                               const ffi::AnyBuffer* k_scales, const ffi::AnyBuffer* v_scales,
@@ -681,8 +649,8 @@ ffi::Error PagedAttentionCore(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBu
     return ffi::Error::InvalidArgument("paged_attention: q, pages and output must be rank 4");
   for (int i = 0; i < 4; ++i) {
     if (kd[i] != vd[i])
-      return ffi::Error::InvalidArgument("paged_attention: k pages " + dims_str(kd) +
-                                         " and v pages " + dims_str(vd) + " differ");
+      return ffi::Error::InvalidArgument("paged_attention: k pages " + jaxserve_cpu::dims_str(kd) +
+                                         " and v pages " + jaxserve_cpu::dims_str(vd) + " differ");
     if (qd[i] != od[i]) return ffi::Error::InvalidArgument("paged_attention: output shape");
   }
   const auto kt = k.element_type(), qt = q.element_type();
@@ -694,7 +662,7 @@ ffi::Error PagedAttentionCore(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBu
       auto sd = sb->dimensions();
       if (sb->element_type() != ffi::BF16 || sd.size() != 3 || sd[0] != kd[0] || sd[1] != kd[1] || sd[2] != kd[2])
         return ffi::Error::InvalidArgument("paged_attention: scales must be bfloat16 [num_pages, page_size, KVH], " +
-                                           std::string("got ") + dims_str(sd) + " for pages " + dims_str(kd));
+                                           std::string("got ") + jaxserve_cpu::dims_str(sd) + " for pages " + jaxserve_cpu::dims_str(kd));
     }
   } else if (kt != v.element_type() || (kt != ffi::F32 && kt != ffi::BF16)) {
     return ffi::Error::InvalidArgument("paged_attention: pages must both be float32 or bfloat16");
@@ -711,8 +679,8 @@ ffi::Error PagedAttentionCore(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBu
   pr.ps = kd[1];
   pr.KVH = kd[2];
   if (kd[3] != pr.D)
-    return ffi::Error::InvalidArgument("paged_attention: head dims of q " + dims_str(qd) +
-                                       " and pages " + dims_str(kd) + " differ");
+    return ffi::Error::InvalidArgument("paged_attention: head dims of q " + jaxserve_cpu::dims_str(qd) +
+                                       " and pages " + jaxserve_cpu::dims_str(kd) + " differ");
   if (pr.KVH <= 0 || pr.H % pr.KVH != 0)
     return ffi::Error::InvalidArgument("paged_attention: query heads must be a multiple of KV heads");
   auto btd = bt.dimensions(), ld = lens.dimensions(), pd = pos.dimensions();
@@ -744,17 +712,14 @@ ffi::Error PagedAttentionCore(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBu
   const int isa = current_isa().load(std::memory_order_relaxed);
   ItemFn fn = q8 ? pick<int8_t>(isa, pr.D) : kt == ffi::F32 ? pick<float>(isa, pr.D) : pick<uint16_t>(isa, pr.D);
 
-  auto sh = std::make_shared<Shared>();
-  sh->pr = pr;
-  sh->fn = fn;
-  const int64_t helpers = std::min(workers - 1, pr.n_items - 1);
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([sh] { work(*sh); });
-  work(*sh);
-  for (int spins = 0; sh->done.load(std::memory_order_acquire) < pr.n_items; ++spins) {
-    if (spins < 256) cpu_relax();
-    else std::this_thread::yield();
-  }
-  if (sh->out_of_memory.load()) return ffi::Error::Internal("paged_attention: out of memory for scratch");
+  const bool ok = jaxserve_cpu::run_items(
+      pool, pr.n_items, [pr] { return Scratch(pr); },
+      [pr, fn](Scratch& sc, int64_t i) {
+        if (!sc.base) return false;
+        fn(pr, i, sc);
+        return true;
+      });
+  if (!ok) return ffi::Error::Internal("paged_attention: out of memory for scratch");
   return ffi::Error::Success();
 }
 

@@ -1,0 +1,80 @@
+// How the native CPU kernels (paged_attention.cc, matmul.cc) share out their work items.
+//
+// XLA's own CPU thread pool is reachable from an FFI handler (ffi::Ctx<ffi::ThreadPool>, one
+// thread per core by default).  A kernel queues one task per extra thread and works on the calling
+// thread too, every thread taking items from a shared atomic counter: no second set of threads
+// competes with XLA's, nothing deadlocks if the pool never runs a task (the caller then does every
+// item), and a task that starts after the last item was taken touches nothing, since the call may
+// already have returned.
+
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <thread>
+#include <utility>
+
+#include "xla/ffi/api/ffi.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
+namespace jaxserve_cpu {
+
+inline void relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  _mm_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
+inline std::string dims_str(xla::ffi::AnyBuffer::Dimensions d) {
+  std::string s = "[";
+  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
+  return s + "]";
+}
+
+// Runs fn(state, i) for every item i in [0, n_items), on the calling thread and on up to
+// pool.num_threads() - 1 pool tasks.  Each thread that gets an item first makes its own state
+// with make_state() (a scratch buffer, say) and keeps it for all its items.  Returns false when
+// any fn(state, i) returned false (e.g. its scratch could not be allocated); every item still
+// counts as done, so the call always returns.
+template <class MakeState, class Fn>
+bool run_items(xla::ffi::ThreadPool pool, int64_t n_items, MakeState make_state, Fn fn) {
+  struct Shared {
+    MakeState make_state;
+    Fn fn;
+    int64_t n;
+    std::atomic<int64_t> next{0};
+    std::atomic<int64_t> done{0};
+    std::atomic<bool> ok{true};
+    Shared(MakeState m, Fn f, int64_t n) : make_state(std::move(m)), fn(std::move(f)), n(n) {}
+    void work() {
+      int64_t i = next.fetch_add(1, std::memory_order_relaxed);
+      if (i >= n) return;  // nothing left: touch nothing (the call may have returned)
+      auto state = make_state();
+      for (; i < n; i = next.fetch_add(1, std::memory_order_relaxed)) {
+        if (!fn(state, i)) ok.store(false, std::memory_order_relaxed);
+        done.fetch_add(1, std::memory_order_release);
+      }
+    }
+  };
+  if (n_items <= 0) return true;
+  auto sh = std::make_shared<Shared>(std::move(make_state), std::move(fn), n_items);
+  const int64_t workers = std::max<int64_t>(1, pool.num_threads());
+  const int64_t helpers = std::min(workers - 1, n_items - 1);
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([sh] { sh->work(); });
+  sh->work();
+  for (int spins = 0; sh->done.load(std::memory_order_acquire) < n_items; ++spins) {
+    if (spins < 256) relax();
+    else std::this_thread::yield();
+  }
+  return sh->ok.load();
+}
+
+}  // namespace jaxserve_cpu
