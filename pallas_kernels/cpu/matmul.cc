@@ -108,54 +108,62 @@ struct Problem {
   int64_t panel_items, n_items;
 };
 
-// y[m0, m0 + R) x (slice h of panel p) from panel rows `wp` ([K, 64] of type WT): R x 4 vector
-// accumulators (AVX-512: 6 x 4 + 4 weight vectors + 1 broadcast of the 32 registers).
-template <int N, int R, bool Q8, class WT>
+// y[m0, m0 + R) x (slice h of panels p .. p + NP - 1) from panel rows `wp` ([NP][K, 64] of type
+// WT): R x NP x 4 vector accumulators (AVX-512: 6 x 1 x 4 of the 32 registers for many rows).
+// A few rows read NP panels at once: one stream per core does not reach the memory's speed, a
+// few do.  Every y element is still summed over k in order, whatever R and NP.
+template <int N, int R, int NP, bool Q8, class WT>
 JM_INLINE void tile(const Problem& pr, const WT* wp, int64_t p, int h, int64_t m0) {
   using F = typename MV<N>::F;
   const int64_t K = pr.K;
-  F acc[R][4];
+  F acc[R][NP][4];
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < 4; ++j) acc[r][j] = F{};
+    for (int q = 0; q < NP; ++q)
+      for (int j = 0; j < 4; ++j) acc[r][q][j] = F{};
   const float* x0 = pr.x + m0 * K;
   for (int64_t k = 0; k < K; ++k) {
-    F w[4];
-    load_slice<N>(wp + k * kPanel, h, w);
-    for (int r = 0; r < R; ++r) {
-      const float xv = x0[r * K + k];
-      for (int j = 0; j < 4; ++j) acc[r][j] += xv * w[j];
-    }
-  }
-  for (int j = 0; j < 4; ++j) {
-    const int64_t c = p * kPanel + column<N, WT>(h, j);  // first column of this vector
-    F s;
-    if constexpr (Q8) s = vload<N>(pr.scale + c);
-    const int64_t live = std::min<int64_t>(N, pr.N - c);
-    for (int r = 0; r < R; ++r) {
-      F v = acc[r][j];
-      if constexpr (Q8) v *= s;
-      float* yr = pr.y + (m0 + r) * pr.N + c;
-      if (live == N) {
-        vstore<N>(yr, v);
-      } else if (live > 0) {
-        float lanes[N];
-        std::memcpy(lanes, &v, sizeof lanes);
-        for (int64_t i = 0; i < live; ++i) yr[i] = lanes[i];
+    for (int q = 0; q < NP; ++q) {
+      F w[4];
+      load_slice<N>(wp + q * K * kPanel + k * kPanel, h, w);
+      for (int r = 0; r < R; ++r) {
+        const float xv = x0[r * K + k];
+        for (int j = 0; j < 4; ++j) acc[r][q][j] += xv * w[j];
       }
     }
   }
+  for (int q = 0; q < NP; ++q)
+    for (int j = 0; j < 4; ++j) {
+      const int64_t c = (p + q) * kPanel + column<N, WT>(h, j);  // first column of this vector
+      F s;
+      if constexpr (Q8) s = vload<N>(pr.scale + c);
+      const int64_t live = std::min<int64_t>(N, pr.N - c);
+      for (int r = 0; r < R; ++r) {
+        F v = acc[r][q][j];
+        if constexpr (Q8) v *= s;
+        float* yr = pr.y + (m0 + r) * pr.N + c;
+        if (live == N) {
+          vstore<N>(yr, v);
+        } else if (live > 0) {
+          float lanes[N];
+          std::memcpy(lanes, &v, sizeof lanes);
+          for (int64_t i = 0; i < live; ++i) yr[i] = lanes[i];
+        }
+      }
+    }
 }
 
-// Rows [m0, m1) of one panel, in tiles of RM rows (the last tile shorter), every slice.
-template <int N, int RM, bool Q8, class WT>
+// Rows [m0, m1) of panels p .. p + NP - 1, in tiles of RM rows (the last tile shorter), every
+// slice.  NP > 1 only for rows m1 - m0 < RM.
+template <int N, int RM, int NP, bool Q8, class WT>
 JM_INLINE void panel_rows(const Problem& pr, const WT* wp, int64_t p, int64_t m0, int64_t m1) {
   for (int h = 0; h < int(kPanel / (4 * N)); ++h) {
     int64_t m = m0;
-    for (; m + RM <= m1; m += RM) tile<N, RM, Q8>(pr, wp, p, h, m);
+    if constexpr (NP == 1)
+      for (; m + RM <= m1; m += RM) tile<N, RM, 1, Q8>(pr, wp, p, h, m);
     switch (m1 - m) {  // the remainder, with its accumulators still in registers
       case 0: break;
 #define JM_REST(r) \
-  case r: if constexpr (r < RM) tile<N, r, Q8>(pr, wp, p, h, m); break;
+  case r: if constexpr (r < RM && (NP == 1 || r * NP <= 4)) tile<N, r, NP, Q8>(pr, wp, p, h, m); break;
       JM_REST(1) JM_REST(2) JM_REST(3) JM_REST(4) JM_REST(5)
 #undef JM_REST
     }
@@ -173,41 +181,47 @@ JM_INLINE void widen_panel(const int8_t* wp, int64_t K, float* out) {
     }
 }
 
-template <int N, int RM, bool Q8>
+// NP1 / NP2: how many panels to read at once for one / two rows (what the registers hold).
+template <int N, int RM, int NP1, int NP2, bool Q8>
 JM_INLINE void run_item(const Problem& pr, int64_t item, float* scratch) {
   const int64_t pi = item % pr.panel_items, ri = item / pr.panel_items;
   const int64_t p0 = pi * pr.panels_per_item, p1 = std::min(pr.P, p0 + pr.panels_per_item);
   const int64_t m0 = ri * pr.rows_per_item, m1 = std::min(pr.M, m0 + pr.rows_per_item);
-  for (int64_t p = p0; p < p1; ++p) {
-    if constexpr (Q8) {
-      const int8_t* wp = static_cast<const int8_t*>(pr.w) + p * pr.K * kPanel;
-      if (m1 - m0 > RM && scratch) {
-        widen_panel<N>(wp, pr.K, scratch);
-        panel_rows<N, RM, true, float>(pr, scratch, p, m0, m1);
-      } else {
-        panel_rows<N, RM, true, int8_t>(pr, wp, p, m0, m1);
+  const int64_t K = pr.K;
+  if constexpr (Q8) {
+    if (m1 - m0 > RM && scratch) {
+      for (int64_t p = p0; p < p1; ++p) {
+        widen_panel<N>(static_cast<const int8_t*>(pr.w) + p * K * kPanel, K, scratch);
+        panel_rows<N, RM, 1, true, float>(pr, scratch, p, m0, m1);
       }
-    } else {
-      panel_rows<N, RM, false, float>(pr, static_cast<const float*>(pr.w) + p * pr.K * kPanel, p, m0, m1);
+      return;
     }
   }
+  using WT = typename std::conditional<Q8, int8_t, float>::type;
+  const WT* w = static_cast<const WT*>(pr.w);
+  int64_t p = p0;
+  if (m1 - m0 == 1)
+    for (; p + NP1 <= p1; p += NP1) panel_rows<N, RM, NP1, Q8>(pr, w + p * K * kPanel, p, m0, m1);
+  else if (m1 - m0 == 2)
+    for (; p + NP2 <= p1; p += NP2) panel_rows<N, RM, NP2, Q8>(pr, w + p * K * kPanel, p, m0, m1);
+  for (; p < p1; ++p) panel_rows<N, RM, 1, Q8>(pr, w + p * K * kPanel, p, m0, m1);
 }
 
 using ItemFn = void (*)(const Problem&, int64_t, float*);
 
 template <bool Q8>
 void item_generic(const Problem& pr, int64_t i, float* s) {
-  run_item<4, 2, Q8>(pr, i, s);
+  run_item<4, 2, 1, 1, Q8>(pr, i, s);
 }
 #if JM_X86
 template <bool Q8>
 __attribute__((target("avx2,fma"))) void item_avx2(const Problem& pr, int64_t i, float* s) {
-  run_item<8, 3, Q8>(pr, i, s);
+  run_item<8, 3, 2, 1, Q8>(pr, i, s);
 }
 template <bool Q8>
 __attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,avx2,fma"))) void item_avx512(const Problem& pr, int64_t i,
                                                                                        float* s) {
-  run_item<16, 6, Q8>(pr, i, s);
+  run_item<16, 6, 4, 2, Q8>(pr, i, s);
 }
 #endif
 
