@@ -1,5 +1,6 @@
 """Prefix caching in the engine: identical greedy outputs with caching on and off over
-shared-prefix workloads, real cache hits, and every page back after a flush."""
+shared-prefix workloads, real cache hits, and every page back after a flush; the shared-pair
+tests also with int8 weights and int8 KV pages (both engines of the pair quantized)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,13 @@ from jaxserve import LLM, SamplingParams
 OPTS = dict(max_slots=6, page_size=8, max_model_len=256, num_pages=200, prefill_buckets=(16, 32, 64), warmup=False)
 
 
-@pytest.fixture(scope="module")
-def pair(tok_model):
-    return LLM(tok_model[0], **OPTS), LLM(tok_model[0], enable_prefix_caching=False, **OPTS)
+QUANT = {"float32": {}, "int8": dict(quantization="int8", kv_cache_dtype="int8")}
+
+
+@pytest.fixture(scope="module", params=list(QUANT))
+def pair(tok_model, request):
+    opts = {**OPTS, **QUANT[request.param]}
+    return LLM(tok_model[0], **opts), LLM(tok_model[0], enable_prefix_caching=False, **opts)
 
 
 def _greedy(n):

@@ -51,10 +51,35 @@ def plain(tok_model):
     return LLM(tok_model[0], num_pages=200, **OPTS, **COLD)
 
 
-@pytest.mark.parametrize("spec", ["draft", "self", "ngram"])
-def test_greedy_equals_plain_decoding(tok_model, draft_dir, plain, spec):
+INT8 = dict(quantization="int8", kv_cache_dtype="int8")  # int8 weights and int8 KV pages (issue #19)
+
+
+@pytest.fixture(scope="module")
+def plain_int8(tok_model):
+    return LLM(tok_model[0], num_pages=200, **OPTS, **INT8, **COLD)
+
+
+@pytest.mark.parametrize(
+    "spec, int8",
+    [
+        pytest.param("draft", False, id="draft"),
+        pytest.param("self", False, id="self"),
+        pytest.param("ngram", False, id="ngram"),
+        # target and draft both int8 (weights and KV pages), against the same int8 target alone
+        pytest.param("draft", True, id="draft-int8"),
+    ],
+)
+def test_greedy_equals_plain_decoding(tok_model, draft_dir, request, spec, int8):
+    plain = request.getfixturevalue("plain_int8" if int8 else "plain")
     model = {"draft": str(draft_dir), "self": str(tok_model[0]), "ngram": "ngram"}[spec]
-    llm = LLM(tok_model[0], speculative_model=model, num_speculative_tokens=3, num_pages=200, **OPTS)
+    llm = LLM(
+        tok_model[0], speculative_model=model, num_speculative_tokens=3, num_pages=200, **OPTS, **(INT8 if int8 else {})
+    )
+    if int8:
+        for w in llm.runner.models + plain.runner.models:
+            assert w.params["layers"][0]["mlp"]["down_proj"]["weight"].get_value().dtype == np.int8
+            assert w.kv[0][0].dtype == np.int8
+        assert llm.runner.draft is not None
     # The third round repeats the first: every prompt is a full prefix-cache hit and goes
     # straight to decoding, which must still own pages for its k lookahead positions.
     for repetitive in (False, True, False):
