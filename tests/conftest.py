@@ -125,3 +125,35 @@ def pool_whole(llm, timeout: float = 10.0) -> None:
         time.sleep(0.02)
     cached = set(llm.prefix_cache.pages())
     assert llm.allocator.num_free + len(cached) == llm.allocator.capacity
+
+
+def tp_models(tmp_path_factory):
+    """The two tensor-parallel test models: 8 heads and 8 KV heads (everything divides by 8),
+    and one with fewer KV heads (2) than chips. Returns their directories."""
+    d = tmp_path_factory.mktemp("tp_model")
+    make_hf_model("llama", d, hidden_size=64, num_attention_heads=8, num_key_value_heads=8, intermediate_size=128)
+    few = tmp_path_factory.mktemp("tp_few_kv")
+    make_hf_model("llama", few, hidden_size=64, num_attention_heads=8, num_key_value_heads=2, intermediate_size=128)
+    return d, few
+
+
+def run_on_devices(script: str, n_devices: int, *args, timeout: float = 900) -> dict:
+    """Run `script` in a subprocess with `n_devices` host devices (the rest of the suite keeps
+    one) and return the JSON it prints after "RESULT", digit keys as ints."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={n_devices}", JAX_PLATFORMS="cpu")
+    r = subprocess.run(
+        [sys.executable, "-c", script, *map(str, args)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+        cwd=Path(__file__).resolve().parents[1],
+    )
+    line = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT")]
+    assert line, r.stdout[-3000:] + r.stderr[-3000:]
+    return {(int(k) if k.isdigit() else k): v for k, v in json.loads(line[0][6:]).items()}

@@ -27,21 +27,36 @@ def _steps(llm: LLM) -> int:
     return sum(len(s) for s in steps)
 
 
+@pytest.fixture(scope="module")
+def first(tok_model, tmp_path_factory):
+    """One engine of SMALL that compiled every step into a fresh store: the restart test's first
+    process, and the store the miss and unreadable-file tests start from (each on a copy)."""
+    store = tmp_path_factory.mktemp("store")
+    return LLM(tok_model[0], compilation_cache_dir=str(store), **SMALL), store
+
+
+def _copy_of(first, tmp_path):
+    import shutil
+
+    shutil.copytree(first[1], tmp_path / "xla")
+    return str(tmp_path / "xla")
+
+
 def _prompts(n=6, seed=0, vocab=512):
     rng = np.random.default_rng(seed)
     return [[int(x) for x in rng.integers(3, vocab, int(rng.integers(2, 40)))] for _ in range(n)]
 
 
-def test_restart_loads_every_step_without_tracing_and_matches(tok_model, tmp_path):
+def test_restart_loads_every_step_without_tracing_and_matches(tok_model, first):
     path, hf = tok_model[:2]
     prompts = _prompts()
     params = [SamplingParams(max_tokens=12, **GREEDY), SamplingParams(max_tokens=12, temperature=0.8, seed=3)]
-    first = LLM(path, compilation_cache_dir=str(tmp_path / "xla"), **SMALL)
+    first, store_dir = first
     n = _steps(first)
     assert first.runner.store.saved == n > 0 and first.runner.store.loaded == 0
     out1 = [r.token_ids for r in first.generate(prompts, params * 3)]
 
-    second = LLM(path, compilation_cache_dir=str(tmp_path / "xla"), warmup=False, **SMALL)
+    second = LLM(path, compilation_cache_dir=str(store_dir), warmup=False, **SMALL)
     traces, compiles = trace_count(), compile_count()
     second.runner.warmup()
     assert trace_count() - traces == 0 and compile_count() - compiles == 0
@@ -56,24 +71,23 @@ def test_restart_loads_every_step_without_tracing_and_matches(tok_model, tmp_pat
 
 
 @pytest.mark.parametrize("change", [dict(page_size=16), dict(max_slots=5), dict(dtype="bfloat16")])
-def test_a_different_configuration_misses(tok_model, tmp_path, change):
-    LLM(tok_model[0], compilation_cache_dir=str(tmp_path / "xla"), **SMALL)
-    other = LLM(tok_model[0], compilation_cache_dir=str(tmp_path / "xla"), **{**SMALL, **change})
+def test_a_different_configuration_misses(tok_model, tmp_path, first, change):
+    other = LLM(tok_model[0], compilation_cache_dir=_copy_of(first, tmp_path), **{**SMALL, **change})
     assert other.runner.store.loaded == 0 and other.runner.store.saved > 0
 
 
-def test_unreadable_files_are_recompiled_and_replaced(tok_model, tmp_path, caplog):
-    first = LLM(tok_model[0], compilation_cache_dir=str(tmp_path / "xla"), **SMALL)
-    files = sorted(first.runner.store.dir.glob("*.jxe"))
-    assert len(files) == first.runner.store.saved
+def test_unreadable_files_are_recompiled_and_replaced(tok_model, tmp_path, first, caplog):
+    store_dir = _copy_of(first, tmp_path)
+    files = sorted((tmp_path / "xla" / xc.SUBDIR).glob("*.jxe"))
+    assert len(files) == first[0].runner.store.saved
     files = sorted(files, key=lambda f: not f.name.startswith("target-prefill"))  # no sort inside
     files[0].write_bytes(files[0].read_bytes()[:100])  # truncated
     files[1].write_bytes(b"not a pickle")
     with caplog.at_level(logging.WARNING, logger="jaxserve.executable_cache"):
-        second = LLM(tok_model[0], compilation_cache_dir=str(tmp_path / "xla"), **SMALL)
+        second = LLM(tok_model[0], compilation_cache_dir=store_dir, **SMALL)
     assert (second.runner.store.loaded, second.runner.store.saved) == (len(files) - 2, 2)
     assert sum("ignoring unreadable compiled step" in r.message for r in caplog.records) == 2
-    third = LLM(tok_model[0], compilation_cache_dir=str(tmp_path / "xla"), **SMALL)
+    third = LLM(tok_model[0], compilation_cache_dir=store_dir, **SMALL)
     assert (third.runner.store.loaded, third.runner.store.saved) == (len(files), 0)
     prompt = _prompts(1, seed=5)[0]
     assert third.generate([prompt], SamplingParams(max_tokens=8, **GREEDY))[0].token_ids == hf_greedy(

@@ -36,6 +36,35 @@ def llm(tok_model):
     return LLM(tok_model[0], max_slots=8, page_size=8, max_model_len=160, num_pages=160, prefill_buckets=(16, 32, 64))
 
 
+# 8 slots but only 24 pages of 8 tokens: requests growing to ~100 tokens must preempt.
+SMALL_POOL = dict(max_slots=8, page_size=8, max_model_len=160, num_pages=24, prefill_buckets=(16, 32, 64))
+INT8 = dict(quantization="int8", kv_cache_dtype="int8")  # int8 weights and int8 KV pages (issue #19)
+
+
+@pytest.fixture(scope="module")
+def small_pool(tok_model):
+    """Engines on the small pool, built on first use and shared by the tests below:
+    small_pool(weights, async_scheduling). weights "int8": int8 weights and int8 KV pages,
+    whose oracle is the same quantized model (run alone, or scheduled synchronously)."""
+    built = {}
+
+    def get(weights: str, on: bool = True) -> LLM:
+        if (weights, on) not in built:
+            quant = INT8 if weights == "int8" else {}
+            built[weights, on] = LLM(tok_model[0], async_scheduling=on, **SMALL_POOL, **quant)
+        return built[weights, on]
+
+    return get
+
+
+@pytest.fixture(params=["float32", "int8"])
+def engine(request):
+    """The module's engine, and the int8 one (on the small pool: it also preempts)."""
+    if request.param == "int8":
+        return request.getfixturevalue("small_pool")("int8")
+    return request.getfixturevalue("llm")
+
+
 def test_greedy_batch_equals_transformers_alone(llm, tok_model):
     hf = tok_model[1]
     prompts, outs = _mixed_requests(24, 512, seed=0)
@@ -46,17 +75,36 @@ def test_greedy_batch_equals_transformers_alone(llm, tok_model):
     _assert_pool_whole(llm)
 
 
-def test_preemption_keeps_greedy_outputs(tok_model):
+def test_preemption_keeps_greedy_outputs(tok_model, small_pool):
     hf = tok_model[1]
-    # 8 slots but only 24 pages of 8 tokens: requests growing to ~100 tokens must preempt.
-    small = LLM(tok_model[0], max_slots=8, page_size=8, max_model_len=160, num_pages=24, prefill_buckets=(16, 32, 64))
+    small = small_pool("float32")
     prompts, outs = _mixed_requests(12, 512, seed=1, max_prompt=60, max_out=60)
-    before = compile_count()
+    before, preempted = compile_count(), small.scheduler.num_preemptions
     results = small.generate(prompts, [SamplingParams(max_tokens=m, **GREEDY) for m in outs])
-    assert small.scheduler.num_preemptions > 0
+    assert small.scheduler.num_preemptions > preempted
     assert compile_count() == before
     for p, m, r in zip(prompts, outs, results):
         assert r.token_ids == hf_greedy(hf, p, m)
+    _assert_pool_whole(small)
+
+
+def test_int8_preemption_keeps_greedy_outputs_and_every_page(small_pool):
+    """The same with int8 weights and int8 KV pages: preempted and batched greedy outputs equal
+    each request run alone on the same quantized engine (prefix cache flushed, so alone is a
+    fresh computation); nothing compiles; every page comes back."""
+    small = small_pool("int8")
+    assert small.runner.target.kv[0][0].dtype == np.int8
+    prompts, outs = _mixed_requests(12, 512, seed=1, max_prompt=60, max_out=60)
+    params = [SamplingParams(max_tokens=m, **GREEDY) for m in outs]
+    before, preempted = compile_count(), small.scheduler.num_preemptions
+    results = small.generate(prompts, params)
+    assert small.scheduler.num_preemptions > preempted
+    _assert_pool_whole(small)
+    for p, sp, r in zip(prompts, params, results):
+        assert len(r.token_ids) == sp.max_tokens
+        small.flush_prefix_cache()
+        assert small.generate([p], sp)[0].token_ids == r.token_ids
+    assert compile_count() == before
     _assert_pool_whole(small)
 
 
@@ -79,7 +127,8 @@ def test_seeded_sampling_is_batch_independent(llm):
     _assert_pool_whole(llm)
 
 
-def test_abort_frees_pages_within_one_step(llm):
+def test_abort_frees_pages_within_one_step(engine):
+    llm = engine
     ids = [llm.add_request([7] * 30, SamplingParams(max_tokens=100, **GREEDY)) for _ in range(5)]
     for _ in range(3):
         llm.step()
@@ -97,7 +146,8 @@ def test_abort_frees_pages_within_one_step(llm):
     _assert_pool_whole(llm)
 
 
-def test_no_compiles_after_warmup_over_100_mixed_requests(llm):
+def test_no_compiles_after_warmup_over_100_mixed_requests(engine):
+    llm = engine
     prompts, outs = _mixed_requests(100, 512, seed=3, max_prompt=120, max_out=30)
     rng = np.random.default_rng(4)
     params = []
@@ -229,13 +279,16 @@ def test_direct_tokenizer_is_the_one_autotokenizer_builds(tok_model, tmp_path):
     assert type(load_tokenizer(other)).__name__ == "GPT2Tokenizer"
 
 
-def test_async_scheduling_changes_no_output(tok_model, monkeypatch):
+@pytest.mark.parametrize("weights", ["float32", "int8"])
+def test_async_scheduling_changes_no_output(small_pool, monkeypatch, weights):
     """Dispatching each decode step before reading the previous one's tokens must not change
     a single output: stops found a step late drop their extra token, preemption (a 24-page
     pool) and n > 1 still work, and every page comes back. Against the same engine run with
-    async_scheduling=False, over greedy, seeded, logprob, penalized, min_tokens and stop rows."""
-    opts = dict(max_slots=8, page_size=8, max_model_len=160, num_pages=24, prefill_buckets=(16, 32, 64))
-    engines = {on: LLM(tok_model[0], async_scheduling=on, **opts) for on in (True, False)}
+    async_scheduling=False, over greedy, seeded, logprob, penalized, min_tokens and stop rows;
+    also with int8 weights and int8 KV pages (both engines quantized)."""
+    engines = {on: small_pool(weights, on) for on in (True, False)}
+    preempted = {on: llm.scheduler.num_preemptions for on, llm in engines.items()}
+    overlapped = {on: llm.core.overlapped_steps for on, llm in engines.items()}
     prompts, outs = _mixed_requests(20, 512, seed=5, max_prompt=60, max_out=50)
     rng = np.random.default_rng(6)
     params = []
@@ -254,13 +307,19 @@ def test_async_scheduling_changes_no_output(tok_model, monkeypatch):
             params.append(SamplingParams(max_tokens=m, temperature=0, repetition_penalty=1.3, **extra))
         else:
             params.append(SamplingParams(max_tokens=m, temperature=0.8, seed=i, min_tokens=min(m, 5), **extra))
+    # Some rows stop on EOS: ids 1, 7, 300 and the 10th greedy token of prompt 2 (a greedy row),
+    # which this model (float32 or int8) does emit.
+    probe = engines[False].generate([prompts[2]], SamplingParams(max_tokens=10, **GREEDY))[0].token_ids
+    engines[False].flush_prefix_cache()  # both engines start from an empty cache
+    eos = frozenset({1, 7, 300, probe[-1]})
     results = {}
     for on, llm in engines.items():
-        monkeypatch.setattr(llm.scheduler, "eos", frozenset({1, 7, 300}))  # some rows stop on EOS
+        monkeypatch.setattr(llm.scheduler, "eos", eos)
         results[on] = llm.generate(prompts, params)
-        assert llm.scheduler.num_preemptions > 0
+        assert llm.scheduler.num_preemptions > preempted[on]
         _assert_pool_whole(llm)
-    assert engines[True].core.overlapped_steps > 0 and engines[False].core.overlapped_steps == 0
+    assert engines[True].core.overlapped_steps > overlapped[True]
+    assert engines[False].core.overlapped_steps == overlapped[False] == 0
     assert len(results[True]) == len(prompts) + sum(p.n > 1 for p in params)
     for a, b in zip(results[True], results[False]):
         assert (a.index, a.token_ids, a.finish_reason) == (b.index, b.token_ids, b.finish_reason)

@@ -1,5 +1,6 @@
 """Prefix caching in the engine: identical greedy outputs with caching on and off over
-shared-prefix workloads, real cache hits, and every page back after a flush."""
+shared-prefix workloads, real cache hits, and every page back after a flush; the shared-pair
+tests also with int8 weights and int8 KV pages (both engines of the pair quantized)."""
 
 from __future__ import annotations
 
@@ -8,12 +9,17 @@ import pytest
 
 from jaxserve import LLM, SamplingParams
 
-OPTS = dict(max_slots=6, page_size=8, max_model_len=256, num_pages=200, prefill_buckets=(16, 32, 64))
+# Nothing here counts compiles: the engines skip warm-up and compile only the shapes they run.
+OPTS = dict(max_slots=6, page_size=8, max_model_len=256, num_pages=200, prefill_buckets=(16, 32, 64), warmup=False)
 
 
-@pytest.fixture(scope="module")
-def pair(tok_model):
-    return LLM(tok_model[0], **OPTS), LLM(tok_model[0], enable_prefix_caching=False, **OPTS)
+QUANT = {"float32": {}, "int8": dict(quantization="int8", kv_cache_dtype="int8")}
+
+
+@pytest.fixture(scope="module", params=list(QUANT))
+def pair(tok_model, request):
+    opts = {**OPTS, **QUANT[request.param]}
+    return LLM(tok_model[0], **opts), LLM(tok_model[0], enable_prefix_caching=False, **opts)
 
 
 def _greedy(n):
@@ -76,16 +82,9 @@ def test_identical_prompts_at_once(pair):
 
 
 def test_cache_pressure_evicts_and_stays_correct(tok_model):
-    small = LLM(tok_model[0], max_slots=4, page_size=8, max_model_len=256, num_pages=40, prefill_buckets=(16, 32, 64))
-    off = LLM(
-        tok_model[0],
-        enable_prefix_caching=False,
-        max_slots=4,
-        page_size=8,
-        max_model_len=256,
-        num_pages=40,
-        prefill_buckets=(16, 32, 64),
-    )
+    opts = {**OPTS, "max_slots": 4, "num_pages": 40}
+    small = LLM(tok_model[0], **opts)
+    off = LLM(tok_model[0], enable_prefix_caching=False, **opts)
     rng = np.random.default_rng(4)
     prompts = [[int(x) for x in rng.integers(3, 500, int(rng.integers(20, 90)))] for _ in range(10)]
     prompts += [p[:50] + [1, 2, 3] for p in prompts[:5]]

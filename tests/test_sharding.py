@@ -1,18 +1,14 @@
 """Tensor parallelism on 8 CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count=8,
-set by this module's subprocess so the rest of the suite keeps one device): the XLA path and
-the Pallas kernels (interpreted, under shard_map)."""
+set by this module's subprocess so the rest of the suite keeps one device), on the CPU's
+default attention. The Pallas kernels under tensor parallelism are in test_sharding_pallas.py:
+two files, so that `--dist loadfile` runs the two subprocesses on different workers."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
-from conftest import make_hf_model
+from conftest import run_on_devices, tp_models
 
 SCRIPT = textwrap.dedent(r"""
     import json, sys
@@ -59,73 +55,23 @@ SCRIPT = textwrap.dedent(r"""
         }
         out[tp] = {"err": float(np.abs(logits - ref).max()), "tokens": toks, "shards": shards,
                    "compiles": compile_count() - before}
-    # Fewer KV heads (2) than chips (4): K/V projections and pages are replicated.
+    # Fewer KV heads (2) than chips (4): K/V projections and pages are replicated. tp=1 is the
+    # reference only (no warm-up: it compiles the shapes this workload runs, nothing else).
     few = {}
     for tp in (1, 4):
-        llm = LLM(sys.argv[2], tensor_parallel_size=tp, **opts)
+        llm = LLM(sys.argv[2], tensor_parallel_size=tp, warmup=tp > 1, **opts)
+        before = compile_count()
         few[tp] = {"tokens": [o.token_ids for o in llm.generate(prompts[:4], params[:4])],
-                   "kv": [tuple(sh.data.shape) for sh in llm.runner.target.kv[0][0].addressable_shards][:1]}
+                   "kv": [tuple(sh.data.shape) for sh in llm.runner.target.kv[0][0].addressable_shards][:1],
+                   "compiles": compile_count() - before}
     out["few_kv_heads"] = few
-    # Pallas kernels (interpreted here) run per chip under shard_map: same tokens as tp=1, and
-    # no step gathers the page pool (XLA cannot split a kernel's custom call on TPU/GPU).
-    for name, p, n in (("pallas", path, len(prompts)), ("pallas_few_kv_heads", sys.argv[2], 4)):
-        out[name] = {}
-        for tp in (2, 4):
-            llm = LLM(p, tensor_parallel_size=tp, attention_impl="pallas", interpret=True, **opts)
-            t = llm.runner.target
-            gathers = sum("all-gather" in exe.as_text() for step in (t.prefill, t.prefill_ctx, t.decode)
-                          for exe in step.executables())
-            out[name][tp] = {"tokens": [o.token_ids for o in llm.generate(prompts[:n], params[:n])],
-                             "steps": sum(len(step) for step in (t.prefill, t.prefill_ctx, t.decode)),
-                             "gathers": gathers}
-    # The real kernels (Mosaic for TPU, Triton for GPU) under shard_map, exported for a 4-chip
-    # mesh: each chip's program holds the kernel and nothing gathers the pool.
-    import functools
-    from jax.sharding import NamedSharding, PartitionSpec as P
-    from jaxserve.parallel import sharding as shd
-    from jaxserve.models.model_config import ModelConfig
-    from pallas_kernels import paged_attention as pk, reference
-    cfg = ModelConfig("LlamaForCausalLM", 512, 512, 1024, 1, 8, 8, 64, 1e-5, 1e4, 2048)
-    mesh = shd.make_mesh(4)
-    H = P(None, None, shd.AXIS, None)
-    sd = lambda shape, dt, spec: jax.ShapeDtypeStruct(shape, dt, sharding=NamedSharding(mesh, spec))
-    bf, i32 = jnp.bfloat16, jnp.int32
-    args = (sd((8, 1, 8, 64), bf, H), sd((8, 1, 8, 64), bf, H), sd((8, 1, 8, 64), bf, H), sd((64, 16, 8, 64), bf, H),
-            sd((64, 16, 8, 64), bf, H), sd((8, 16), i32, P()), sd((8,), i32, P()), sd((8, 1), i32, P()),
-            sd((8, 1), i32, P()))
-    out["export"] = {}
-    for platform, backend, marker in (("tpu", "tpu", "tpu_custom_call"), ("cuda", "gpu", "triton")):
-        fn = shd.shard_attention(functools.partial(pk.attention, mode="decode", interpret=False, backend=backend),
-                                 cfg, mesh)
-        skip = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
-        attend = lambda q, k, v, kp, vp, bt, cl, pos, seg: fn(  # noqa: E731
-            q, k, v, (kp, vp), reference.AttentionMetadata(seg, bt, cl, pos, seg), scale=0.125)
-        exp = jax.export.export(jax.jit(attend), platforms=[platform], disabled_checks=skip)(*args)
-        text = exp.mlir_module()
-        out["export"][platform] = {"devices": exp.nr_devices, "kernel": marker in text, "gather": "all_gather" in text}
     print("RESULT" + json.dumps(out))
 """)
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tp_model")
-    # 8 heads and 8 KV heads: everything divides by 8; a second model below has fewer KV heads.
-    make_hf_model("llama", d, hidden_size=64, num_attention_heads=8, num_key_value_heads=8, intermediate_size=128)
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-    few = tmp_path_factory.mktemp("tp_few_kv")
-    make_hf_model("llama", few, hidden_size=64, num_attention_heads=8, num_key_value_heads=2, intermediate_size=128)
-    r = subprocess.run(
-        [sys.executable, "-c", SCRIPT, str(d), str(few)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=900,
-        cwd=Path(__file__).resolve().parents[1],
-    )
-    line = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT")]
-    assert line, r.stdout[-3000:] + r.stderr[-3000:]
-    return {(int(k) if k.isdigit() else k): v for k, v in json.loads(line[0][6:]).items()}
+    return run_on_devices(SCRIPT, 8, *tp_models(tmp_path_factory))
 
 
 @pytest.mark.parametrize("tp", [2, 4, 8])
@@ -152,6 +98,7 @@ def test_fewer_kv_heads_than_chips_replicates_kv(results):
     few = results["few_kv_heads"]
     assert few["4"]["tokens"] == few["1"]["tokens"]
     assert few["4"]["kv"] == [[96, 8, 2, 8]]  # every chip holds both KV heads
+    assert few["4"]["compiles"] == 0
 
 
 def test_restart_loads_sharded_executables(results):
@@ -159,19 +106,3 @@ def test_restart_loads_sharded_executables(results):
     assert first["saved"] > 0 and first["loaded"] == 0
     assert second["loaded"] == first["saved"] and second["saved"] == 0
     assert first["tokens"] == second["tokens"] == results[1]["tokens"]
-
-
-@pytest.mark.parametrize("tp", [2, 4])
-def test_pallas_kernels_run_per_chip(results, tp):
-    for name, ref in (
-        ("pallas", results[1]["tokens"]),
-        ("pallas_few_kv_heads", results["few_kv_heads"]["1"]["tokens"]),
-    ):
-        r = results[name][str(tp)]
-        assert r["tokens"] == ref
-        assert r["steps"] > 0 and r["gathers"] == 0, f"{name}: {r['gathers']} steps gather across chips"
-
-
-@pytest.mark.parametrize("platform", ["tpu", "cuda"])
-def test_sharded_kernels_export_for_accelerators(results, platform):
-    assert results["export"][platform] == {"devices": 4, "kernel": True, "gather": False}

@@ -17,6 +17,10 @@ from jaxserve.runner import speculative
 from jaxserve.runner.executable_cache import compile_count
 
 OPTS = dict(max_slots=6, page_size=8, max_model_len=160, prefill_buckets=(16, 32, 64))
+# Only test_greedy_equals_plain_decoding counts compiles (its speculative engine is warmed up);
+# every other engine here skips warm-up and compiles just the shapes its workload runs (most of
+# a warm-up is sampling and batch-size variants these tests never use).
+COLD = dict(warmup=False)
 
 
 def test_ngram_propose():
@@ -44,13 +48,38 @@ def _workload(seed, n=10, repetitive=False):
 
 @pytest.fixture(scope="module")
 def plain(tok_model):
-    return LLM(tok_model[0], num_pages=200, **OPTS)
+    return LLM(tok_model[0], num_pages=200, **OPTS, **COLD)
 
 
-@pytest.mark.parametrize("spec", ["draft", "self", "ngram"])
-def test_greedy_equals_plain_decoding(tok_model, draft_dir, plain, spec):
+INT8 = dict(quantization="int8", kv_cache_dtype="int8")  # int8 weights and int8 KV pages (issue #19)
+
+
+@pytest.fixture(scope="module")
+def plain_int8(tok_model):
+    return LLM(tok_model[0], num_pages=200, **OPTS, **INT8, **COLD)
+
+
+@pytest.mark.parametrize(
+    "spec, int8",
+    [
+        pytest.param("draft", False, id="draft"),
+        pytest.param("self", False, id="self"),
+        pytest.param("ngram", False, id="ngram"),
+        # target and draft both int8 (weights and KV pages), against the same int8 target alone
+        pytest.param("draft", True, id="draft-int8"),
+    ],
+)
+def test_greedy_equals_plain_decoding(tok_model, draft_dir, request, spec, int8):
+    plain = request.getfixturevalue("plain_int8" if int8 else "plain")
     model = {"draft": str(draft_dir), "self": str(tok_model[0]), "ngram": "ngram"}[spec]
-    llm = LLM(tok_model[0], speculative_model=model, num_speculative_tokens=3, num_pages=200, **OPTS)
+    llm = LLM(
+        tok_model[0], speculative_model=model, num_speculative_tokens=3, num_pages=200, **OPTS, **(INT8 if int8 else {})
+    )
+    if int8:
+        for w in llm.runner.models + plain.runner.models:
+            assert w.params["layers"][0]["mlp"]["down_proj"]["weight"].get_value().dtype == np.int8
+            assert w.kv[0][0].dtype == np.int8
+        assert llm.runner.draft is not None
     # The third round repeats the first: every prompt is a full prefix-cache hit and goes
     # straight to decoding, which must still own pages for its k lookahead positions.
     for repetitive in (False, True, False):
@@ -68,7 +97,7 @@ def test_greedy_equals_plain_decoding(tok_model, draft_dir, plain, spec):
 
 
 def test_greedy_with_preemption(tok_model, draft_dir, plain):
-    llm = LLM(tok_model[0], speculative_model=str(draft_dir), num_speculative_tokens=4, num_pages=30, **OPTS)
+    llm = LLM(tok_model[0], speculative_model=str(draft_dir), num_speculative_tokens=4, num_pages=30, **OPTS, **COLD)
     prompts, params = _workload(2, n=12)
     got = [o.token_ids for o in llm.generate(prompts, params)]
     assert llm.scheduler.num_preemptions > 0
@@ -78,7 +107,7 @@ def test_greedy_with_preemption(tok_model, draft_dir, plain):
 
 
 def test_seeded_sampling_reproducible_with_speculation(tok_model, draft_dir):
-    llm = LLM(tok_model[0], speculative_model=str(draft_dir), num_speculative_tokens=3, num_pages=200, **OPTS)
+    llm = LLM(tok_model[0], speculative_model=str(draft_dir), num_speculative_tokens=3, num_pages=200, **OPTS, **COLD)
     p = SamplingParams(max_tokens=20, temperature=0.8, seed=5, ignore_eos=True)
     alone = llm.generate([[9, 8, 7]], p)[0].token_ids
     crowd = llm.generate(
@@ -161,6 +190,7 @@ def test_sampling_is_lossless(tiny, spec):
         num_pages=300,
         prefill_buckets=(16,),
         enable_prefix_caching=False,
+        **COLD,
     )
     counts = _sampled_pairs(llm, prompt, 1.0)
     assert llm.spec_stats.proposed[0] > N // 2  # drafts were really proposed and judged
@@ -185,6 +215,7 @@ def test_chi_square_rejects_a_wrong_acceptance_rule(tiny, monkeypatch):
         num_pages=300,
         prefill_buckets=(16,),
         enable_prefix_caching=False,
+        **COLD,
     )
     counts = _sampled_pairs(llm, prompt, 1.0)
     pvalue = _chi2_pvalue(counts, _exact_two_token_probs(hf, prompt, 1.0))
