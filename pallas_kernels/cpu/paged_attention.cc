@@ -298,11 +298,14 @@ struct Scratch {
   Scratch& operator=(const Scratch&) = delete;
 };
 
-// Prefetch one token's K or V vector (d elements).
+// Prefetch one token's K or V vector (d elements) into L2 (prefetcht1), not L1: with the pages
+// scattered, two cores doing plain reads of 8 KiB pages in random order get 14-15 GB/s this way
+// against 11-12.5 with prefetcht0 (an L1 prefetch holds a fill buffer until its line arrives);
+// in this kernel, where the arithmetic hides part of the latency, the gain is 2-4%.
 template <class KT>
 JS_INLINE void prefetch_row(const KT* p, int64_t d) {
   const char* c = reinterpret_cast<const char*>(p);
-  for (int64_t off = 0; off < d * int64_t(sizeof(KT)); off += 64) __builtin_prefetch(c + off, 0, 3);
+  for (int64_t off = 0; off < d * int64_t(sizeof(KT)); off += 64) __builtin_prefetch(c + off, 0, 2);
 }
 
 // The chunk's rows of one KV head (element offsets off[j] + hoff) widened to float32 in dst
