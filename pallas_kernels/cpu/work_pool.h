@@ -15,6 +15,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <utility>
 
 #include "xla/ffi/api/ffi.h"
@@ -44,8 +45,15 @@ inline std::string dims_str(xla::ffi::AnyBuffer::Dimensions d) {
 // with make_state() (a scratch buffer, say) and keeps it for all its items.  Returns false when
 // any fn(state, i) returned false (e.g. its scratch could not be allocated); every item still
 // counts as done, so the call always returns.
+//
+// fn may instead take (state, i, next): each thread then claims its next item before it starts
+// on the current one and passes it (-1: none left), so a kernel can prefetch the next item's data
+// while it works on this one.  The price: at the end one thread may hold an item the other could
+// have taken, so such kernels cut the work into more items.
 template <class MakeState, class Fn>
 bool run_items(xla::ffi::ThreadPool pool, int64_t n_items, MakeState make_state, Fn fn) {
+  using State = decltype(make_state());
+  constexpr bool kLookahead = std::is_invocable_v<Fn&, State&, int64_t, int64_t>;
   struct Shared {
     MakeState make_state;
     Fn fn;
@@ -54,13 +62,24 @@ bool run_items(xla::ffi::ThreadPool pool, int64_t n_items, MakeState make_state,
     std::atomic<int64_t> done{0};
     std::atomic<bool> ok{true};
     Shared(MakeState m, Fn f, int64_t n) : make_state(std::move(m)), fn(std::move(f)), n(n) {}
+    int64_t claim() { return next.fetch_add(1, std::memory_order_relaxed); }
     void work() {
-      int64_t i = next.fetch_add(1, std::memory_order_relaxed);
+      int64_t i = claim();
       if (i >= n) return;  // nothing left: touch nothing (the call may have returned)
       auto state = make_state();
-      for (; i < n; i = next.fetch_add(1, std::memory_order_relaxed)) {
-        if (!fn(state, i)) ok.store(false, std::memory_order_relaxed);
+      while (i < n) {
+        bool item_ok;
+        int64_t after;
+        if constexpr (kLookahead) {
+          after = claim();
+          item_ok = fn(state, i, after < n ? after : int64_t(-1));
+        } else {
+          item_ok = fn(state, i);
+          after = claim();
+        }
+        if (!item_ok) ok.store(false, std::memory_order_relaxed);
         done.fetch_add(1, std::memory_order_release);
+        i = after;
       }
     }
   };
