@@ -14,7 +14,8 @@
 // item walks the row's pages in block-table order, a chunk of whole pages (64 tokens) at a time:
 // it reads each K and V vector of its KV heads once and uses it for all G query heads of that KV
 // head and all queries of the block, with an online softmax per chunk; while it reads a chunk it
-// prefetches the next.  Items are taken from a shared atomic counter by the calling thread and
+// prefetches the next, and during its last chunk the first chunk of the next item it will take
+// (claimed ahead: work_pool.h).  Items are taken from a shared atomic counter by the calling thread and
 // by tasks queued on XLA's own CPU thread pool; the caller returns only when every item is done,
 // and is correct even if the pool never runs a task (a late task finds no item and touches
 // nothing).
@@ -341,18 +342,37 @@ JS_INLINE void widen_rows(const KT* pool, const KT* pool_end, const uint16_t* sc
 // One work item.  KT: page element type (float, uint16_t holding bfloat16, or int8_t with a
 // bfloat16 scale per token per KV head, multiplied in while a chunk is widened).  N: vector lanes.
 // HD: the head dim (a multiple of N), or 0 for the scalar path (any head dim).
+// The row, first KV head and first query of a work item.
+struct ItemPos {
+  int64_t b, kh0, t0, nt;
+};
+JS_INLINE ItemPos item_pos(const Problem& pr, int64_t item) {
+  const int64_t per_b = pr.n_khb * pr.n_tb;
+  const int64_t b = item / per_b, rem = item % per_b;
+  const int64_t t0 = (rem % pr.n_tb) * pr.tb;
+  return {b, (rem / pr.n_tb) * pr.khi, t0, std::min(pr.tb, pr.T - t0)};
+}
+// Keys at or past this are read by no query of the item.
+JS_INLINE int64_t item_limit(const Problem& pr, const ItemPos& ip) {
+  const int64_t ctx = std::clamp<int64_t>(pr.lens[ip.b], 0, pr.P * pr.ps);
+  int64_t maxlim = 0;
+  for (int64_t t = 0; t < ip.nt; ++t)
+    maxlim = std::max(maxlim, std::min<int64_t>(ctx, int64_t(pr.pos[ip.b * pr.T + ip.t0 + t]) + 1));
+  return maxlim;
+}
+
+// `next_item`: the item this thread takes after this one (-1: none); while it reads its last
+// chunk it prefetches that item's first, when both read the same KV heads.
 template <class KT, int N, int HD>
-JS_INLINE void run_item(const Problem& pr, int64_t item, Scratch& sc) {
+JS_INLINE void run_item(const Problem& pr, int64_t item, int64_t next_item, Scratch& sc) {
   using V = Vf<N>;
   constexpr bool kF32 = std::is_same_v<KT, float>;
   constexpr int DV = HD / N;  // vectors per head
   static_assert(HD % N == 0, "head dim must be a multiple of the vector width");
-  const int64_t per_b = pr.n_khb * pr.n_tb;
-  const int64_t b = item / per_b, rem = item % per_b;
-  const int64_t khb = rem / pr.n_tb, tbk = rem % pr.n_tb;
+  const ItemPos ip = item_pos(pr, item);
+  const int64_t b = ip.b, t0 = ip.t0, nt = ip.nt, kh0 = ip.kh0;
   const int64_t T = pr.T, H = pr.H, G = pr.G, D = HD > 0 ? HD : pr.D, ps = pr.ps, KVH = pr.KVH;
-  const int64_t t0 = tbk * pr.tb, nt = std::min(pr.tb, T - t0);
-  const int64_t kh0 = khb * pr.khi, nkh = std::min(pr.khi, KVH - kh0);
+  const int64_t nkh = std::min(pr.khi, KVH - kh0);
   const int64_t R = nt * G;  // query rows per KV head
 
   const int64_t ctx = std::clamp<int64_t>(pr.lens[b], 0, pr.P * ps);
@@ -393,15 +413,24 @@ JS_INLINE void run_item(const Problem& pr, int64_t item, Scratch& sc) {
   const int64_t cl = pr.cl, clp = pr.clp;
   const int64_t nchunks = (maxlim + cl - 1) / cl;
 
-  // Element offsets (KV head 0) of the tokens of chunk c; returns how many there are.
-  auto fill = [&](int64_t c, int64_t* dst) {
-    const int64_t n = std::min(cl, maxlim - c * cl);
+  // Element offsets (KV head 0) of the tokens of chunk c of a row (block table `row_bt`, keys
+  // below `lim`); returns how many there are.
+  auto fill_row = [&](const int32_t* row_bt, int64_t lim, int64_t c, int64_t* dst) {
+    const int64_t n = std::min(cl, lim - c * cl);
     for (int64_t pg = 0; pg * ps < n; ++pg) {
-      const int64_t base = std::clamp<int64_t>(bt[c * pr.cps + pg], 0, pr.num_pages - 1) * pstride;
+      const int64_t base = std::clamp<int64_t>(row_bt[c * pr.cps + pg], 0, pr.num_pages - 1) * pstride;
       const int64_t m = std::min(ps, n - pg * ps);
       for (int64_t i = 0; i < m; ++i) dst[pg * ps + i] = base + i * tstride;
     }
     return n;
+  };
+  auto fill = [&](int64_t c, int64_t* dst) { return fill_row(bt, maxlim, c, dst); };
+  // After the last chunk: the next item's first, if it reads the same KV heads.
+  auto fill_after = [&](int64_t* dst) -> int64_t {
+    if (next_item < 0) return 0;
+    const ItemPos np = item_pos(pr, next_item);
+    if (np.kh0 != kh0 || std::min(pr.khi, KVH - np.kh0) != nkh) return 0;
+    return std::max<int64_t>(0, fill_row(pr.bt + np.b * pr.P, item_limit(pr, np), 0, dst));
   };
   int64_t* off = sc.off;
   int64_t* off_next = sc.off + clp;
@@ -409,7 +438,7 @@ JS_INLINE void run_item(const Problem& pr, int64_t item, Scratch& sc) {
 
   for (int64_t ci = 0; ci < nchunks; ++ci) {
     // While reading token j of this chunk, prefetch token j of the next one.
-    const int64_t n_next = ci + 1 < nchunks ? fill(ci + 1, off_next) : 0;
+    const int64_t n_next = ci + 1 < nchunks ? fill(ci + 1, off_next) : fill_after(off_next);
     const int64_t start = ci * cl;
 
     for (int64_t kh = 0; kh < nkh; ++kh) {
@@ -570,23 +599,23 @@ JS_INLINE void run_item(const Problem& pr, int64_t item, Scratch& sc) {
       }
 }
 
-using ItemFn = void (*)(const Problem&, int64_t, Scratch&);
+using ItemFn = void (*)(const Problem&, int64_t, int64_t, Scratch&);
 
 // The kernel compiled for three instruction sets, each with its own vector width; run_item is
 // always_inline, so each wrapper's copy is compiled for the wrapper's target.
 template <class KT, int HD>
-void item_generic(const Problem& pr, int64_t i, Scratch& sc) {
-  run_item<KT, 4, HD>(pr, i, sc);
+void item_generic(const Problem& pr, int64_t i, int64_t next, Scratch& sc) {
+  run_item<KT, 4, HD>(pr, i, next, sc);
 }
 #if JS_X86
 template <class KT, int HD>
-__attribute__((target("avx2,fma"))) void item_avx2(const Problem& pr, int64_t i, Scratch& sc) {
-  run_item<KT, 8, HD>(pr, i, sc);
+__attribute__((target("avx2,fma"))) void item_avx2(const Problem& pr, int64_t i, int64_t next, Scratch& sc) {
+  run_item<KT, 8, HD>(pr, i, next, sc);
 }
 template <class KT, int HD>
 __attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,avx2,fma"))) void item_avx512(
-    const Problem& pr, int64_t i, Scratch& sc) {
-  run_item<KT, 16, HD>(pr, i, sc);
+    const Problem& pr, int64_t i, int64_t next, Scratch& sc) {
+  run_item<KT, 16, HD>(pr, i, next, sc);
 }
 #endif
 
@@ -717,9 +746,9 @@ ffi::Error PagedAttentionCore(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBu
 
   const bool ok = jaxserve_cpu::run_items(
       pool, pr.n_items, [pr] { return Scratch(pr); },
-      [pr, fn](Scratch& sc, int64_t i) {
+      [pr, fn](Scratch& sc, int64_t i, int64_t next) {
         if (!sc.base) return false;
-        fn(pr, i, sc);
+        fn(pr, i, next, sc);
         return true;
       });
   if (!ok) return ffi::Error::Internal("paged_attention: out of memory for scratch");
