@@ -59,12 +59,16 @@ TP_LAYOUT = {
 }
 
 
-def rope(x, positions, inv_freq):
-    """x [B,T,N,D], positions [B,T]: rotate_half RoPE with float32 angles, as transformers."""
+def rope_tables(positions, inv_freq, dtype):
+    """cos and sin [B, T, 1, D] of positions [B, T] (float32 angles, as transformers), computed
+    once per forward pass and shared by every layer's q and k."""
     freqs = positions[..., None].astype(jnp.float32) * inv_freq
     emb = jnp.concatenate([freqs, freqs], axis=-1)
-    cos = jnp.cos(emb).astype(x.dtype)[:, :, None, :]
-    sin = jnp.sin(emb).astype(x.dtype)[:, :, None, :]
+    return jnp.cos(emb).astype(dtype)[:, :, None, :], jnp.sin(emb).astype(dtype)[:, :, None, :]
+
+
+def rope(x, cos, sin):
+    """x [B, T, N, D]: rotate_half RoPE."""
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     return x * cos + rotated * sin
@@ -79,13 +83,13 @@ class Attention(nnx.Module):
         self.o_proj = _linear(cfg.num_heads * hd, d, cfg.o_bias, dtype, rngs, std)
         self.cfg = cfg
 
-    def __call__(self, x, positions, inv_freq, cache, meta, attn_fn):
+    def __call__(self, x, rope_cs, cache, meta, attn_fn):
         b, t, _ = x.shape
         c = self.cfg
         q = self.q_proj(x).reshape(b, t, c.num_heads, c.head_dim)
         k = self.k_proj(x).reshape(b, t, c.num_kv_heads, c.head_dim)
         v = self.v_proj(x).reshape(b, t, c.num_kv_heads, c.head_dim)
-        q, k = rope(q, positions, inv_freq), rope(k, positions, inv_freq)
+        q, k = rope(q, *rope_cs), rope(k, *rope_cs)
         scale = c.head_dim**-0.5
         if cache is None:
             out = reference.causal_attention(q, k, v, scale)
@@ -113,8 +117,8 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = MLP(cfg, dtype, rngs, std)
 
-    def __call__(self, x, positions, inv_freq, cache, meta, attn_fn):
-        h, cache = self.self_attn(self.input_layernorm(x), positions, inv_freq, cache, meta, attn_fn)
+    def __call__(self, x, rope_cs, cache, meta, attn_fn):
+        h, cache = self.self_attn(self.input_layernorm(x), rope_cs, cache, meta, attn_fn)
         x = x + h
         return x + self.mlp(self.post_attention_layernorm(x)), cache
 
@@ -151,11 +155,11 @@ class LlamaForCausalLM(nnx.Module):
         """tokens/positions [B, T]. Without a cache: dense causal attention over the batch
         (right padding is harmless under a causal mask). logits_index [B] selects one position
         per row before the vocabulary projection, which is most of a prefill's FLOPs otherwise."""
-        inv_freq = jnp.asarray(self.cfg.inv_freq())
         x = self.embed_tokens(tokens)
+        rope_cs = rope_tables(positions, jnp.asarray(self.cfg.inv_freq()), x.dtype)
         new_cache = []
         for i, layer in enumerate(self.layers):
-            x, c = layer(x, positions, inv_freq, None if kv_cache is None else kv_cache[i], meta, attn_fn)
+            x, c = layer(x, rope_cs, None if kv_cache is None else kv_cache[i], meta, attn_fn)
             new_cache.append(c)
         x = self.norm(x)
         if logits_index is not None:

@@ -8,8 +8,8 @@ a tool at the top of the stack, so it may build an engine to time it.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -166,6 +166,19 @@ def decode_step_runner(
     return model_runner.ModelRunner(module, cfg, rc), rows
 
 
+def time_decode_steps(runner, rows, repeats: int) -> float:
+    """Median seconds of `repeats` decode steps of a compiled `decode_step_runner`, each waited for."""
+    import jax
+
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        runner.decode(rows, 0)
+        jax.block_until_ready(runner.kv)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 def measure_engine_step(
     model: ModelShape,
     batch: int,
@@ -178,8 +191,6 @@ def measure_engine_step(
 ) -> float:
     """Median seconds of the real jaxserve decode step of `decode_step_runner`: the number the
     roofline predicts."""
-    import jax
-
     runner, rows = decode_step_runner(
         model,
         batch,
@@ -190,50 +201,78 @@ def measure_engine_step(
         matmul_impl=matmul_impl,
     )
     runner.decode(rows, 0)  # compile
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        runner.decode(rows, 0)
-        jax.block_until_ready(runner.kv)
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
+    return time_decode_steps(runner, rows, repeats)
 
 
 def _measure_host_report(
-    model: ModelShape, context_len: int, as_json: bool, kv_dtype: str = "fp32", weight_dtype: str = "fp32"
+    model: ModelShape,
+    context_len: int,
+    as_json: bool,
+    kv_dtype: str = "fp32",
+    weight_dtype: str = "fp32",
+    rounds: int = 5,
+    repeats: int = 5,
 ) -> int:
     """kv_dtype: fp32 (the CPU's pages), or int8 / fp8 (the engine's kv_cache_dtype, scales counted);
-    weight_dtype: fp32, or int8 (the engine's quantization="int8")."""
+    weight_dtype: fp32, or int8 (the engine's quantization="int8").
+
+    A shared host's memory speed swings by 2x within a minute, so one bandwidth reading followed
+    by the steps can put any ratio anywhere. Instead every step is compiled first, then `rounds`
+    rounds each measure the bandwidth and time every step (`repeats` each, median) right after
+    it; a step's ratio to its bound is taken per round (the bound from that round's bandwidth)
+    and the median over rounds is reported, with the median step and bound beside it."""
     kv_cache_dtype = kv_dtype if kv_dtype in ("int8", "fp8") else "auto"
     kv_dtype = kv_dtype if kv_cache_dtype != "auto" else "fp32"
     quantization = "int8" if weight_dtype == "int8" else None
     weight_dtype = "int8" if quantization else "fp32"
-    measure = functools.partial(measure_engine_step, kv_cache_dtype=kv_cache_dtype, quantization=quantization)
-    host = measure_host()
-    rows = []
-    for b in (1, 8, 32):
-        mem, comp = decode_step_bounds(
+    batches = (1, 8, 32)
+    impls = {"engine": {}, "xla": {"attention_impl": "xla", "matmul_impl": "xla"}}  # the XLA path beside it
+    runners = {}
+    for b in batches:
+        for name, kw in impls.items():
+            runner, rows = decode_step_runner(
+                model, b, context_len, kv_cache_dtype=kv_cache_dtype, quantization=quantization, **kw
+            )
+            runner.decode(rows, 0)  # compile
+            runners[b, name] = (runner, rows)
+    hosts, steps = [], {key: [] for key in runners}
+    for _ in range(rounds):
+        hosts.append(measure_host())
+        for key, (runner, rows) in runners.items():
+            steps[key].append(time_decode_steps(runner, rows, repeats))
+    host = {
+        k: statistics.median(h[k] for h in hosts)
+        for k in ("memory_bandwidth", "memory_bandwidth_numpy", "memory_bandwidth_jax", "matmul_flops_fp32")
+    }
+    host["seconds"] = sum(h["seconds"] for h in hosts)
+    host["memory_bandwidth_rounds"] = [h["memory_bandwidth"] for h in hosts]
+
+    def bounds(b: int, h: dict) -> tuple[float, float]:
+        return decode_step_bounds(
             model,
             b,
             context_len,
-            host["memory_bandwidth"],
-            host["matmul_flops_fp32"],
+            h["memory_bandwidth"],
+            h["matmul_flops_fp32"],
             weight_dtype=weight_dtype,
             kv_dtype=kv_dtype,
         )
-        rows.append(
-            {
-                "batch": b,
-                "memory_bound_s": mem,
-                "compute_bound_s": comp,
-                "predicted_s": max(mem, comp),
-                "measured_engine_s": measure(model, b, context_len),
-                # the XLA path (attention and matmul) beside it, for comparison with the default
-                "measured_engine_xla_s": measure(model, b, context_len, attention_impl="xla", matmul_impl="xla"),
-            }
-        )
-        rows[-1]["measured_over_predicted"] = rows[-1]["measured_engine_s"] / rows[-1]["predicted_s"]
-        rows[-1]["xla_over_predicted"] = rows[-1]["measured_engine_xla_s"] / rows[-1]["predicted_s"]
+
+    rows = []
+    for b in batches:
+        mem, comp = bounds(b, host)
+        per_round = [max(bounds(b, h)) for h in hosts]  # each round's own prediction
+        row = {
+            "batch": b,
+            "memory_bound_s": mem,
+            "compute_bound_s": comp,
+            "predicted_s": max(mem, comp),
+            "measured_engine_s": statistics.median(steps[b, "engine"]),
+            "measured_engine_xla_s": statistics.median(steps[b, "xla"]),
+        }
+        row["measured_over_predicted"] = statistics.median(t / p for t, p in zip(steps[b, "engine"], per_round))
+        row["xla_over_predicted"] = statistics.median(t / p for t, p in zip(steps[b, "xla"], per_round))
+        rows.append(row)
     if as_json:
         out = {
             "host": host,
@@ -241,18 +280,20 @@ def _measure_host_report(
             "context_len": context_len,
             "kv_dtype": kv_dtype,
             "weight_dtype": weight_dtype,
+            "rounds": rounds,
             "steps": rows,
         }
         print(json.dumps(out, indent=2))
         return 0
+    seen = ", ".join(f"{h['memory_bandwidth'] / GB:.1f}" for h in hosts)
     print(
-        f"host: memory bandwidth {host['memory_bandwidth'] / GB:.1f} GB/s (numpy sum "
+        f"host: memory bandwidth {host['memory_bandwidth'] / GB:.1f} GB/s, median of {rounds} rounds ({seen}; numpy sum "
         f"{host['memory_bandwidth_numpy'] / GB:.1f}, jax sum {host['memory_bandwidth_jax'] / GB:.1f}), "
-        f"fp32 matmul {host['matmul_flops_fp32'] / 1e9:.0f} GFLOP/s  [{host['seconds']:.1f} s]"
+        f"fp32 matmul {host['matmul_flops_fp32'] / 1e9:.0f} GFLOP/s"
     )
     print(
         f"predicted decode step ({weight_dtype} weights, {kv_dtype} KV), {model.name} ({model.num_params / 1e6:.1f}M params), "
-        f"context {context_len}:"
+        f"context {context_len}; steps and bounds are medians over the rounds, ratios the median of each round's:"
     )
     print(
         f"{'batch':>6} {'memory':>12} {'compute':>12} {'predicted':>12} {'engine':>12} {'ratio':>7} "
@@ -300,6 +341,12 @@ def _parser() -> argparse.ArgumentParser:
         help="measure this machine and predict fp32 decode steps at batch 1, 8, 32 (KV fp32, or --kv-dtype "
         "int8/fp8; weights fp32, or --weight-dtype int8: the engine's quantization)",
     )
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=5,
+        help="--measure-host: rounds of (bandwidth, every step); medians over them are reported (default 5)",
+    )
     return ap
 
 
@@ -315,7 +362,12 @@ def main(argv: list[str] | None = None) -> int:
             if args.weight_dtype not in ("bf16", "fp32", "int8"):  # bf16 is the planner's default: fp32 here
                 raise ValueError(f"weight_dtype: --measure-host runs fp32 or int8 weights, not {args.weight_dtype}")
             return _measure_host_report(
-                model, _positive_int("context_len", args.context), args.json, args.kv_dtype, args.weight_dtype
+                model,
+                _positive_int("context_len", args.context),
+                args.json,
+                args.kv_dtype,
+                args.weight_dtype,
+                rounds=_positive_int("rounds", args.rounds),
             )
         reserve = None if args.activation_reserve_gb is None else args.activation_reserve_gb * GB
         p = plan(
