@@ -339,9 +339,6 @@ JS_INLINE void widen_rows(const KT* pool, const KT* pool_end, const uint16_t* sc
   }
 }
 
-// One work item.  KT: page element type (float, uint16_t holding bfloat16, or int8_t with a
-// bfloat16 scale per token per KV head, multiplied in while a chunk is widened).  N: vector lanes.
-// HD: the head dim (a multiple of N), or 0 for the scalar path (any head dim).
 // The row, first KV head and first query of a work item.
 struct ItemPos {
   int64_t b, kh0, t0, nt;
@@ -352,15 +349,23 @@ JS_INLINE ItemPos item_pos(const Problem& pr, int64_t item) {
   const int64_t t0 = (rem % pr.n_tb) * pr.tb;
   return {b, (rem / pr.n_tb) * pr.khi, t0, std::min(pr.tb, pr.T - t0)};
 }
-// Keys at or past this are read by no query of the item.
-JS_INLINE int64_t item_limit(const Problem& pr, const ItemPos& ip) {
+// Query t of the item sees keys [0, its limit): below the row's context and at or before its
+// position.  Writes every query's limit to lim (if not null); returns the largest, past which no
+// query of the item reads.
+JS_INLINE int64_t item_limits(const Problem& pr, const ItemPos& ip, int64_t* lim) {
   const int64_t ctx = std::clamp<int64_t>(pr.lens[ip.b], 0, pr.P * pr.ps);
   int64_t maxlim = 0;
-  for (int64_t t = 0; t < ip.nt; ++t)
-    maxlim = std::max(maxlim, std::min<int64_t>(ctx, int64_t(pr.pos[ip.b * pr.T + ip.t0 + t]) + 1));
+  for (int64_t t = 0; t < ip.nt; ++t) {
+    const int64_t l = std::max<int64_t>(0, std::min<int64_t>(ctx, int64_t(pr.pos[ip.b * pr.T + ip.t0 + t]) + 1));
+    if (lim) lim[t] = l;
+    maxlim = std::max(maxlim, l);
+  }
   return maxlim;
 }
 
+// One work item.  KT: page element type (float, uint16_t holding bfloat16, or int8_t with a
+// bfloat16 scale per token per KV head, multiplied in while a chunk is widened).  N: vector lanes.
+// HD: the head dim (a multiple of N), or 0 for the scalar path (any head dim).
 // `next_item`: the item this thread takes after this one (-1: none); while it reads its last
 // chunk it prefetches that item's first, when both read the same KV heads.
 template <class KT, int N, int HD>
@@ -375,14 +380,7 @@ JS_INLINE void run_item(const Problem& pr, int64_t item, int64_t next_item, Scra
   const int64_t nkh = std::min(pr.khi, KVH - kh0);
   const int64_t R = nt * G;  // query rows per KV head
 
-  const int64_t ctx = std::clamp<int64_t>(pr.lens[b], 0, pr.P * ps);
-  int64_t maxlim = 0;
-  for (int64_t t = 0; t < nt; ++t) {
-    int64_t lim = std::min<int64_t>(ctx, int64_t(pr.pos[b * T + t0 + t]) + 1);
-    lim = std::max<int64_t>(lim, 0);
-    sc.lim[t] = lim;
-    maxlim = std::max(maxlim, lim);
-  }
+  const int64_t maxlim = item_limits(pr, ip, sc.lim);
 
   // Scaled queries (float32), zeroed accumulators.
   for (int64_t kh = 0; kh < nkh; ++kh)
@@ -430,7 +428,7 @@ JS_INLINE void run_item(const Problem& pr, int64_t item, int64_t next_item, Scra
     if (next_item < 0) return 0;
     const ItemPos np = item_pos(pr, next_item);
     if (np.kh0 != kh0 || std::min(pr.khi, KVH - np.kh0) != nkh) return 0;
-    return std::max<int64_t>(0, fill_row(pr.bt + np.b * pr.P, item_limit(pr, np), 0, dst));
+    return std::max<int64_t>(0, fill_row(pr.bt + np.b * pr.P, item_limits(pr, np, nullptr), 0, dst));
   };
   int64_t* off = sc.off;
   int64_t* off_next = sc.off + clp;
