@@ -253,3 +253,45 @@ def test_sampling_params_reject_non_finite_and_out_of_range_values():
         SamplingParams(regex="a", json_object=True)
     ok = SamplingParams(logit_bias={"7": -100}, json_schema={"type": "object"}, n=3, min_tokens=2)
     assert ok.logit_bias == {7: -100.0} and ok.constraint == ("json_schema", '{"type":"object"}')
+
+
+def test_argmax_is_numpys_first_index_with_ties_and_ragged_blocks():
+    from jaxserve.runner.sampling import argmax
+
+    rng = np.random.default_rng(8)
+    for v in (1, 5, 127, 128, 129, 300, 1000):
+        x = rng.integers(-3, 3, size=(6, v)).astype(np.float32)  # many ties
+        x[1] = -np.inf  # every token banned: index 0, as numpy
+        x[2, v // 2] = 40.0  # the maximum in the middle
+        x[3, -1] = 50.0  # the maximum in the padded last block
+        for block in (4, 128):
+            got = np.asarray(jax.jit(argmax, static_argnums=1)(jnp.asarray(x), block))
+            want = x.argmax(-1)
+            np.testing.assert_array_equal(got, want, err_msg=f"v={v} block={block}")
+
+
+def test_each_control_alone_is_seen_and_applied_by_the_greedy_sampler():
+    """The step skips apply_controls when no row has a control (any_controls): each control
+    alone must turn it on and change the greedy token, and no control must leave it off."""
+    from jaxserve.runner.sampling import any_controls
+
+    v = 70
+    logits = np.zeros((1, v), np.float32)
+    logits[0, 3], logits[0, 0] = 0.5, 0.4  # the unconstrained argmax, and the runner-up
+    cases = {
+        "none": ({}, 3),
+        "repetition": ({"rep": 100.0, "seen": [3]}, 0),
+        "presence": ({"pres": 9.0, "seen": [3], "counts": {3: 1}}, 0),
+        "bias": ({"bias": {9: 10.0}}, 9),
+        "min_tokens": ({"min_tokens": 2, "stop": [3]}, 0),
+        "min_tokens met": ({"min_tokens": 2, "counter": 2, "stop": [3]}, 3),
+        "bitmask": ({"allowed": [40]}, 40),
+    }
+    for name, (row, want) in cases.items():
+        meta, mask = _meta_and_mask([row], v)
+        on = bool(any_controls(meta, jnp.asarray(mask), v))
+        assert on == (name not in ("none", "min_tokens met")), name
+        tok = jax.jit(lambda x, m, b: sample(x, m, b, do_sample=False, num_logprobs=0)[0])(
+            jnp.asarray(logits), meta, jnp.asarray(mask)
+        )
+        assert int(tok[0]) == want, name

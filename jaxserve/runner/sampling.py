@@ -26,12 +26,25 @@ import jax
 import jax.numpy as jnp
 
 
-def argmax(logits):
-    """First index of the row maximum. XLA's CPU argmax (a variadic reduce) is ~4x slower
-    than a max followed by a min over matching indices."""
-    m = jnp.max(logits, axis=-1, keepdims=True)
-    idx = jnp.arange(logits.shape[-1], dtype=jnp.int32)
-    return jnp.min(jnp.where(logits == m, idx, logits.shape[-1]), axis=-1).astype(jnp.int32)
+def argmax(logits, block: int = 128):
+    """First index of the row maximum, in two passes: the maximum of each block of `block` logits, then the first block holding the
+    row's maximum and the first index within it. XLA:CPU's argmax (a variadic reduce) is ~4x
+    slower than a max and a min over matching indices, and that in turn 3x slower than this
+    at 32 rows x 32,000 (0.34 against 1.06 ms), one full pass instead of three. A row holding
+    a NaN gets an unspecified id (XLA:CPU's max does not always propagate NaN)."""
+    s, v = logits.shape
+    nb = -(-v // block)
+    x = logits
+    if nb * block != v:
+        x = jnp.pad(logits, ((0, 0), (0, nb * block - v)), constant_values=-jnp.inf)
+    x = x.reshape(s, nb, block)
+    block_max = jnp.max(x, axis=-1)  # [S, nb]
+    m = jnp.max(block_max, axis=-1, keepdims=True)
+    ids = jnp.arange(nb, dtype=jnp.int32)
+    b = jnp.min(jnp.where(block_max == m, ids, nb), axis=-1)  # nb only if m is a NaN
+    inside = jnp.take_along_axis(x, jnp.minimum(b, nb - 1)[:, None, None], axis=1)[:, 0, :]
+    j = jnp.min(jnp.where(inside == m, jnp.arange(block, dtype=jnp.int32), block), axis=-1)
+    return jnp.where(b < nb, b * block + j, v).astype(jnp.int32)
 
 
 def _filter_top_k_top_p(logits, top_k, top_p):
@@ -78,6 +91,16 @@ def apply_controls(logits, sm, bitmask=None):
     return jnp.where(keep, logits, -jnp.inf)
 
 
+def any_controls(sm, bitmask, vocab_size: int):
+    """Whether any row has a control `apply_controls` acts on: a penalty or logit-bias id, a
+    stop id while under min_tokens, or a bitmask bit cleared. Without one it is an exact
+    no-op, and the CPU step skips its passes over [S, V] under a lax.cond (1.4 ms of a
+    batch-32 step)."""
+    ban = jnp.any((sm.stop_ids < vocab_size) & (sm.counters < sm.min_tokens)[:, None])
+    found = jnp.any(sm.penalty_ids < vocab_size) | jnp.any(sm.bias_ids < vocab_size) | ban
+    return found if bitmask is None else found | jnp.any(bitmask != -1)
+
+
 def filter_min_p(scaled, min_p):
     """Keep tokens whose probability is at least min_p times the row's top probability (in log
     space: scaled >= max + log(min_p); min_p = 0 keeps every token)."""
@@ -107,7 +130,12 @@ def sample(logits, sampling, bitmask=None, *, do_sample: bool, num_logprobs: int
     with n = num_logprobs (0 for none); logprobs are the raw model's."""
     temperature, top_k, top_p = sampling.temperature, sampling.top_k, sampling.top_p
     seeds, counters = sampling.seeds, sampling.counters
-    raw, logits = logits, apply_controls(logits, sampling, bitmask)
+    raw = logits
+    controls = lambda x: apply_controls(x, sampling, bitmask)  # noqa: E731
+    if jax.default_backend() == "cpu":  # a GPU cond's predicate goes through the host
+        logits = jax.lax.cond(any_controls(sampling, bitmask, logits.shape[-1]), controls, lambda x: x, logits)
+    else:
+        logits = controls(logits)
     greedy = argmax(logits)
     if do_sample:
         t = jnp.where(temperature > 0, temperature, 1.0)
