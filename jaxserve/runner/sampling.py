@@ -27,12 +27,12 @@ import jax.numpy as jnp
 
 
 def argmax(logits, block: int = 128):
-    """First index of the row maximum, in one full pass over [S, V]: the maximum of each block
-    of `block` logits, then the first block holding the row's maximum (XLA's argmax, a variadic
-    reduce, on those few values) and the first index within it. At 32 rows x 32,000 on the CPU
-    that is 0.2 ms, against 1.06 for a max and a min over matching indices and ~4x that for
-    XLA's argmax over the whole row. (A max over the block maxima would be merged by XLA into a
-    second full pass.) A row holding a NaN gets an unspecified id."""
+    """First index of the row maximum, in two passes: the maximum of each block of `block`
+    logits, then the first block holding the row's maximum and the first index within it.
+    One full pass over [S, V] instead of three: at 32 rows x 32,000 on the CPU, 0.34 ms
+    against 1.06 for a max and a min over matching indices (and XLA:CPU's own argmax, a
+    variadic reduce, is ~4x slower than that). A row holding a NaN gets an unspecified id
+    (XLA:CPU's max does not always propagate NaN)."""
     s, v = logits.shape
     nb = -(-v // block)
     x = logits
@@ -40,11 +40,12 @@ def argmax(logits, block: int = 128):
         x = jnp.pad(logits, ((0, 0), (0, nb * block - v)), constant_values=-jnp.inf)
     x = x.reshape(s, nb, block)
     block_max = jnp.max(x, axis=-1)  # [S, nb]
-    b = jnp.argmax(block_max, axis=-1).astype(jnp.int32)  # the first block holding the maximum
-    m = jnp.take_along_axis(block_max, b[:, None], axis=-1)
-    inside = jnp.take_along_axis(x, b[:, None, None], axis=1)[:, 0, :]
+    m = jnp.max(block_max, axis=-1, keepdims=True)
+    ids = jnp.arange(nb, dtype=jnp.int32)
+    b = jnp.min(jnp.where(block_max == m, ids, nb), axis=-1)  # nb only if m is a NaN
+    inside = jnp.take_along_axis(x, jnp.minimum(b, nb - 1)[:, None, None], axis=1)[:, 0, :]
     j = jnp.min(jnp.where(inside == m, jnp.arange(block, dtype=jnp.int32), block), axis=-1)
-    return (b * block + j).astype(jnp.int32)
+    return jnp.where(b < nb, b * block + j, v).astype(jnp.int32)
 
 
 def _filter_top_k_top_p(logits, top_k, top_p):
