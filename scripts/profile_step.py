@@ -24,14 +24,13 @@ import os
 import re
 import sys
 import tempfile
-import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import jax  # noqa: E402
 
 from jaxserve.kv_math import resolve_model  # noqa: E402
-from jaxserve.tools.kv_math_cli import decode_step_runner  # noqa: E402
+from jaxserve.tools.kv_math_cli import decode_step_runner, time_decode_steps  # noqa: E402
 
 _SKIP = ("ThunkExecutor", "ThreadpoolListener")  # containers of the ops, not ops
 
@@ -62,16 +61,10 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--batch, --context and --steps must be >= 1")
 
     runner, rows = decode_step_runner(resolve_model(args.model), args.batch, args.context)
-    for _ in range(3):  # compile and warm
-        runner.decode(rows, 0)
-        jax.block_until_ready(runner.kv)
+    time_decode_steps(runner, rows, 3)  # compile and warm
     trace_dir = tempfile.mkdtemp(prefix="jaxserve-profile-")
-    t0 = time.perf_counter()
     with jax.profiler.trace(trace_dir):
-        for _ in range(args.steps):
-            runner.decode(rows, 0)
-            jax.block_until_ready(runner.kv)
-    wall = (time.perf_counter() - t0) / args.steps
+        wall = time_decode_steps(runner, rows, args.steps)
     files = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
     if not files:
         print(f"no trace written under {trace_dir}", file=sys.stderr)
@@ -99,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     n = args.steps
     print(
         f"decode step, batch {args.batch}, context {args.context}: ops sum to {total / n / 1e6:.2f} ms of "
-        f"thread time per step ({wall * 1e3:.2f} ms of wall time per step under the trace, whose "
+        f"thread time per step (median {wall * 1e3:.2f} ms of wall time per step under the trace, whose "
         "Python tracing adds several ms: time steps with kv-math --measure-host)"
     )
     print(f"\n{'op kind':<32} {'ms / step':>10} {'share':>7}")
