@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from conftest import suite_xla_flags
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from paged_pools import close, page_pool, randn
@@ -535,7 +536,7 @@ def test_int8_cache_under_tensor_parallelism(tmp_path):
     make_hf_model(
         "llama", tmp_path, hidden_size=64, num_attention_heads=8, num_key_value_heads=2, intermediate_size=128
     )
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=suite_xla_flags("--xla_force_host_platform_device_count=4"), JAX_PLATFORMS="cpu")
     r = subprocess.run(
         [sys.executable, "-c", TP_SCRIPT, str(tmp_path)],
         capture_output=True,

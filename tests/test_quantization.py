@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import make_hf_model
+from conftest import make_hf_model, suite_xla_flags
 from flax import nnx
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -276,7 +276,7 @@ def test_tensor_parallel_int8(tiny):
     """tp=2 on host devices: int8 weights split with their output channels (column-parallel,
     scales too) or input channels (row-parallel, scales replicated); greedy tokens equal tp=1's."""
     path = tiny["llama"]
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=suite_xla_flags("--xla_force_host_platform_device_count=4"), JAX_PLATFORMS="cpu")
     proc = subprocess.run(
         [sys.executable, "-c", TP_SCRIPT, str(path)],
         capture_output=True,
