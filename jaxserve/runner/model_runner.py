@@ -24,7 +24,7 @@ from flax import nnx
 from jaxserve import kv_math
 from jaxserve.models.model_config import ModelConfig
 from jaxserve.parallel.multihost import to_host
-from jaxserve.runner import step_batch
+from jaxserve.runner import host_memory, step_batch
 from jaxserve.runner.executable_cache import ExecutableStore, Step
 from jaxserve.runner.sampling import sample
 from jaxserve.runner.step_batch import DUMMY_PAGE, Chunk, StepBatch
@@ -202,6 +202,7 @@ class _Weights:
         )
         zeros = jax.jit(lambda: tuple(layer() for _ in range(cfg.num_layers)), out_shardings=self.kv_sharding)
         self.kv = zeros()
+        self.huge_pages = host_memory.advise_huge_pages_in_background((self.params, self.kv))  # CPU buffers only
         self.attn = {m: _attention_fn(attention_impl, interpret, m) for m in ("prefill", "context", "decode")}
         if mesh is not None and attention_impl in ("pallas", "native"):  # custom calls XLA cannot split
             from jaxserve.parallel import sharding as shd
@@ -522,6 +523,8 @@ class ModelRunner:
                 self.speculate(rows)
         self.copy_pages([(DUMMY_PAGE, DUMMY_PAGE)])
         jax.block_until_ready([w.kv for w in self.models])
+        for w in self.models:
+            w.huge_pages.join()
         return time.perf_counter() - t0
 
 

@@ -75,6 +75,8 @@ def measure_host(size_bytes: int = 512 * 1024 * 1024, repeats: int = 5) -> dict[
     import jax.numpy as jnp
     import numpy as np
 
+    from jaxserve.runner import host_memory
+
     def best(fn: Any) -> float:
         fn()  # warm-up: page faults, compilation
         times = []
@@ -86,6 +88,7 @@ def measure_host(size_bytes: int = 512 * 1024 * 1024, repeats: int = 5) -> dict[
 
     start = time.perf_counter()
     x = jnp.ones(size_bytes // 4, jnp.float32)  # allocating once: page faults cost seconds on a small VM
+    host_memory.advise_huge_pages(x)  # mapped as the engine maps its weights and pool
     a = np.asarray(x)  # a zero-copy view on the CPU backend
     bw_numpy = a.nbytes / best(a.sum)
     jsum = jax.jit(jnp.sum)
@@ -163,7 +166,10 @@ def decode_step_runner(
         Chunk([0], context_len, list(range(1 + i * pages, 1 + (i + 1) * pages)), (0.0, 0, 1.0, 0, 0))
         for i in range(batch)
     ]
-    return model_runner.ModelRunner(module, cfg, rc), rows
+    runner = model_runner.ModelRunner(module, cfg, rc)
+    for w in runner.models:  # timed steps start on huge pages, as after an engine's warm-up
+        w.huge_pages.join()
+    return runner, rows
 
 
 def time_decode_steps(runner, rows, repeats: int) -> float:
