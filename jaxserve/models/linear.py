@@ -60,6 +60,23 @@ class Linear(nnx.Module):
         self.weight_scale = nnx.Param(s)
         self.quantization = "int8"
 
+    def absorb(self, others: list[Linear]) -> None:
+        """Append the output features of `others` (same input, same storage) to this layer's, in
+        place: one product then computes all of them (q/k/v, gate/up), and the caller splits the
+        result at the old widths. Quantization is per output channel, so int8 weights and their
+        scales concatenate as they are."""
+        layers = [self, *others]
+        if any(m.packed_native or m.quantization != self.quantization for m in layers):
+            raise ValueError("absorb: every layer must be unpacked and stored alike")
+        if self.quantization == "int8":
+            self.weight = nnx.Param(jnp.concatenate([m.weight[...] for m in layers], axis=0))
+            self.weight_scale = nnx.Param(jnp.concatenate([m.weight_scale[...] for m in layers], axis=0))
+        else:
+            self.kernel = nnx.Param(jnp.concatenate([m.kernel[...] for m in layers], axis=1))
+        if self.bias is not None:
+            self.bias = nnx.Param(jnp.concatenate([m.bias[...] for m in layers], axis=0))
+        self.out_features = sum(m.out_features for m in layers)
+
     def pack_native(self) -> bool:
         """Replace the kernel (or int8 weight) by panels for the native CPU matmul, in place;
         False (nothing changed) for weights it does not take (bfloat16)."""
@@ -118,9 +135,26 @@ def quantize_modules(module: nnx.Module, mode: str | None, keep: tuple[str, ...]
 
 
 def pack_native(module: nnx.Module) -> int:
-    """Pack every Linear in ``module`` for the native CPU matmul (Linear.pack_native); returns
-    how many were packed."""
+    """Pack every Linear in ``module`` for the native CPU matmul (Linear.pack_native), first
+    fusing the projections that share an input (modules with a ``fuse_projections`` method:
+    q/k/v, gate/up), since each product is a call whose start costs tens of microseconds while
+    the second core wakes; returns how many were packed."""
+    for _, m in list(nnx.iter_modules(module)):
+        fuse = getattr(m, "fuse_projections", None)
+        if fuse is not None and _packable(m):
+            fuse()
     return sum(m.pack_native() for _, m in nnx.iter_modules(module) if isinstance(m, Linear))
+
+
+def _packable(module: nnx.Module) -> bool:
+    """Every Linear under `module` is one pack_native takes (float32 or int8, not yet packed)."""
+    for _, m in nnx.iter_modules(module):
+        if isinstance(m, Linear):
+            if m.packed_native:
+                return False
+            if m.quantization is None and m.kernel[...].dtype != jnp.float32:
+                return False
+    return True
 
 
 def partition_spec(leaf: str, layout: str, axis: str) -> P:

@@ -90,13 +90,25 @@ class Attention(nnx.Module):
         self.v_proj = _linear(d, cfg.num_kv_heads * hd, cfg.qkv_bias, dtype, rngs, std)
         self.o_proj = _linear(cfg.num_heads * hd, d, cfg.o_bias, dtype, rngs, std)
         self.cfg = cfg
+        self.fused = False
+
+    def fuse_projections(self) -> None:
+        """q_proj absorbs k_proj and v_proj (linear.pack_native does this on the CPU)."""
+        self.q_proj.absorb([self.k_proj, self.v_proj])
+        del self.k_proj, self.v_proj
+        self.fused = True
 
     def __call__(self, x, rope_cs, cache, meta, attn_fn):
         b, t, _ = x.shape
         c = self.cfg
-        q = self.q_proj(x).reshape(b, t, c.num_heads, c.head_dim)
-        k = self.k_proj(x).reshape(b, t, c.num_kv_heads, c.head_dim)
-        v = self.v_proj(x).reshape(b, t, c.num_kv_heads, c.head_dim)
+        if self.fused:
+            nq, nkv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+            q, k, v = jnp.split(self.q_proj(x), [nq, nq + nkv], axis=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.reshape(b, t, c.num_heads, c.head_dim)
+        k = k.reshape(b, t, c.num_kv_heads, c.head_dim)
+        v = v.reshape(b, t, c.num_kv_heads, c.head_dim)
         q, k = rope(q, *rope_cs), rope(k, *rope_cs)
         scale = c.head_dim**-0.5
         if cache is None:
@@ -113,9 +125,20 @@ class MLP(nnx.Module):
         self.gate_proj = _linear(d, f, cfg.mlp_bias, dtype, rngs, std)
         self.up_proj = _linear(d, f, cfg.mlp_bias, dtype, rngs, std)
         self.down_proj = _linear(f, d, cfg.mlp_bias, dtype, rngs, std)
+        self.fused = False
+
+    def fuse_projections(self) -> None:
+        """gate_proj absorbs up_proj (linear.pack_native does this on the CPU)."""
+        self.gate_proj.absorb([self.up_proj])
+        del self.up_proj
+        self.fused = True
 
     def __call__(self, x):
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.fused:
+            gate, up = jnp.split(self.gate_proj(x), 2, axis=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(jax.nn.silu(gate) * up)
 
 
 class DecoderLayer(nnx.Module):
