@@ -101,10 +101,13 @@ def advise_huge_pages_in_background(tree) -> threading.Thread:
     (1 s for the bench model's weights and a batch-32 pool), time that the engine's warm-up
     compiles hide. It is safe while the buffers are in use: Linux swaps the mappings atomically
     (it is what khugepaged does to running processes), and madvise releases the GIL."""
-    addresses = list(_buffers(tree))  # read on this thread: the arrays may be donated later
-    disabled = os.environ.get(ENV_DISABLE, "1") == "0"
-    t = threading.Thread(
-        target=lambda: disabled or [collapse_range(a, n) for a, n in addresses], name="huge-pages", daemon=True
-    )
+    enabled = os.environ.get(ENV_DISABLE, "1") != "0"
+    ranges = list(_buffers(tree)) if enabled else []  # read here: the arrays may be donated later
+
+    def collapse_all() -> None:
+        for address, nbytes in ranges:
+            collapse_range(address, nbytes)
+
+    t = threading.Thread(target=collapse_all, name="huge-pages", daemon=True)
     t.start()
     return t
