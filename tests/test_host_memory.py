@@ -63,7 +63,7 @@ def test_the_engine_pool_stays_on_huge_pages_while_serving(tok_model, monkeypatc
     prompts = [[5, 6, 7, 8] * 5, [9, 10, 11]]
     p = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     llm = LLM(tok_model[0], **opts)
-    llm.runner.target.huge_pages.join()  # collapsing runs in the background (warm-up joins it)
+    llm.runner.wait_for_huge_pages()  # collapsing runs in the background (warm-up waits for it)
     pool = llm.runner.target.kv[0][0]
     address = pool.unsafe_buffer_pointer()
     assert pool.nbytes >= 8 << 20

@@ -77,6 +77,10 @@ class Linear(nnx.Module):
             self.bias = nnx.Param(jnp.concatenate([m.bias[...] for m in layers], axis=0))
         self.out_features = sum(m.out_features for m in layers)
 
+    def native_storage(self) -> bool:
+        """Unpacked weights the native CPU matmul takes: int8, or a float32 kernel."""
+        return self.quantization == "int8" or self.kernel[...].dtype == jnp.float32
+
     def pack_native(self) -> bool:
         """Replace the kernel (or int8 weight) by panels for the native CPU matmul, in place;
         False (nothing changed) for weights it does not take (bfloat16)."""
@@ -84,15 +88,15 @@ class Linear(nnx.Module):
 
         if self.packed_native:
             return True
+        if not self.native_storage():
+            return False
         if self.quantization == "int8":
             w, s = native_matmul.pack_int8(np.asarray(self.weight[...]), np.asarray(self.weight_scale[...]))
             del self.weight
             self.weight_scale = nnx.Param(jnp.asarray(s))
-        elif self.kernel[...].dtype == jnp.float32:
+        else:
             w = native_matmul.pack(np.asarray(self.kernel[...]))
             del self.kernel
-        else:
-            return False
         self.packed = nnx.Param(jnp.asarray(w))
         self.packed_native = True
         return True
@@ -148,13 +152,7 @@ def pack_native(module: nnx.Module) -> int:
 
 def _packable(module: nnx.Module) -> bool:
     """Every Linear under `module` is one pack_native takes (float32 or int8, not yet packed)."""
-    for _, m in nnx.iter_modules(module):
-        if isinstance(m, Linear):
-            if m.packed_native:
-                return False
-            if m.quantization is None and m.kernel[...].dtype != jnp.float32:
-                return False
-    return True
+    return all(not m.packed_native and m.native_storage() for _, m in nnx.iter_modules(module) if isinstance(m, Linear))
 
 
 def partition_spec(leaf: str, layout: str, axis: str) -> P:

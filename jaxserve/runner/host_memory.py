@@ -86,12 +86,15 @@ def collapse_range(address: int, nbytes: int) -> int:
     return hi - lo
 
 
+def _ranges(tree) -> list[tuple[int, int]]:
+    """_buffers(tree), or none when JAXSERVE_HUGE_PAGES=0."""
+    return list(_buffers(tree)) if os.environ.get(ENV_DISABLE, "1") != "0" else []
+
+
 def advise_huge_pages(tree) -> int:
     """Put the CPU buffers of `tree` on huge pages where they span whole 2 MiB runs; returns the
     bytes collapsed. Off with JAXSERVE_HUGE_PAGES=0; never raises."""
-    if os.environ.get(ENV_DISABLE, "1") == "0":
-        return 0
-    return sum(collapse_range(a, n) for a, n in _buffers(tree))
+    return sum(collapse_range(a, n) for a, n in _ranges(tree))
 
 
 def advise_huge_pages_in_background(tree) -> threading.Thread:
@@ -101,8 +104,7 @@ def advise_huge_pages_in_background(tree) -> threading.Thread:
     (1 s for the bench model's weights and a batch-32 pool), time that the engine's warm-up
     compiles hide. It is safe while the buffers are in use: Linux swaps the mappings atomically
     (it is what khugepaged does to running processes), and madvise releases the GIL."""
-    enabled = os.environ.get(ENV_DISABLE, "1") != "0"
-    ranges = list(_buffers(tree)) if enabled else []  # read here: the arrays may be donated later
+    ranges = _ranges(tree)  # read here: the arrays may be donated later
 
     def collapse_all() -> None:
         for address, nbytes in ranges:

@@ -523,9 +523,14 @@ class ModelRunner:
                 self.speculate(rows)
         self.copy_pages([(DUMMY_PAGE, DUMMY_PAGE)])
         jax.block_until_ready([w.kv for w in self.models])
+        self.wait_for_huge_pages()
+        return time.perf_counter() - t0
+
+    def wait_for_huge_pages(self) -> None:
+        """Until every model's buffers are on huge pages (host_memory: collapsing runs in the
+        background from start; warm-up ends with this)."""
         for w in self.models:
             w.huge_pages.join()
-        return time.perf_counter() - t0
 
 
 def resolve(

@@ -167,8 +167,7 @@ def decode_step_runner(
         for i in range(batch)
     ]
     runner = model_runner.ModelRunner(module, cfg, rc)
-    for w in runner.models:  # timed steps start on huge pages, as after an engine's warm-up
-        w.huge_pages.join()
+    runner.wait_for_huge_pages()  # timed steps start on huge pages, as after an engine's warm-up
     return runner, rows
 
 
