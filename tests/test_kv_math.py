@@ -6,6 +6,7 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from jaxserve import kv_math as km
@@ -323,19 +324,43 @@ def test_measure_host_small() -> None:
     assert host["memory_bandwidth"] > 0 and host["matmul_flops_fp32"] > 0
 
 
+TINY = km.ModelShape(
+    name="tiny",
+    num_layers=2,
+    hidden_size=64,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    intermediate_size=128,
+    vocab_size=256,
+    tie_word_embeddings=False,
+    max_position_embeddings=128,
+)
+
+
+def test_overlapped_steps_feed_each_row_the_token_it_sampled():
+    """The overlapped timing runs the engine's async path: each step's input is the previous
+    step's token for the same row, read on the device. Oracle: the same steps run one at a time,
+    each fed its row's token by the host."""
+    import dataclasses
+
+    runner, rows = kv_math_cli.decode_step_runner(TINY, 3, 40)
+    rows = [dataclasses.replace(r, tokens=[7 + 5 * i]) for i, r in enumerate(rows)]
+    secs = kv_math_cli.time_overlapped_steps(runner, rows, repeats=2)  # 4 steps: one plain, 3 fed
+    assert 0 < secs < 5
+
+    ref, ref_rows = kv_math_cli.decode_step_runner(TINY, 3, 40)
+    ref_rows = [dataclasses.replace(r, tokens=[7 + 5 * i]) for i, r in enumerate(ref_rows)]
+    step_rows = ref_rows
+    for _ in range(4):
+        toks = ref.decode(step_rows, 0).tokens
+        step_rows = [dataclasses.replace(r, tokens=[int(t)]) for r, t in zip(ref_rows, toks)]
+    fifth = runner.decode_async(rows, 0, [0, 1, 2]).result().tokens
+    assert np.array_equal(fifth, ref.decode(step_rows, 0).tokens)
+
+
 @pytest.mark.parametrize("quantization", [None, "int8"])
 def test_measure_engine_step_runs_the_real_decode_step(quantization):
-    shape = km.ModelShape(
-        name="tiny",
-        num_layers=2,
-        hidden_size=64,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        intermediate_size=128,
-        vocab_size=256,
-        tie_word_embeddings=False,
-        max_position_embeddings=128,
-    )
+    shape = TINY
     secs = kv_math_cli.measure_engine_step(shape, batch=2, context_len=40, repeats=3, quantization=quantization)
     assert 0 < secs < 5
