@@ -188,11 +188,18 @@ def build(
             m = len(c.tokens)
             if off + m > num_tokens:
                 raise ValueError(f"row {r}: {off + m} tokens exceed the bucket of {num_tokens}")
-            pos = np.arange(c.start, c.start + m)
-            tokens[r, off : off + m] = c.tokens
-            positions[r, off : off + m] = pos
-            slots[r, off : off + m] = slot_mapping(c.pages, pos, page_size)
-            segments[r, off : off + m] = seg
+            if m == 1:  # a decode row, the common case: scalars, no per-row numpy calls
+                p, i = c.start, c.start // page_size
+                tokens[r, off] = c.tokens[0]
+                positions[r, off] = p
+                slots[r, off] = c.pages[i] * page_size + p % page_size if i < len(c.pages) else DUMMY_PAGE * page_size
+                segments[r, off] = seg
+            else:
+                pos = np.arange(c.start, c.start + m)
+                tokens[r, off : off + m] = c.tokens
+                positions[r, off : off + m] = pos
+                slots[r, off : off + m] = slot_mapping(c.pages, pos, page_size)
+                segments[r, off : off + m] = seg
             off += m
         first = chunks[0]
         n = min(table_width, len(first.pages))
