@@ -349,18 +349,16 @@ def test_overlapped_steps_feed_each_row_the_token_it_sampled():
     secs = kv_math_cli.time_overlapped_steps(runner, rows, repeats=2)  # 4 steps: one plain, 3 fed
     assert 0 < secs < 5
 
-    ref, ref_rows = kv_math_cli.decode_step_runner(TINY, 3, 40)
-    ref_rows = [dataclasses.replace(r, tokens=[7 + 5 * i]) for i, r in enumerate(ref_rows)]
-    step_rows = ref_rows
+    ref, _ = kv_math_cli.decode_step_runner(TINY, 3, 40)  # same weights, same pages: `rows` fit it
+    step_rows = rows
     for _ in range(4):
         toks = ref.decode(step_rows, 0).tokens
-        step_rows = [dataclasses.replace(r, tokens=[int(t)]) for r, t in zip(ref_rows, toks)]
+        step_rows = [dataclasses.replace(r, tokens=[int(t)]) for r, t in zip(rows, toks)]
     fifth = runner.decode_async(rows, 0, [0, 1, 2]).result().tokens
     assert np.array_equal(fifth, ref.decode(step_rows, 0).tokens)
 
 
 @pytest.mark.parametrize("quantization", [None, "int8"])
 def test_measure_engine_step_runs_the_real_decode_step(quantization):
-    shape = TINY
-    secs = kv_math_cli.measure_engine_step(shape, batch=2, context_len=40, repeats=3, quantization=quantization)
+    secs = kv_math_cli.measure_engine_step(TINY, batch=2, context_len=40, repeats=3, quantization=quantization)
     assert 0 < secs < 5
