@@ -167,6 +167,26 @@ def test_many_rows_every_split():
         close(got[live], want, jnp.float32)
 
 
+@pytest.mark.parametrize("ratio", [1, 3])
+@pytest.mark.parametrize("d", [32, 64, 128])
+def test_a_query_gives_the_same_bits_alone_or_in_a_chunk(ratio, d):
+    """The kernel takes query rows (heads x queries of a KV head) two at a time where the
+    registers allow: a row's arithmetic must not depend on its partner, so a decode step and
+    the same query inside a chunk (speculative verification, chunked prefill) agree bit for
+    bit. With ratio 1 or 3 the pairs cross queries, so each copy of the query is paired
+    differently from the query alone."""
+    rng = np.random.default_rng(11)
+    lens = [37, 150, 1]
+    k, v, k_bad, v_bad, bt = page_pool(rng, lens, 16, 2, d, jnp.float32)
+    q = randn(rng, (3, 1, 2 * ratio, d))
+    cl = jnp.asarray(lens, jnp.int32)
+    pos = cl[:, None] - 1
+    alone = np.asarray(_native(q, k_bad, v_bad, bt, cl, pos, 0.2))
+    chunk = np.asarray(_native(jnp.tile(q, (1, 3, 1, 1)), k_bad, v_bad, bt, cl, jnp.tile(pos, (1, 3)), 0.2))
+    for t in range(3):
+        np.testing.assert_array_equal(chunk[:, t], alone[:, 0])
+
+
 def test_vmap_and_traced_scale():
     """Under vmap (the FFI call runs once per element) and with a scale that is a traced
     value (folded into q)."""

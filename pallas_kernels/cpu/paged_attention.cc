@@ -373,6 +373,10 @@ JS_INLINE void run_item(const Problem& pr, int64_t item, int64_t next_item, Scra
   using V = Vf<N>;
   constexpr bool kF32 = std::is_same_v<KT, float>;
   constexpr int DV = HD / N;  // vectors per head
+  // Query rows in pairs (scores and P.V below) while a pair's queries and accumulators fit in the
+  // registers (up to 4 vectors per head: head dim 64 on AVX-512, 32 on AVX2); one at a time past
+  // that.  Either way each row's arithmetic is the same, in the same order.
+  constexpr bool kPairs = DV <= 4;
   static_assert(HD % N == 0, "head dim must be a multiple of the vector width");
   const ItemPos ip = item_pos(pr, item);
   const int64_t b = ip.b, t0 = ip.t0, nt = ip.nt, kh0 = ip.kh0;
@@ -457,35 +461,57 @@ JS_INLINE void run_item(const Problem& pr, int64_t item, int64_t next_item, Scra
         else return sc.vf + j * D;
       };
 
-      // Scores S[r][j] = q_r . k_j for the live tokens of the chunk, N tokens at a time.
-      for (int64_t r = 0; r < R; ++r) {
-        const float* qr = qk + r * D;
-        float* srow = sc.s + r * clp;
-        const bool pf = kF32 && r == 0;
-        if constexpr (DV > 0) {
-          V qv[DV];
-          for (int c = 0; c < DV; ++c) qv[c] = vload<N>(qr + c * N);
-          for (int64_t j0 = 0; j0 < nvalid; j0 += N) {
-            const int64_t nj = std::min<int64_t>(N, nvalid - j0);
-            V part[N];
-            auto dot = [&](int jj) {
-              const int64_t j = j0 + jj;
-              if (pf && j < n_next) prefetch_row(kpool + off_next[j] + hoff, D);
-              const float* k = krow(j);
-              V a = qv[0] * vload<N>(k);
-              for (int c = 1; c < DV; ++c) a += qv[c] * vload<N>(k + c * N);
-              part[bitrev<N>(jj)] = a;
-            };
-            if (nj == N) {
-#pragma GCC unroll 16
-              for (int jj = 0; jj < N; ++jj) dot(jj);
-            } else {
-              for (int jj = 0; jj < N; ++jj) part[jj] = splat<N>(0.0f);
-              for (int jj = 0; jj < nj; ++jj) dot(jj);
+      // Scores S[r][j] = q_r . k_j for the live tokens of the chunk, N tokens at a time, query
+      // rows in pairs (kPairs: the G query heads of a KV head, or consecutive queries), so that
+      // each K row loaded serves both rows of a pair.  Tokens jj and jj + N/2 meet at the
+      // reduction tree's first level (reduce_dots), so only N/2 partial vectors per row stay live.
+      if constexpr (DV > 0) {
+        auto scores = [&](auto rows, int64_t r0) {
+          constexpr int RB = decltype(rows)::value;
+          const bool pf = kF32 && r0 == 0;
+          V qv[RB][DV];
+          for (int i = 0; i < RB; ++i)
+            for (int c = 0; c < DV; ++c) qv[i][c] = vload<N>(qk + (r0 + i) * D + c * N);
+          auto dot = [&](int64_t j, V (&a)[RB]) {
+            if (j >= nvalid) {
+              for (int i = 0; i < RB; ++i) a[i] = splat<N>(0.0f);
+              return;
             }
-            vstore<N>(srow + j0, reduce_dots<N>(part));
+            if (pf && j < n_next) prefetch_row(kpool + off_next[j] + hoff, D);
+            const float* k = krow(j);
+            V kv[DV];
+            for (int c = 0; c < DV; ++c) kv[c] = vload<N>(k + c * N);
+            for (int i = 0; i < RB; ++i) {
+              V s = qv[i][0] * kv[0];
+              for (int c = 1; c < DV; ++c) s += qv[i][c] * kv[c];
+              a[i] = s;
+            }
+          };
+          for (int64_t j0 = 0; j0 < nvalid; j0 += N) {
+            V half[RB][N / 2];
+#pragma GCC unroll 16
+            for (int jj = 0; jj < N / 2; ++jj) {
+              V lo[RB], hi[RB];
+              dot(j0 + jj, lo);
+              dot(j0 + jj + N / 2, hi);
+              for (int i = 0; i < RB; ++i)
+                half[i][bitrev<N / 2>(jj)] = reduce_pair<N, N / 2>(lo[i], hi[i], std::make_integer_sequence<int, N>{});
+            }
+            for (int i = 0; i < RB; ++i) {
+              if constexpr (N / 4 >= 1) reduce_levels<N, N / 4>(half[i]);
+              vstore<N>(sc.s + (r0 + i) * clp + j0, half[i][0]);
+            }
           }
-        } else {
+        };
+        int64_t r = 0;
+        if constexpr (kPairs)
+          for (; r + 2 <= R; r += 2) scores(std::integral_constant<int, 2>{}, r);
+        for (; r < R; ++r) scores(std::integral_constant<int, 1>{}, r);
+      } else {
+        for (int64_t r = 0; r < R; ++r) {
+          const float* qr = qk + r * D;
+          float* srow = sc.s + r * clp;
+          const bool pf = kF32 && r == 0;
           for (int64_t j = 0; j < nvalid; ++j) {
             if (pf && j < n_next) prefetch_row(kpool + off_next[j] + hoff, D);
             const float* k = krow(j);
@@ -535,37 +561,53 @@ JS_INLINE void run_item(const Problem& pr, int64_t item, int64_t next_item, Scra
       // V rows as float32, as for K.
       if constexpr (!kF32) widen_rows<KT, N, HD>(vpool, vend, pr.vs, off, off_next, nvalid, n_next, hoff, D, sc.vf);
 
-      // acc[r] += sum_j P[r][j] v_j, the accumulator in registers (two sets: even and odd j).
-      for (int64_t r = 0; r < R; ++r) {
-        const float* prow = sc.p + r * clp;
-        float* ar = ak + r * D;
-        const bool pf = kF32 && r == 0;
-        if constexpr (DV > 0) {
-          V a0[DV], a1[DV];
-          for (int c = 0; c < DV; ++c) {
-            a0[c] = vload<N>(ar + c * N);
-            a1[c] = splat<N>(0.0f);
-          }
+      // acc[r] += sum_j P[r][j] v_j, the accumulators in registers (two sets: even and odd j),
+      // query rows in pairs as for the scores: each V row loaded serves both.
+      if constexpr (DV > 0) {
+        auto weigh = [&](auto rows, int64_t r0) {
+          constexpr int RB = decltype(rows)::value;
+          const bool pf = kF32 && r0 == 0;
+          const float* pr0 = sc.p + r0 * clp;
+          V a0[RB][DV], a1[RB][DV];
+          for (int i = 0; i < RB; ++i)
+            for (int c = 0; c < DV; ++c) {
+              a0[i][c] = vload<N>(ak + (r0 + i) * D + c * N);
+              a1[i][c] = splat<N>(0.0f);
+            }
           int64_t j = 0;
           for (; j + 1 < nvalid; j += 2) {
             if (pf && j < n_next) prefetch_row(vpool + off_next[j] + hoff, D);
             if (pf && j + 1 < n_next) prefetch_row(vpool + off_next[j + 1] + hoff, D);
-            const float p0 = prow[j], p1 = prow[j + 1];
             const float* v0 = vrow(j);
             const float* v1 = vrow(j + 1);
             for (int c = 0; c < DV; ++c) {
-              a0[c] += p0 * vload<N>(v0 + c * N);
-              a1[c] += p1 * vload<N>(v1 + c * N);
+              const V x0 = vload<N>(v0 + c * N), x1 = vload<N>(v1 + c * N);
+              for (int i = 0; i < RB; ++i) {
+                a0[i][c] += pr0[i * clp + j] * x0;
+                a1[i][c] += pr0[i * clp + j + 1] * x1;
+              }
             }
           }
           if (j < nvalid) {
             if (pf && j < n_next) prefetch_row(vpool + off_next[j] + hoff, D);
-            const float p0 = prow[j];
             const float* v0 = vrow(j);
-            for (int c = 0; c < DV; ++c) a0[c] += p0 * vload<N>(v0 + c * N);
+            for (int c = 0; c < DV; ++c) {
+              const V x0 = vload<N>(v0 + c * N);
+              for (int i = 0; i < RB; ++i) a0[i][c] += pr0[i * clp + j] * x0;
+            }
           }
-          for (int c = 0; c < DV; ++c) vstore<N>(ar + c * N, a0[c] + a1[c]);
-        } else {
+          for (int i = 0; i < RB; ++i)
+            for (int c = 0; c < DV; ++c) vstore<N>(ak + (r0 + i) * D + c * N, a0[i][c] + a1[i][c]);
+        };
+        int64_t r = 0;
+        if constexpr (kPairs)
+          for (; r + 2 <= R; r += 2) weigh(std::integral_constant<int, 2>{}, r);
+        for (; r < R; ++r) weigh(std::integral_constant<int, 1>{}, r);
+      } else {
+        for (int64_t r = 0; r < R; ++r) {
+          const float* prow = sc.p + r * clp;
+          float* ar = ak + r * D;
+          const bool pf = kF32 && r == 0;
           for (int64_t j = 0; j < nvalid; ++j) {
             if (pf && j < n_next) prefetch_row(vpool + off_next[j] + hoff, D);
             const float pj = prow[j];
