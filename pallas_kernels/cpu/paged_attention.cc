@@ -339,6 +339,16 @@ JS_INLINE void widen_rows(const KT* pool, const KT* pool_end, const uint16_t* sc
   }
 }
 
+// f(rows, r) for query rows r .. r + rows - 1 (rows a std::integral_constant): pairs while
+// Pairs, then single rows.
+template <bool Pairs, class Fn>
+JS_INLINE void by_row_pairs(int64_t R, Fn&& f) {
+  int64_t r = 0;
+  if constexpr (Pairs)
+    for (; r + 2 <= R; r += 2) f(std::integral_constant<int, 2>{}, r);
+  for (; r < R; ++r) f(std::integral_constant<int, 1>{}, r);
+}
+
 // The row, first KV head and first query of a work item.
 struct ItemPos {
   int64_t b, kh0, t0, nt;
@@ -503,10 +513,7 @@ JS_INLINE void run_item(const Problem& pr, int64_t item, int64_t next_item, Scra
             }
           }
         };
-        int64_t r = 0;
-        if constexpr (kPairs)
-          for (; r + 2 <= R; r += 2) scores(std::integral_constant<int, 2>{}, r);
-        for (; r < R; ++r) scores(std::integral_constant<int, 1>{}, r);
+        by_row_pairs<kPairs>(R, scores);
       } else {
         for (int64_t r = 0; r < R; ++r) {
           const float* qr = qk + r * D;
@@ -599,10 +606,7 @@ JS_INLINE void run_item(const Problem& pr, int64_t item, int64_t next_item, Scra
           for (int i = 0; i < RB; ++i)
             for (int c = 0; c < DV; ++c) vstore<N>(ak + (r0 + i) * D + c * N, a0[i][c] + a1[i][c]);
         };
-        int64_t r = 0;
-        if constexpr (kPairs)
-          for (; r + 2 <= R; r += 2) weigh(std::integral_constant<int, 2>{}, r);
-        for (; r < R; ++r) weigh(std::integral_constant<int, 1>{}, r);
+        by_row_pairs<kPairs>(R, weigh);
       } else {
         for (int64_t r = 0; r < R; ++r) {
           const float* prow = sc.p + r * clp;
