@@ -161,11 +161,11 @@ JS_INLINE float hmax(Vf<N> v) {
   }
 }
 
-// N dot products at once.  x[bitrev(j)] holds the N partial sums of dot product j; lane j of
-// the result is their total.  log2(N) levels; at level g each pair of vectors becomes one,
-// lanes [o, o+g) from the first and [o+g, o+2g) from the second of every block of 2g lanes,
-// summed with the other halves of those blocks: N-1 pairs of shuffles and an add in all,
-// instead of N horizontal sums.
+// N dot products at once.  x[bitrev(j)] holds the N partial sums of dot product j;
+// reduce_levels<N, N / 2>(x) leaves their total in lane j of x[0].  log2(N) levels; at level g
+// each pair of vectors becomes one, lanes [o, o+g) from the first and [o+g, o+2g) from the second
+// of every block of 2g lanes, summed with the other halves of those blocks: N-1 pairs of
+// shuffles and an add in all, instead of N horizontal sums.
 template <int N, int G, int Half>
 constexpr int level_lane(int i) {
   const int o = i / (2 * G) * (2 * G), w = i % (2 * G);
@@ -181,11 +181,6 @@ JS_INLINE void reduce_levels(Vf<N>* x) {
   for (int i = 0; i < G; ++i)
     x[i] = reduce_pair<N, G>(x[2 * i], x[2 * i + 1], std::make_integer_sequence<int, N>{});
   if constexpr (G > 1) reduce_levels<N, G / 2>(x);
-}
-template <int N>
-JS_INLINE Vf<N> reduce_dots(Vf<N>* x) {  // clobbers x
-  reduce_levels<N, N / 2>(x);
-  return x[0];
 }
 template <int N>
 constexpr int bitrev(int j) {
@@ -474,7 +469,7 @@ JS_INLINE void run_item(const Problem& pr, int64_t item, int64_t next_item, Scra
       // Scores S[r][j] = q_r . k_j for the live tokens of the chunk, N tokens at a time, query
       // rows in pairs (kPairs: the G query heads of a KV head, or consecutive queries), so that
       // each K row loaded serves both rows of a pair.  Tokens jj and jj + N/2 meet at the
-      // reduction tree's first level (reduce_dots), so only N/2 partial vectors per row stay live.
+      // reduction tree's first level (reduce_pair), so only N/2 partial vectors per row stay live.
       if constexpr (DV > 0) {
         auto scores = [&](auto rows, int64_t r0) {
           constexpr int RB = decltype(rows)::value;
