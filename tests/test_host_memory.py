@@ -25,32 +25,27 @@ def _supported() -> bool:
     return (major, minor) >= (6, 1) and "[never]" not in mode
 
 
-def huge_bytes_in(start: int, stop: int) -> int:
-    """Huge-page bytes of the mappings that overlap [start, stop), from /proc/self/smaps, each
-    mapping counted for at most its overlap: a buffer may span several mappings (madvise splits
-    one at the advised range's edges, and an allocator may have placed the buffer across two)."""
-    total, overlap = 0, 0
+def _mappings():
+    """(start, stop, AnonHugePages bytes) of every mapping of this process, from /proc/self/smaps."""
+    lo = hi = None
     for line in open("/proc/self/smaps"):
         head = line.split()[0]
         if "-" in head and ":" not in head:
             lo, hi = (int(x, 16) for x in head.split("-"))
-            overlap = max(0, min(hi, stop) - max(lo, start))
-        elif overlap and head == "AnonHugePages:":
-            total += min(int(line.split()[1]) * 1024, overlap)
-    return total
+        elif head == "AnonHugePages:":
+            yield lo, hi, int(line.split()[1]) * 1024
+
+
+def huge_bytes_in(start: int, stop: int) -> int:
+    """Huge-page bytes of the mappings that overlap [start, stop), each counted for at most its
+    overlap: a buffer may span several mappings (madvise splits one at the advised range's edges,
+    and an allocator may have placed the buffer across two)."""
+    return sum(min(huge, max(0, min(hi, stop) - max(lo, start))) for lo, hi, huge in _mappings())
 
 
 def huge_bytes_at(address: int) -> int:
-    """AnonHugePages of the mapping that holds `address`, from /proc/self/smaps."""
-    inside = False
-    for line in open("/proc/self/smaps"):
-        head = line.split()[0]
-        if "-" in head and ":" not in head:
-            lo, hi = (int(x, 16) for x in head.split("-"))
-            inside = lo <= address < hi
-        elif inside and head == "AnonHugePages:":
-            return int(line.split()[1]) * 1024
-    return 0
+    """AnonHugePages of the mapping that holds `address`."""
+    return next((huge for lo, hi, huge in _mappings() if lo <= address < hi), 0)
 
 
 def test_a_big_array_lands_on_huge_pages_unchanged():
