@@ -23,9 +23,10 @@ pages covering more than 3x the last-level cache, so every call reads its KV fro
 
 The grid is measured in --reps passes (default 11), the cells in a new random order each pass,
 so that a slow spell of a shared host's memory (they last seconds) spreads over every cell
-instead of ruining a few. Each pass starts by measuring this host's streaming read bandwidth
-(a jitted sum over a 512 MB float32 array, best of 5); the fractions are of the median pass,
-as the kernel times are medians over the same passes. Native and XLA are each timed as a decode
+instead of ruining a few. Right before each cell's timings in each pass the bench measures this
+host's streaming read bandwidth (a jitted sum over a 256 MB float32 array, best of 3), and a
+cell's fraction of the stream is the median over passes of its rate divided by that read (the
+fraction of the run's median stream is printed beside it). Native and XLA are each timed as a decode
 step runs them: 8 calls (one per layer of the bench model) inside one jitted fori_loop, each on
 its own set of pages and each call's output fed into the next call's queries, the time divided
 by 8, so no Python dispatch, host round trip or wake-up of idle pool threads sits between
@@ -205,26 +206,31 @@ class NativeRow:
     xla_ms: float
     native_gbps: float
     xla_gbps: float
-    native_frac: float  # of the measured streaming bandwidth
+    native_frac: float  # median over passes of native GB/s / the stream read right before it
     xla_frac: float
+    native_frac_of_median: float  # native GB/s / the median of every stream read of the run
     speedup: float  # XLA time / native time
     max_abs_diff: float
 
 
-def stream_read_gbps(mb: int = 512, reps: int = 5) -> float:
-    """This host's streaming read rate now: a jitted sum over an mb-MB float32 array, best of reps."""
-    x = jnp.ones((mb * 2**20 // 4,), jnp.float32)
-    host_memory.advise_huge_pages(x)  # mapped as the engine maps its buffers (the rate barely moves)
-    f = jax.jit(jnp.sum)
-    f(x).block_until_ready()
-    best = math.inf
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        f(x).block_until_ready()
-        best = min(best, time.perf_counter() - t0)
-    nbytes = x.nbytes
-    del x
-    return nbytes / best / 1e9
+class StreamProbe:
+    """This host's streaming read rate, measured on demand: a jitted sum over an mb-MB float32
+    array (allocated once), best of reps. Measured right before each cell's timings, so that the
+    cell's fraction of the stream compares two reads taken within a second of each other."""
+
+    def __init__(self, mb: int = 256):
+        self.x = jnp.ones((mb * 2**20 // 4,), jnp.float32)
+        host_memory.advise_huge_pages(self.x)  # mapped as the engine maps its buffers (the rate barely moves)
+        self.f = jax.jit(jnp.sum)
+        self.f(self.x).block_until_ready()
+
+    def gbps(self, reps: int = 3) -> float:
+        best = math.inf
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            self.f(self.x).block_until_ready()
+            best = min(best, time.perf_counter() - t0)
+        return self.x.nbytes / best / 1e9
 
 
 def cpu_name() -> str:
@@ -287,6 +293,7 @@ class _Cell:
     native: list = dataclasses.field(default_factory=list)  # per call, inside the jitted loop
     native_one: list = dataclasses.field(default_factory=list)  # one jitted call, waited for
     xla_ms: list = dataclasses.field(default_factory=list)
+    stream: list = dataclasses.field(default_factory=list)  # GB/s read right before each pass's timings
 
 
 def bench_native_cpu(
@@ -300,8 +307,9 @@ def bench_native_cpu(
     pool_mb: int = 512,
 ) -> tuple[list[float], list[NativeRow]]:
     """Every cell is measured in each of `reps` passes over the whole grid (cells in a new random
-    order each pass, the streaming rate measured at the start of each), so a slow spell of this
-    shared host's memory, which lasts seconds, spreads over all cells instead of ruining a few."""
+    order each pass, the streaming rate measured right before each cell), so a slow spell of this
+    shared host's memory, which lasts seconds, spreads over all cells instead of ruining a few,
+    and each rate is compared with a stream read taken within a second of it."""
     from pallas_kernels import native
 
     if not native.available():
@@ -348,14 +356,14 @@ def bench_native_cpu(
                 for fn in (nat_loop, xla_loop):  # compile
                     jax.block_until_ready(fn(q, kp, vp, groups[0], lens))
                 cells.append(_Cell(d, b, ctx, live, (q, kp, vp), groups, lens, nat, nat_loop, xla_loop, diff))
-    streams = []
+    probe = StreamProbe()
     for rep in range(reps):
-        streams.append(stream_read_gbps())
-        print(f"  pass {rep + 1}/{reps}: streaming read {streams[-1]:.1f} GB/s", file=sys.stderr)
+        print(f"  pass {rep + 1}/{reps}", file=sys.stderr)
         for i in rng.permutation(len(cells)):
             c = cells[i]
             q, kp, vp = c.args
             g = len(c.groups)
+            c.stream.append(probe.gbps())  # also pushes the last cell's pages out of the cache
             order = ("native", "xla") if rep % 2 == 0 else ("xla", "native")
             for k, which in enumerate(order):
                 loop = c.nat_loop if which == "native" else c.xla_loop
@@ -363,11 +371,13 @@ def bench_native_cpu(
                 (c.native if which == "native" else c.xla_ms).append(ms)
             # One call on its own, as a caller outside jit sees it (dispatch, pool wake-up, wait).
             c.native_one.append(_time_ms(c.nat, q, kp, vp, c.groups[(2 * rep + 1) % g][-1], c.lens))
+    streams = [s for c in cells for s in c.stream]
     bw = statistics.median(streams)
     out = []
     for c in cells:
         n_ms, x_ms = statistics.median(c.native), statistics.median(c.xla_ms)
         print(f"  D={c.d} rows={c.b} ctx={c.ctx}: native {n_ms:.3f} ms, XLA {x_ms:.3f} ms", file=sys.stderr)
+        gbps = lambda ms: c.live / ms / 1e6  # noqa: E731
         out.append(
             NativeRow(
                 c.d,
@@ -376,10 +386,11 @@ def bench_native_cpu(
                 n_ms,
                 statistics.median(c.native_one),
                 x_ms,
-                c.live / n_ms / 1e6,
-                c.live / x_ms / 1e6,
-                c.live / n_ms / 1e6 / bw,
-                c.live / x_ms / 1e6 / bw,
+                gbps(n_ms),
+                gbps(x_ms),
+                statistics.median(gbps(t) / s for t, s in zip(c.native, c.stream)),
+                statistics.median(gbps(t) / s for t, s in zip(c.xla_ms, c.stream)),
+                gbps(n_ms) / bw,
                 x_ms / n_ms,
                 c.diff,
             )
@@ -388,22 +399,23 @@ def bench_native_cpu(
 
 
 def native_markdown(streams: list[float], rows: list[NativeRow]) -> str:
-    seen = ", ".join(f"{x:.1f}" for x in streams)
+    q = statistics.quantiles(streams, n=10)
     out = [
-        f"Streaming read bandwidth measured in this run, once per pass: median **{statistics.median(streams):.1f} "
-        f"GB/s**, best {max(streams):.1f} ({seen}); fractions are of the median, as the kernel times are medians "
-        "over the same passes. Decode, 8 query heads over "
+        f"Streaming read bandwidth, measured right before each cell in each pass ({len(streams)} reads): median "
+        f"**{statistics.median(streams):.1f} GB/s** (p10 {q[0]:.1f}, p90 {q[-1]:.1f}, best {max(streams):.1f}). "
+        '"/ stream" is the median over passes of the cell\'s rate divided by the stream read just before it; '
+        "\"/ median stream\" divides the cell's median rate by the run's median stream. Decode, 8 query heads over "
         "4 KV heads, page size 16, float32, KV read from memory (pages scattered, pool > last-level cache).",
         "",
         "| head_dim | rows | context | native ms | native, one call ms | XLA ms | native GB/s | native / stream | "
-        "XLA GB/s | XLA / stream | speedup | max abs diff |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "native / median stream | XLA GB/s | XLA / stream | speedup | max abs diff |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
         out.append(
             f"| {r.head_dim} | {r.rows} | {r.context} | {r.native_ms:.3f} | {r.native_one_ms:.3f} | {r.xla_ms:.3f} | "
-            f"{r.native_gbps:.1f} | {r.native_frac:.2f} | {r.xla_gbps:.1f} | {r.xla_frac:.2f} | "
-            f"{r.speedup:.1f}x | {r.max_abs_diff:.1e} |"
+            f"{r.native_gbps:.1f} | {r.native_frac:.2f} | {r.native_frac_of_median:.2f} | {r.xla_gbps:.1f} | "
+            f"{r.xla_frac:.2f} | {r.speedup:.1f}x | {r.max_abs_diff:.1e} |"
         )
     return "\n".join(out)
 
