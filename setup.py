@@ -1,7 +1,7 @@
 """Build step for the native CPU kernels; all package metadata lives in pyproject.toml.
 
-``pip install .`` and ``pip install -e .`` compile ``pallas_kernels/cpu/paged_attention.cc`` and
-``pallas_kernels/cpu/matmul.cc`` (``native.SOURCES``) with the system C++ compiler (``$CXX``, else c++/g++/clang++) into
+``pip install .`` and ``pip install -e .`` compile ``pallas_kernels/cpu/paged_attention.cc``,
+``pallas_kernels/cpu/matmul.cc`` and ``pallas_kernels/cpu/argmax.cc`` (``native.SOURCES``) with the system C++ compiler (``$CXX``, else c++/g++/clang++) into
 ``pallas_kernels/cpu/_jaxserve_cpu.so``, with the flags in ``pallas_kernels/native.py``
 (``-O3 -std=c++17 -fPIC -shared``, portable: the kernel picks its AVX2/AVX-512 code at run time;
 ``JAXSERVE_CPU_MARCH_NATIVE=1`` adds ``-march=native``). The XLA FFI headers come from jaxlib,
@@ -21,7 +21,7 @@ from setuptools.command.build_ext import build_ext
 
 ROOT = Path(__file__).resolve().parent
 LIB = "pallas_kernels.cpu._jaxserve_cpu"
-SOURCES = ["pallas_kernels/cpu/paged_attention.cc", "pallas_kernels/cpu/matmul.cc"]
+SOURCES = ["pallas_kernels/cpu/paged_attention.cc", "pallas_kernels/cpu/matmul.cc", "pallas_kernels/cpu/argmax.cc"]
 
 
 def _native_module():

@@ -40,7 +40,7 @@ log = logging.getLogger("jaxserve.kernels")
 
 CPU_DIR = Path(__file__).resolve().parent / "cpu"
 SOURCE = CPU_DIR / "paged_attention.cc"
-SOURCES = (SOURCE, CPU_DIR / "matmul.cc")  # compiled together into one library
+SOURCES = (SOURCE, CPU_DIR / "matmul.cc", CPU_DIR / "argmax.cc")  # compiled together into one library
 LIB_NAME = "_jaxserve_cpu.so"
 TARGET = "jaxserve_paged_attention"
 TARGET_Q8 = "jaxserve_paged_attention_q8"  # int8 pages + bfloat16 scales (kv_cache_dtype="int8")

@@ -24,7 +24,7 @@ from flax import nnx
 from jaxserve import kv_math
 from jaxserve.models.model_config import ModelConfig
 from jaxserve.parallel.multihost import to_host
-from jaxserve.runner import host_memory, step_batch
+from jaxserve.runner import host_memory, sampling, step_batch
 from jaxserve.runner.executable_cache import ExecutableStore, Step
 from jaxserve.runner.sampling import sample
 from jaxserve.runner.step_batch import DUMMY_PAGE, Chunk, StepBatch
@@ -72,6 +72,18 @@ def default_attention(backend: str) -> str:
     return "native" if native.available() else "xla"
 
 
+def default_argmax(mesh) -> Callable:
+    """Greedy sampling's argmax: on the CPU without a mesh the native one-pass kernel (a custom
+    call, which XLA cannot split across chips), where it is built; else sampling.argmax. Both
+    give the first index of the row maximum."""
+    if mesh is None and jax.default_backend() == "cpu":
+        from pallas_kernels import native_argmax
+
+        if native_argmax.available():
+            return native_argmax.argmax
+    return sampling.argmax
+
+
 def _prefill_step(graphdef, attn_fn, params, kv, batch: StepBatch):
     model = nnx.merge(graphdef, params)
     _, kv = model(
@@ -89,7 +101,16 @@ def _decode_step(graphdef, attn_fn, params, kv, batch: StepBatch):
 
 
 def _decode_sample_step(
-    graphdef, attn_fn, params, kv, batch: StepBatch, prev_tokens, *, do_sample: bool, num_logprobs: int
+    graphdef,
+    attn_fn,
+    params,
+    kv,
+    batch: StepBatch,
+    prev_tokens,
+    *,
+    do_sample: bool,
+    num_logprobs: int,
+    argmax_fn: Callable = sampling.argmax,
 ):
     """The decode step serving runs: one token per row, sampled in the same jitted call (every
     sampling control and the grammar bitmask are batch fields), so only the sampled ids and
@@ -100,7 +121,9 @@ def _decode_sample_step(
     fed = jnp.where(batch.feed >= 0, prev_tokens[jnp.maximum(batch.feed, 0)], batch.tokens[:, 0])
     batch = dataclasses.replace(batch, tokens=fed[:, None])
     logits, kv = _decode_step(graphdef, attn_fn, params, kv, batch)
-    out = sample(logits, batch.sampling, batch.bitmask, do_sample=do_sample, num_logprobs=num_logprobs)
+    out = sample(
+        logits, batch.sampling, batch.bitmask, do_sample=do_sample, num_logprobs=num_logprobs, argmax_fn=argmax_fn
+    )
     return kv, out, jnp.zeros_like(prev_tokens).at[: batch.num_rows].set(out[0])
 
 
@@ -204,6 +227,7 @@ class _Weights:
         self.kv = zeros()
         self.huge_pages = host_memory.advise_huge_pages_in_background((self.params, self.kv))  # CPU buffers only
         self.attn = {m: _attention_fn(attention_impl, interpret, m) for m in ("prefill", "context", "decode")}
+        self.argmax = default_argmax(mesh)
         if mesh is not None and attention_impl in ("pallas", "native"):  # custom calls XLA cannot split
             from jaxserve.parallel import sharding as shd
 
@@ -229,7 +253,7 @@ class _Weights:
             f"{name}-decode-sample",
             jax.jit(
                 pin_kv(
-                    functools.partial(_decode_sample_step, self.graphdef, self.attn["decode"]),
+                    functools.partial(_decode_sample_step, self.graphdef, self.attn["decode"], argmax_fn=self.argmax),
                     self.kv_sharding,
                     0,
                     replicate,
@@ -351,7 +375,11 @@ class ModelRunner:
             self._verify = Step(
                 "verify",
                 jax.jit(
-                    pin_kv(functools.partial(speculative.verify, t.graphdef, t.attn["context"]), t.kv_sharding, 0),
+                    pin_kv(
+                        functools.partial(speculative.verify, t.graphdef, t.attn["context"], argmax_fn=t.argmax),
+                        t.kv_sharding,
+                        0,
+                    ),
                     donate_argnums=(1,),
                     static_argnames=("do_sample",),
                 ),
@@ -364,7 +392,11 @@ class ModelRunner:
                     "propose",
                     jax.jit(
                         pin_kv(
-                            functools.partial(speculative.draft_propose, d.graphdef, d.attn["decode"]), d.kv_sharding, 0
+                            functools.partial(
+                                speculative.draft_propose, d.graphdef, d.attn["decode"], argmax_fn=d.argmax
+                            ),
+                            d.kv_sharding,
+                            0,
                         ),
                         donate_argnums=(1,),
                         static_argnames=("do_sample",),

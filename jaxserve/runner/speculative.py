@@ -54,7 +54,7 @@ def residual(p, q, rejected):
     return r / jnp.maximum(r.sum(-1, keepdims=True), 1e-30)
 
 
-def draft_propose(graphdef, attn_fn, params, kv, batch: StepBatch, *, do_sample: bool):
+def draft_propose(graphdef, attn_fn, params, kv, batch: StepBatch, *, do_sample: bool, argmax_fn=argmax):
     """k+1 draft decode steps in one scan over the batch's k+1 positions (the same positions
     and KV slots the target verifies). Returns (kv, drafts [S, k], q [S, k, V] or None)."""
     model = nnx.merge(graphdef, params)
@@ -76,10 +76,10 @@ def draft_propose(graphdef, attn_fn, params, kv, batch: StepBatch, *, do_sample:
             q = probs(logits, sp.temperature, sp.top_k, sp.top_p)
             keys = jax.vmap(lambda s, c: slot_key(s, c, TAG_DRAFT))(sp.seeds, sp.counters + i)
             drawn = jax.vmap(lambda key, row: jax.random.categorical(key, jnp.log(row)))(keys, q).astype(jnp.int32)
-            nxt = jnp.where(sp.temperature > 0, drawn, argmax(logits))
+            nxt = jnp.where(sp.temperature > 0, drawn, argmax_fn(logits))
         else:
             q = jnp.zeros((tok.shape[0], 0), jnp.float32)
-            nxt = argmax(logits)
+            nxt = argmax_fn(logits)
         return (kv, nxt), (nxt, q)
 
     xs = (jnp.arange(k + 1), batch.positions.T, batch.attn.slot_mapping.T)
@@ -88,7 +88,7 @@ def draft_propose(graphdef, attn_fn, params, kv, batch: StepBatch, *, do_sample:
     return kv, jnp.swapaxes(drafts[:k], 0, 1), q
 
 
-def verify(graphdef, attn_fn, params, kv, batch: StepBatch, drafts, draft_q, *, do_sample: bool):
+def verify(graphdef, attn_fn, params, kv, batch: StepBatch, drafts, draft_q, *, do_sample: bool, argmax_fn=argmax):
     """Score [last, d1..dk] at positions L-1..L-1+k for every slot and apply the acceptance
     rule. The drafts are `drafts` [S, k] (a draft model's, on the device) or, when None,
     the host's in batch.tokens[:, 1:], of which batch.num_drafts are real. Returns (kv,
@@ -108,7 +108,7 @@ def verify(graphdef, attn_fn, params, kv, batch: StepBatch, drafts, draft_q, *, 
     idx = jnp.broadcast_to(jnp.arange(t), (s, t))
     logits, kv = model(tokens, batch.positions, kv, batch.attn, attn_fn)  # [S, T, V]
     has_draft = jnp.arange(k)[None, :] < num_drafts[:, None]
-    target_argmax = argmax(logits.reshape(s * t, -1)).reshape(s, t)
+    target_argmax = argmax_fn(logits.reshape(s * t, -1)).reshape(s, t)
     greedy_ok = drafts == target_argmax[:, :k]
     if do_sample:
         rep = lambda x: jnp.repeat(x, t)  # noqa: E731  per-slot params for each position
