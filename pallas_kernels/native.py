@@ -195,6 +195,48 @@ def _load():
         return lib
 
 
+class MoreKernels:
+    """Further FFI targets in the same library (the matmul, the argmax), each set with its own
+    ABI number: registered with XLA on first use. A library built without them (or from an
+    older source) leaves them unavailable, with the reason logged once; `fallback` says what
+    runs instead."""
+
+    def __init__(self, what: str, abi_symbol: str, abi_version: int, targets: dict[str, str], fallback: str):
+        self.what, self.abi_symbol, self.abi_version = what, abi_symbol, abi_version
+        self.targets, self.fallback = targets, fallback  # FFI target name -> exported handler symbol
+        self._lock = threading.Lock()
+        self._state: dict = {}
+
+    def available(self) -> bool:
+        """True when these kernels are built, loaded and registered with XLA (CPU only)."""
+        if "ok" in self._state:
+            return self._state["ok"]
+        with self._lock:
+            if "ok" in self._state:
+                return self._state["ok"]
+            ok = False
+            lib = _load()
+            if lib is None:
+                self._state["error"] = unavailable_reason()
+            else:
+                try:
+                    abi = getattr(lib, self.abi_symbol)
+                    abi.restype = ctypes.c_int
+                    if abi() != self.abi_version:
+                        raise RuntimeError(f"{self.what} ABI {abi()}, expected {self.abi_version}")
+                    for target, symbol in self.targets.items():
+                        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+                    ok = True
+                except Exception as e:
+                    self._state["error"] = f"{type(e).__name__}: {e}"
+                    log.warning("native %s unavailable, %s: %s", self.what, self.fallback, self._state["error"])
+            self._state["ok"] = ok
+            return ok
+
+    def unavailable_reason(self) -> str | None:
+        return None if self.available() else self._state.get("error")
+
+
 def available() -> bool:
     """True when the native library is built, loaded and registered with XLA (CPU only)."""
     return _load() is not None

@@ -10,9 +10,6 @@ cannot be split across chips, so the model runner uses it only on the CPU withou
 
 from __future__ import annotations
 
-import ctypes
-import threading
-
 import jax
 import jax.numpy as jnp
 
@@ -21,37 +18,11 @@ from pallas_kernels import native
 TARGET = "jaxserve_argmax"
 ABI_VERSION = 1  # must match jaxserve_argmax_abi_version() in cpu/argmax.cc
 
-_lock = threading.Lock()
-_state: dict = {}
-
-
-def available() -> bool:
-    """True when the native argmax is built, loaded and registered with XLA (CPU only)."""
-    if "ok" in _state:
-        return _state["ok"]
-    with _lock:
-        if "ok" in _state:
-            return _state["ok"]
-        ok = False
-        lib = native._load()  # noqa: SLF001 - the one loader of the shared library
-        if lib is None:
-            _state["error"] = native.unavailable_reason()
-        else:
-            try:
-                lib.jaxserve_argmax_abi_version.restype = ctypes.c_int
-                if lib.jaxserve_argmax_abi_version() != ABI_VERSION:
-                    raise RuntimeError(f"argmax ABI {lib.jaxserve_argmax_abi_version()}, expected {ABI_VERSION}")
-                jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxserveArgmax), platform="cpu")
-                ok = True
-            except Exception as e:  # a library built without this kernel: XLA's reductions instead
-                _state["error"] = f"{type(e).__name__}: {e}"
-                native.log.warning("native argmax unavailable, XLA's will be used: %s", _state["error"])
-        _state["ok"] = ok
-        return ok
-
-
-def unavailable_reason() -> str | None:
-    return None if available() else _state.get("error")
+_kernels = native.MoreKernels(
+    "argmax", "jaxserve_argmax_abi_version", ABI_VERSION, {TARGET: "JaxserveArgmax"}, "XLA's reductions will be used"
+)
+available = _kernels.available  # True when the native argmax is built, loaded and registered (CPU only)
+unavailable_reason = _kernels.unavailable_reason
 
 
 def argmax(logits) -> jax.Array:

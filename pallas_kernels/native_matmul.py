@@ -20,9 +20,6 @@ its XLA layout then.
 
 from __future__ import annotations
 
-import ctypes
-import threading
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -34,38 +31,15 @@ TARGET_F32 = "jaxserve_matmul_f32"
 TARGET_Q8 = "jaxserve_matmul_q8"
 ABI_VERSION = 1  # must match jaxserve_matmul_abi_version() in cpu/matmul.cc
 
-_lock = threading.Lock()
-_state: dict = {}
-
-
-def available() -> bool:
-    """True when the native matmul is built, loaded and registered with XLA (CPU only)."""
-    if "ok" in _state:
-        return _state["ok"]
-    with _lock:
-        if "ok" in _state:
-            return _state["ok"]
-        ok = False
-        lib = native._load()  # noqa: SLF001 - the one loader of the shared library
-        if lib is None:
-            _state["error"] = native.unavailable_reason()
-        else:
-            try:
-                lib.jaxserve_matmul_abi_version.restype = ctypes.c_int
-                if lib.jaxserve_matmul_abi_version() != ABI_VERSION:
-                    raise RuntimeError(f"matmul ABI {lib.jaxserve_matmul_abi_version()}, expected {ABI_VERSION}")
-                jax.ffi.register_ffi_target(TARGET_F32, jax.ffi.pycapsule(lib.JaxserveMatmulF32), platform="cpu")
-                jax.ffi.register_ffi_target(TARGET_Q8, jax.ffi.pycapsule(lib.JaxserveMatmulQ8), platform="cpu")
-                ok = True
-            except Exception as e:  # a library built without this kernel: XLA's dot instead
-                _state["error"] = f"{type(e).__name__}: {e}"
-                native.log.warning("native matmul unavailable, XLA's dot will be used: %s", _state["error"])
-        _state["ok"] = ok
-        return ok
-
-
-def unavailable_reason() -> str | None:
-    return None if available() else _state.get("error")
+_kernels = native.MoreKernels(
+    "matmul",
+    "jaxserve_matmul_abi_version",
+    ABI_VERSION,
+    {TARGET_F32: "JaxserveMatmulF32", TARGET_Q8: "JaxserveMatmulQ8"},
+    "XLA's dot will be used",
+)
+available = _kernels.available  # True when the native matmul is built, loaded and registered (CPU only)
+unavailable_reason = _kernels.unavailable_reason
 
 
 def num_panels(n: int) -> int:
