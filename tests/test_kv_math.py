@@ -324,6 +324,14 @@ def test_measure_host_small() -> None:
     assert host["memory_bandwidth"] > 0 and host["matmul_flops_fp32"] > 0
 
 
+def test_bandwidth_probe_reads_its_array_each_call() -> None:
+    """Two reads from one probe, each in a plausible range for any machine that runs the suite
+    (0.1-10,000 GB/s)."""
+    rate = kv_math_cli.bandwidth_probe(size_bytes=32 * 1024 * 1024, repeats=2)
+    reads = [rate(), rate()]
+    assert all(1e8 < r < 1e13 for r in reads)
+
+
 TINY = km.ModelShape(
     name="tiny",
     num_layers=2,

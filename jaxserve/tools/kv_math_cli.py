@@ -106,6 +106,31 @@ def measure_host(size_bytes: int = 512 * 1024 * 1024, repeats: int = 5) -> dict[
     }
 
 
+def bandwidth_probe(size_bytes: int = 256 * 1024 * 1024, repeats: int = 3):
+    """A function returning this host's streaming read rate now (bytes/s: a jitted jax sum over
+    an array allocated once, best of `repeats`), cheap enough (~40 ms) to call right before
+    each timing, so that a step is compared with the memory speed of the same second."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxserve.runner import host_memory
+
+    x = jnp.ones(size_bytes // 4, jnp.float32)
+    host_memory.advise_huge_pages(x)
+    jsum = jax.jit(jnp.sum)
+    jsum(x).block_until_ready()
+
+    def rate() -> float:
+        best = float("inf")
+        for _ in range(repeats):
+            t = time.perf_counter()
+            jsum(x).block_until_ready()
+            best = min(best, time.perf_counter() - t)
+        return x.nbytes / best
+
+    return rate
+
+
 def decode_step_runner(
     model: ModelShape,
     batch: int,
@@ -243,11 +268,13 @@ def _measure_host_report(
     """kv_dtype: fp32 (the CPU's pages), or int8 / fp8 (the engine's kv_cache_dtype, scales counted);
     weight_dtype: fp32, or int8 (the engine's quantization="int8").
 
-    A shared host's memory speed swings by 2x within a minute, so one bandwidth reading followed
+    A shared host's memory speed swings by 2x within seconds, so one bandwidth reading followed
     by the steps can put any ratio anywhere. Instead every step is compiled first, then `rounds`
-    rounds each measure the bandwidth and time every step (`repeats` each, median) right after
-    it; a step's ratio to its bound is taken per round (the bound from that round's bandwidth)
-    and the median over rounds is reported, with the median step and bound beside it."""
+    rounds each measure the host (`measure_host`: the bandwidth and matmul rate reported) and
+    time every step (`repeats` each, median), each timing right after a short bandwidth read
+    (`bandwidth_probe`); a timing's ratio is to its bound at that read's bandwidth (and the
+    round's matmul rate), and the median over rounds is reported, with the median step and the
+    bound at the median bandwidth beside it."""
     kv_cache_dtype = kv_dtype if kv_dtype in ("int8", "fp8") else "auto"
     kv_dtype = kv_dtype if kv_cache_dtype != "auto" else "fp32"
     quantization = "int8" if weight_dtype == "int8" else None
@@ -263,11 +290,16 @@ def _measure_host_report(
             runner.decode(rows, 0)  # compile
             runners[b, name] = (runner, rows)
     hosts, steps = [], {key: [] for key in [*runners, *((b, "waited") for b in batches)]}
+    near = {key: [] for key in steps}  # (bandwidth read right before the timing, its round's host)
+    probe = bandwidth_probe()
     for _ in range(rounds):
-        hosts.append(measure_host())
+        h = measure_host()
+        hosts.append(h)
         for (b, name), (runner, rows) in runners.items():
+            near[b, name].append({**h, "memory_bandwidth": probe()})
             steps[b, name].append(time_overlapped_steps(runner, rows, repeats))
             if name == "engine":
+                near[b, "waited"].append({**h, "memory_bandwidth": probe()})
                 steps[b, "waited"].append(time_decode_steps(runner, rows, repeats))
     host = {
         k: statistics.median(h[k] for h in hosts)
@@ -275,6 +307,7 @@ def _measure_host_report(
     }
     host["seconds"] = sum(h["seconds"] for h in hosts)
     host["memory_bandwidth_rounds"] = [h["memory_bandwidth"] for h in hosts]
+    host["memory_bandwidth_near_steps"] = [h["memory_bandwidth"] for hs in near.values() for h in hs]
 
     def bounds(b: int, h: dict) -> tuple[float, float]:
         return decode_step_bounds(
@@ -290,7 +323,10 @@ def _measure_host_report(
     rows = []
     for b in batches:
         mem, comp = bounds(b, host)
-        per_round = [max(bounds(b, h)) for h in hosts]  # each round's own prediction
+
+        def ratio(key: tuple) -> float:  # each timing against the bound at the bandwidth read just before it
+            return statistics.median(t / max(bounds(b, h)) for t, h in zip(steps[key], near[key]))
+
         row = {
             "batch": b,
             "memory_bound_s": mem,
@@ -300,9 +336,9 @@ def _measure_host_report(
             "measured_engine_waited_s": statistics.median(steps[b, "waited"]),
             "measured_engine_xla_s": statistics.median(steps[b, "xla"]),
         }
-        row["measured_over_predicted"] = statistics.median(t / p for t, p in zip(steps[b, "engine"], per_round))
-        row["waited_over_predicted"] = statistics.median(t / p for t, p in zip(steps[b, "waited"], per_round))
-        row["xla_over_predicted"] = statistics.median(t / p for t, p in zip(steps[b, "xla"], per_round))
+        row["measured_over_predicted"] = ratio((b, "engine"))
+        row["waited_over_predicted"] = ratio((b, "waited"))
+        row["xla_over_predicted"] = ratio((b, "xla"))
         rows.append(row)
     if as_json:
         out = {
@@ -320,11 +356,14 @@ def _measure_host_report(
     print(
         f"host: memory bandwidth {host['memory_bandwidth'] / GB:.1f} GB/s, median of {rounds} rounds ({seen}; numpy sum "
         f"{host['memory_bandwidth_numpy'] / GB:.1f}, jax sum {host['memory_bandwidth_jax'] / GB:.1f}), "
-        f"fp32 matmul {host['matmul_flops_fp32'] / 1e9:.0f} GFLOP/s"
+        f"fp32 matmul {host['matmul_flops_fp32'] / 1e9:.0f} GFLOP/s; read before each timing: median "
+        f"{statistics.median(host['memory_bandwidth_near_steps']) / GB:.1f}, lowest "
+        f"{min(host['memory_bandwidth_near_steps']) / GB:.1f} GB/s"
     )
     print(
         f"predicted decode step ({weight_dtype} weights, {kv_dtype} KV), {model.name} ({model.num_params / 1e6:.1f}M params), "
-        f"context {context_len}; steps and bounds are medians over the rounds, ratios the median of each round's:"
+        f"context {context_len}; steps and bounds are medians over the rounds, ratios the median of each timing's "
+        "against the bandwidth read just before it:"
     )
     print(
         f"{'batch':>6} {'memory':>12} {'compute':>12} {'predicted':>12} {'engine':>12} {'ratio':>7} "
@@ -381,7 +420,7 @@ def _parser() -> argparse.ArgumentParser:
         "--rounds",
         type=int,
         default=5,
-        help="--measure-host: rounds of (bandwidth, every step); medians over them are reported (default 5)",
+        help="--measure-host: rounds of (host measurement, every step after a bandwidth read); medians over them are reported (default 5)",
     )
     return ap
 
