@@ -57,6 +57,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jaxserve.runner import host_memory  # noqa: E402
+from jaxserve.tools.kv_math_cli import bandwidth_probe  # noqa: E402
 from pallas_kernels import reference  # noqa: E402
 from pallas_kernels.flash_attention import flash_attention  # noqa: E402
 from pallas_kernels.paged_attention import paged_decode_attention  # noqa: E402
@@ -213,26 +214,6 @@ class NativeRow:
     max_abs_diff: float
 
 
-class StreamProbe:
-    """This host's streaming read rate, measured on demand: a jitted sum over an mb-MB float32
-    array (allocated once), best of reps. Measured right before each cell's timings, so that the
-    cell's fraction of the stream compares two reads taken within a second of each other."""
-
-    def __init__(self, mb: int = 256):
-        self.x = jnp.ones((mb * 2**20 // 4,), jnp.float32)
-        host_memory.advise_huge_pages(self.x)  # mapped as the engine maps its buffers (the rate barely moves)
-        self.f = jax.jit(jnp.sum)
-        self.f(self.x).block_until_ready()
-
-    def gbps(self, reps: int = 3) -> float:
-        best = math.inf
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            self.f(self.x).block_until_ready()
-            best = min(best, time.perf_counter() - t0)
-        return self.x.nbytes / best / 1e9
-
-
 def cpu_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -356,14 +337,14 @@ def bench_native_cpu(
                 for fn in (nat_loop, xla_loop):  # compile
                     jax.block_until_ready(fn(q, kp, vp, groups[0], lens))
                 cells.append(_Cell(d, b, ctx, live, (q, kp, vp), groups, lens, nat, nat_loop, xla_loop, diff))
-    probe = StreamProbe()
+    probe = bandwidth_probe()  # 256 MB, best of 3, ~40 ms: read right before each cell
     for rep in range(reps):
         print(f"  pass {rep + 1}/{reps}", file=sys.stderr)
         for i in rng.permutation(len(cells)):
             c = cells[i]
             q, kp, vp = c.args
             g = len(c.groups)
-            c.stream.append(probe.gbps())  # also pushes the last cell's pages out of the cache
+            c.stream.append(probe() / 1e9)  # also pushes the last cell's pages out of the cache
             order = ("native", "xla") if rep % 2 == 0 else ("xla", "native")
             for k, which in enumerate(order):
                 loop = c.nat_loop if which == "native" else c.xla_loop

@@ -81,18 +81,9 @@ class StepTimer:
 
 def bandwidth(size_bytes: int = 256 << 20, repeats: int = 5) -> float:
     """Streaming read rate now: a jitted sum over size_bytes, best of repeats (bytes/s)."""
-    import jax
-    import jax.numpy as jnp
+    from jaxserve.tools.kv_math_cli import bandwidth_probe
 
-    x = jnp.ones(size_bytes // 4, jnp.float32)
-    f = jax.jit(jnp.sum)
-    f(x).block_until_ready()
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        f(x).block_until_ready()
-        best = min(best, time.perf_counter() - t)
-    return x.nbytes / best
+    return bandwidth_probe(size_bytes, repeats)()
 
 
 def bench_steps(shape, configs, batches, context, repeats, steps_per_repeat) -> dict:
