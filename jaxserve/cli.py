@@ -129,6 +129,8 @@ def _overrides(args, flags: dict) -> dict:
         out["enable_prefix_caching"] = args.prefix_caching
     if getattr(args, "no_compilation_cache", False):
         out["compilation_cache_dir"] = None
+    if getattr(args, "no_grpc", False):
+        out["port"] = None
     return out
 
 
@@ -198,7 +200,9 @@ def _build_llm(args, flags: dict):
 
 
 def cmd_serve(args) -> int:
-    from jaxserve.serving.grpc_server import serve
+    """Exit code: 0 after a drained SIGTERM/SIGINT, non-zero when the engine failed (a
+    supervisor restarts the process)."""
+    from jaxserve.serving.server import serve
 
     cfg, llm = _build_llm(args, {**ENGINE_FLAGS, **SERVER_FLAGS})
     if llm.is_follower:
@@ -206,10 +210,9 @@ def cmd_serve(args) -> int:
     tls = (Path(cfg.tls_cert).read_bytes(), Path(cfg.tls_key).read_bytes()) if cfg.tls_cert else (None, None)
     token = args.token or (Path(cfg.token_file).read_text().strip() if cfg.token_file else None)
     try:
-        serve(llm.core, token=token, tls_cert=tls[0], tls_key=tls[1], **cfg.server_options())
+        return serve(llm.core, token=token, tls_cert=tls[0], tls_key=tls[1], **cfg.server_options())
     finally:
         llm.shutdown()  # release the other processes
-    return 0
 
 
 def _generate_params(args):
@@ -441,6 +444,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_flags(p)
     _add_flags(p, SERVER_FLAGS, "server")
     p.add_argument("--token", default=None, help="require this bearer token (prefer --token-file)")
+    p.add_argument("--no-grpc", action="store_true", help="serve the HTTP API only (needs --http-port)")
     p.set_defaults(fn=cmd_serve)
     p = sub.add_parser(
         "generate",

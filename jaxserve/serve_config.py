@@ -66,7 +66,7 @@ _MODEL_FIELDS = [
 ]
 _SERVER_FIELDS = [
     ("host", str, "127.0.0.1", "address the gRPC server binds"),
-    ("port", int, 50051, "gRPC port; 0 picks a free one"),
+    ("port", int | None, 50051, "gRPC port; 0 picks a free one; None = no gRPC (HTTP only: set http_port)"),
     ("metrics_port", int | None, None, "Prometheus /metrics port; None = no metrics endpoint"),
     ("http_port", int | None, None, "OpenAI-compatible HTTP port (same process and engine); None = gRPC only"),
     ("max_waiting", int, 256, "requests queued beyond the running ones before RESOURCE_EXHAUSTED"),
@@ -141,9 +141,9 @@ class _ServeConfigMethods:
             if f.name in _PATH_FIELDS and isinstance(value, str):
                 value = os.path.expanduser(value)
             object.__setattr__(self, f.name, value)
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"ServeConfig.port must be in [0, 65535], got {self.port}")
-        for name in ("metrics_port", "http_port"):
+        if self.port is None and self.http_port is None:
+            raise ValueError("ServeConfig.port: None (no gRPC) needs ServeConfig.http_port set")
+        for name in ("port", "metrics_port", "http_port"):
             value = getattr(self, name)
             if value is not None and not 0 <= value <= 65535:
                 raise ValueError(f"ServeConfig.{name} must be in [0, 65535], got {value}")
@@ -179,7 +179,7 @@ class _ServeConfigMethods:
         return EngineConfig(**self.engine_options())
 
     def server_options(self) -> dict[str, Any]:
-        """Keyword arguments of jaxserve.serving.grpc_server.serve, less token and TLS (read from their files by the caller)."""
+        """Keyword arguments of jaxserve.serving.server.serve, less token and TLS (read from their files by the caller)."""
         return dict(
             host=self.host,
             port=self.port,

@@ -18,7 +18,7 @@ from conftest import pool_whole as _pool_whole
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.serving.client import Client
-from jaxserve.serving.grpc_server import Server
+from jaxserve.serving.server import Server
 from jaxserve.v1 import jaxserve_pb2 as pb
 
 OPTS = dict(max_slots=8, page_size=8, max_model_len=160, num_pages=160, prefill_buckets=(16, 32, 64))
@@ -27,11 +27,11 @@ OPTS = dict(max_slots=8, page_size=8, max_model_len=160, num_pages=160, prefill_
 class ServerThread:
     """A jaxserve Server on its own event loop in a background thread."""
 
-    def __init__(self, llm: LLM, **kw):
+    def __init__(self, llm: LLM, port: int | None = 0, **kw):
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        self.server = Server(llm, port=0, **kw)
+        self.server = Server(llm, port=port, **kw)
         self.port = asyncio.run_coroutine_threadsafe(self.server.start(), self.loop).result(60)
         self.target = f"127.0.0.1:{self.port}"
 

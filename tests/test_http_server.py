@@ -25,7 +25,7 @@ from conftest import pool_whole as _pool_whole
 from jaxserve import LLM, SamplingParams
 from jaxserve.models.registry import DEFAULT_MODEL
 from jaxserve.serving.client import Client
-from jaxserve.serving.grpc_server import Server
+from jaxserve.serving.server import Server
 
 OPTS = dict(max_slots=8, page_size=8, max_model_len=192, num_pages=400, prefill_buckets=(16, 32, 64))
 TOKEN = "s3cret"

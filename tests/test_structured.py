@@ -226,7 +226,7 @@ def test_grpc_and_http_map_every_new_field(llm):
     import grpc
 
     from jaxserve.serving.client import Client
-    from jaxserve.serving.grpc_server import Server
+    from jaxserve.serving.server import Server
     from jaxserve.v1 import jaxserve_pb2 as pb
 
     loop = asyncio.new_event_loop()

@@ -28,6 +28,13 @@ class QueueFull(Exception):
     """More requests wait than the client's max_waiting: refuse (RESOURCE_EXHAUSTED / 429)."""
 
 
+class EngineDead(Exception):
+    """An engine step raised: the device state (KV pages, the pending step) can no longer be
+    trusted, so the client fails every request in flight, refuses new ones (UNAVAILABLE / 503)
+    and tells its owner (`on_fatal`), whose job is to stop the process so a supervisor
+    restarts it, rather than serve on from a state nobody can vouch for."""
+
+
 @dataclasses.dataclass(frozen=True)
 class TokenLogprob:
     token_id: int
@@ -74,10 +81,18 @@ class RequestStream:
 
 
 class EngineClient:
-    def __init__(self, core: EngineCore, max_waiting: int = 256, on_step: Callable[[dict], None] | None = None):
+    def __init__(
+        self,
+        core: EngineCore,
+        max_waiting: int = 256,
+        on_step: Callable[[dict], None] | None = None,
+        on_fatal: Callable[[BaseException], None] | None = None,
+    ):
         self.core = core
         self.max_waiting = max_waiting
         self.on_step = on_step  # called with the engine's stats after every step (metrics)
+        self.on_fatal = on_fatal  # called once, from the engine thread, when a step raises
+        self.error: BaseException | None = None  # the step failure that ended the loop
         self._routes: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._unfinished: dict[str, int] = {}  # request id -> completions not finished (n > 1)
         self._lock = threading.Lock()
@@ -103,11 +118,13 @@ class EngineClient:
     ) -> RequestStream:
         """Validate, tokenize or render the chat (in a worker thread) and queue a request. `params` may be a
         function of the prompt's token count (a default max_tokens that fills the context).
-        Raises ValueError naming the field, or QueueFull."""
+        Raises ValueError naming the field, QueueFull, or EngineDead."""
+        self._check_alive()
         loop = asyncio.get_running_loop()
         seq = await loop.run_in_executor(None, self._make_sequence, prompt, params, request_id)
         q: asyncio.Queue = asyncio.Queue()
         with self._lock:
+            self._check_alive()  # the loop may have died while the prompt was tokenized
             if seq.request_id in self._routes:
                 raise ValueError(f"request_id: {seq.request_id!r} is already in use")
             if len(self._routes) - self.core.num_running >= self.max_waiting:
@@ -117,6 +134,10 @@ class EngineClient:
         self.core.add(seq)
         self._wake.set()
         return RequestStream(seq.request_id, seq.prompt_ids, q, seq.params.n)
+
+    def _check_alive(self) -> None:
+        if self.error is not None:
+            raise EngineDead(f"the engine failed and is shutting down: {self.error!r}")
 
     def _make_sequence(self, prompt, params, request_id):
         if callable(params):
@@ -173,12 +194,15 @@ class EngineClient:
                 continue
             try:
                 outputs = self.core.step()
-            except Exception as e:  # keep serving: fail what was in flight, not the process
-                log.exception("engine step failed")
+            except Exception as e:  # fail loudly: every stream gets the error, the owner stops the process
+                log.exception("engine step failed: failing every request in flight")
+                with self._lock:
+                    self.error = e
                 for rid in self.in_flight:
-                    self.core.abort(rid)
                     self._deliver(e, rid, last=True)
-                continue
+                if self.on_fatal is not None:
+                    self.on_fatal(e)
+                return
             for out in outputs:
                 self._deliver(out, out.request_id, last=out.finished)
             if self.on_step is not None:

@@ -1,5 +1,5 @@
-"""The gRPC frontend (grpc.aio): streaming Generate, Abort, GetModelInfo, health, reflection,
-Prometheus metrics, bearer-token auth, optional TLS, and a draining SIGTERM.
+"""The gRPC frontend (grpc.aio): streaming Generate, Abort, GetModelInfo and bearer-token auth.
+`server.Server` runs it (with health, reflection, TLS and draining) beside the HTTP frontend.
 
 The engine runs in one thread behind an EngineClient, which hands each request's
 incremental outputs to the asyncio queue of the RPC that owns it. RPC handlers never touch
@@ -9,19 +9,14 @@ stream and, when the client goes away, abort.
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import signal
-import time
 import uuid
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from jaxserve.engine.chat import Conversation
-from jaxserve.engine.client import EngineClient, QueueFull, split_logprobs
+from jaxserve.engine.client import EngineClient, EngineDead, QueueFull, split_logprobs
 from jaxserve.engine.request import SamplingParams
 from jaxserve.serving.metrics import Metrics
 from jaxserve.v1 import jaxserve_pb2 as pb
@@ -96,6 +91,8 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
         except QueueFull as e:
             self.metrics.requests.labels("rejected").inc()
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except EngineDead as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         rid = stream.request_id
         n_prompt = len(stream.prompt_token_ids)
         timer = self.metrics.request(n_prompt)
@@ -176,117 +173,3 @@ class BearerAuth(grpc.aio.ServerInterceptor):
 
             return grpc.unary_stream_rpc_method_handler(deny_stream)
         return grpc.unary_unary_rpc_method_handler(deny)
-
-
-class Server:
-    """A running jaxserve gRPC server: start() binds and serves; drain() is what SIGTERM does."""
-
-    def __init__(
-        self,
-        engine,
-        host: str = "127.0.0.1",
-        port: int = 50051,
-        metrics_port: int | None = None,
-        token: str | None = None,
-        tls_cert: bytes | None = None,
-        tls_key: bytes | None = None,
-        max_waiting: int = 256,
-        default_max_tokens: int = 256,
-        grace_s: float = 30.0,
-        http_port: int | None = None,
-    ):
-        """engine: an EngineCore (or an LLM, whose core is used): the server runs its loop.
-        http_port: also serve the OpenAI-compatible HTTP API (http_server.py) on this port, in
-        the same event loop over the same engine client (0 picks a free port)."""
-        self.metrics = Metrics()
-        self.engine = EngineClient(getattr(engine, "core", engine), max_waiting, on_step=self.metrics.update_engine)
-        self.servicer = JaxServeServicer(self.engine, self.metrics, default_max_tokens)
-        self.host, self.port, self.metrics_port = host, port, metrics_port
-        self.token, self.tls = token, (tls_cert, tls_key) if tls_cert else None
-        self.grace_s = grace_s
-        self.default_max_tokens = default_max_tokens
-        self.http_port, self.http = http_port, None
-        self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
-        self._server: grpc.aio.Server | None = None
-        self._metrics_http = None
-
-    async def start(self) -> int:
-        interceptors = [BearerAuth(self.token)] if self.token else []
-        server = grpc.aio.server(interceptors=interceptors)
-        pb_grpc.add_JaxServeServicer_to_server(self.servicer, server)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        reflection.enable_server_reflection(
-            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
-        )
-        addr = f"{self.host}:{self.port}"
-        if self.tls:
-            creds = grpc.ssl_server_credentials([(self.tls[1], self.tls[0])])
-            self.port = server.add_secure_port(addr, creds)
-        else:
-            self.port = server.add_insecure_port(addr)
-        self.engine.start()
-        await server.start()
-        self._server = server
-        if self.metrics_port is not None:
-            self._metrics_http = self.metrics.serve(self.metrics_port, self.host)
-        if self.http_port is not None:
-            from jaxserve.serving.http_server import HttpFrontend  # FastAPI and uvicorn only when asked for
-
-            self.http = HttpFrontend(self.engine, self.metrics, self.token, self.default_max_tokens, self.tls)
-            self.http_port = await self.http.start(self.host, self.http_port)
-            log.info("OpenAI-compatible HTTP on %s:%d", self.host, self.http_port)
-        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
-        log.info("jaxserve listening on %s:%d", self.host, self.port)
-        return self.port
-
-    async def _set_health(self, status) -> None:
-        for name in ("", SERVICE_NAME):
-            r = self.health.set(name, status)
-            if asyncio.iscoroutine(r):
-                await r
-
-    async def drain(self) -> None:
-        """Stop accepting, let in-flight requests finish within the grace period, then abort
-        the rest: each of their streams ends with a final ABORT message, not a broken call."""
-        self.servicer.draining = True
-        if self.http is not None:
-            self.http.draining = True
-        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        deadline = time.monotonic() + self.grace_s
-        while self.engine.in_flight and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        for rid in self.engine.in_flight:
-            self.engine.abort(rid)
-        while self.engine.in_flight and time.monotonic() < deadline + 10:
-            await asyncio.sleep(0.02)
-        await self.stop(grace=2.0)
-
-    async def stop(self, grace: float | None = None) -> None:
-        if self._server is not None:
-            await self._server.stop(grace)
-        if self.http is not None:
-            await self.http.stop()
-        self.engine.stop()
-        if self._metrics_http is not None:
-            self._metrics_http[0].shutdown()
-
-    async def wait(self) -> None:
-        await self._server.wait_for_termination()
-
-
-async def _serve_forever(server: Server) -> None:
-    await server.start()
-    loop = asyncio.get_running_loop()
-    stopping = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stopping.set)
-    print(f"jaxserve: serving on {server.host}:{server.port}", flush=True)
-    if server.http is not None:
-        print(f"jaxserve: OpenAI-compatible HTTP on http://{server.host}:{server.http_port}/v1", flush=True)
-    await stopping.wait()
-    log.info("signal received: draining")
-    await server.drain()
-
-
-def serve(engine, **kwargs) -> None:
-    asyncio.run(_serve_forever(Server(engine, **kwargs)))

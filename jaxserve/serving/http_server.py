@@ -2,14 +2,14 @@
 /v1/chat/completions (streamed as server-sent events ending in `data: [DONE]`, or not), GET
 /health.
 
-FastAPI on uvicorn, run by `Server` (grpc_server.py) in the same asyncio event loop as the gRPC
+FastAPI on uvicorn, run by `Server` (server.py) in the same asyncio event loop as the gRPC
 frontend, over the same EngineClient: one engine, one scheduler, one set of metrics, one drain.
 Like the gRPC handlers, these know requests, not arrays: they validate the OpenAI fields, submit
 (tokenization and chat-template rendering run in the engine client's worker thread), format
 the engine's RequestOutput deltas as OpenAI JSON, and abort the request when the client goes
 away. Errors use OpenAI's body, `{"error": {"message", "type", "param", "code"}}`: 400 naming
 the field at fault, 401 without the configured bearer token, 404 for an unknown model, 429 when
-the waiting queue is full, 503 while draining.
+the waiting queue is full, 503 while draining or after an engine failure.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from pydantic import BaseModel, ConfigDict
 from sse_starlette import EventSourceResponse
 
 from jaxserve.engine.chat import Conversation
-from jaxserve.engine.client import EngineClient, QueueFull, RequestStream, TokenLogprob, split_logprobs
+from jaxserve.engine.client import EngineClient, EngineDead, QueueFull, RequestStream, TokenLogprob, split_logprobs
 from jaxserve.engine.request import RequestOutput, SamplingParams
 from jaxserve.serving.metrics import Metrics
 
@@ -255,6 +255,8 @@ class HttpFrontend:
 
         @app.get("/health")
         async def health():
+            if self.engine.error is not None:
+                raise APIError(503, f"the engine failed: {self.engine.error!r}", type_="service_unavailable")
             if self.draining:
                 raise APIError(503, "the server is shutting down", type_="service_unavailable")
             return {"status": "ok"}
@@ -442,6 +444,8 @@ class HttpFrontend:
             raise err from None
         except QueueFull as e:
             raise APIError(429, str(e), code="rate_limit_exceeded") from None
+        except EngineDead as e:
+            raise APIError(503, str(e), type_="service_unavailable") from None
         if call.body.stream:
             return EventSourceResponse(self._events(call, stream), ping=15, sep="\n")
         return await self._until_done_or_gone(self._collect(call, stream), request)

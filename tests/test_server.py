@@ -1,0 +1,189 @@
+"""The server process (serving/server.py) against real clients on 127.0.0.1: the waiting-queue
+bound (HTTP 429 / RESOURCE_EXHAUSTED, the rest served), HTTP-only serving, and a loud death
+when an engine step raises (every stream ends with an error, health goes NOT_SERVING, new
+requests are refused, `serve` exits non-zero)."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+from conftest import pool_whole
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from test_grpc_server import ServerThread
+
+from jaxserve import LLM
+from jaxserve.serve_config import ServeConfig
+from jaxserve.serving.client import Client
+
+OPTS = dict(max_slots=1, page_size=8, max_model_len=160, num_pages=64, prefill_buckets=(16, 32))
+
+
+@pytest.fixture(scope="module")
+def llm(tok_model):
+    return LLM(tok_model[0], **OPTS)
+
+
+def _request(base: str, method: str, path: str, body: dict | None = None, timeout: float = 60) -> tuple[int, dict]:
+    """(status, JSON body) of one HTTP call to the server at base (http://HOST:PORT)."""
+    conn = http.client.HTTPConnection(base.removeprefix("http://"), timeout=timeout)
+    try:
+        conn.request(method, path, json.dumps(body) if body is not None else None, {"Content-Type": "application/json"})
+        r = conn.getresponse()
+        return r.status, json.loads(r.read() or b"{}")
+    finally:
+        conn.close()
+
+
+def _complete(base: str, model: str, max_tokens: int = 40) -> tuple[int, dict]:
+    body = {"model": model, "prompt": [5, 6, 7], "max_tokens": max_tokens, "ignore_eos": True}
+    return _request(base, "POST", "/v1/completions", body)
+
+
+def test_queue_bound_refuses_past_it_and_serves_the_rest(llm):
+    """One slot and max_waiting=2: of 6 requests sent at once, at most 1 running + 2 waiting
+    are taken (2 if the first has not started running when the others arrive); the others get
+    429 over HTTP and RESOURCE_EXHAUSTED over gRPC, and every taken one runs to its length."""
+    st = ServerThread(llm, http_port=0, max_waiting=2)
+    try:
+        base, model = f"http://127.0.0.1:{st.server.http_port}", st.server.http.model_name
+        with ThreadPoolExecutor(6) as ex:
+            responses = list(ex.map(lambda _: _complete(base, model), range(6)))
+        ok = [b for status, b in responses if status == 200]
+        refused = [b for status, b in responses if status == 429]
+        assert len(ok) + len(refused) == 6
+        assert 2 <= len(ok) <= 3, [status for status, _ in responses]
+        assert all(b["choices"][0]["finish_reason"] == "length" for b in ok)
+        assert all(b["error"]["code"] == "rate_limit_exceeded" for b in refused)
+        pool_whole(llm)
+
+        def grpc_call(_):
+            try:
+                return sum(
+                    len(r.token_ids) for r in Client(st.target).generate([5, 6, 7], max_tokens=40, ignore_eos=True)
+                )
+            except grpc.RpcError as e:
+                return e.code()
+
+        with ThreadPoolExecutor(6) as ex:
+            results = list(ex.map(grpc_call, range(6)))
+        served = [r for r in results if r == 40]
+        assert len(served) + results.count(grpc.StatusCode.RESOURCE_EXHAUSTED) == 6, results
+        assert 2 <= len(served) <= 3, results
+        pool_whole(llm)
+    finally:
+        st.stop()
+
+
+def test_http_only_server(llm):
+    with pytest.raises(ValueError, match="ServeConfig.port"):
+        ServeConfig(port=None, http_port=None)
+    assert ServeConfig(port=None, http_port=0).server_options()["port"] is None
+    st = ServerThread(llm, port=None, http_port=0)
+    assert st.port is None
+    try:
+        base = f"http://127.0.0.1:{st.server.http_port}"
+        name = _request(base, "GET", "/v1/models")[1]["data"][0]["id"]
+        status, body = _request(base, "POST", "/v1/completions", {"model": name, "prompt": [5, 6], "max_tokens": 4})
+        assert status == 200 and body["usage"]["completion_tokens"] == 4
+        assert st.server._server is None  # noqa: SLF001: no gRPC server was bound
+    finally:
+        st.stop()
+
+
+def _stream_events(base: str, model: str, max_tokens: int) -> list[dict]:
+    body = {"model": model, "prompt": [5, 6, 7], "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+    conn = http.client.HTTPConnection(base.removeprefix("http://"), timeout=30)
+    try:
+        conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+        lines = conn.getresponse().read().decode().splitlines()  # the whole stream, until the server ends it
+    finally:
+        conn.close()
+    return [json.loads(x[6:]) for x in lines if x.startswith("data: ") and x != "data: [DONE]"]
+
+
+def test_engine_failure_fails_streams_and_stops_serving(llm):
+    """Runs last in this module: the engine it breaks is not used again."""
+    st = ServerThread(llm, http_port=0, max_waiting=8)
+    base = f"http://127.0.0.1:{st.server.http_port}"
+    model = st.server.http.model_name
+    real_step, calls = llm.core.step, []
+
+    def failing_step():
+        calls.append(1)
+        if len(calls) > 3:
+            raise RuntimeError("injected step failure")
+        return real_step()
+
+    llm.core.step = failing_step
+    try:
+        with ThreadPoolExecutor(3) as ex:
+            streams = [ex.submit(_stream_events, base, model, 100) for _ in range(3)]
+            results = [f.result(timeout=30) for f in streams]
+        for events in results:  # every stream ends with an OpenAI error body, none hangs
+            assert "error" in events[-1] and "injected step failure" in events[-1]["error"]["message"]
+        deadline = time.monotonic() + 10
+        while not st.server.failed.is_set() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert st.server.failed.is_set()
+        assert _request(base, "GET", "/health")[0] == 503
+        status, body = _request(base, "POST", "/v1/completions", {"model": model, "prompt": [5], "max_tokens": 2})
+        assert status == 503 and "engine failed" in body["error"]["message"]
+        with grpc.insecure_channel(st.target) as ch:
+            status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=10).status
+            assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+            with pytest.raises(grpc.RpcError) as e:
+                list(Client(st.target).generate([5, 6], max_tokens=2))
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        llm.core.step = real_step
+        st.stop()
+
+
+SERVE_AND_FAIL = """
+import sys
+from jaxserve import LLM
+from jaxserve.serving import server
+llm = LLM(sys.argv[1], **{opts!r})
+real, calls = llm.core.step, []
+def step():
+    calls.append(1)
+    if len(calls) > 3:
+        raise RuntimeError("injected step failure")
+    return real()
+llm.core.step = step
+sys.exit(server.serve(llm.core, port=0, http_port=0))
+"""
+
+
+def test_serve_exits_nonzero_when_the_engine_fails(tok_model):
+    """The process a supervisor watches: after the failure it exits non-zero by itself."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SERVE_AND_FAIL.format(opts=OPTS), str(tok_model[0])],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
+    try:
+        base = None
+        for line in proc.stdout:
+            if "OpenAI-compatible HTTP on" in line:
+                base = line.split(" on ")[1].strip().removesuffix("/v1")
+                break
+        assert base is not None, "the server did not start"
+        model = _request(base, "GET", "/v1/models")[1]["data"][0]["id"]
+        events = _stream_events(base, model, 100)
+        assert "injected step failure" in events[-1]["error"]["message"]
+        assert proc.wait(timeout=30) == 1
+        assert "the engine failed" in proc.stdout.read()
+    finally:
+        proc.kill()
