@@ -8,6 +8,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -26,9 +27,31 @@ from jaxserve.serving.client import Client
 OPTS = dict(max_slots=1, page_size=8, max_model_len=160, num_pages=64, prefill_buckets=(16, 32))
 
 
+PROMPT = [5, 6, 7]
+
+
 @pytest.fixture(scope="module")
-def llm(tok_model):
-    return LLM(tok_model[0], **OPTS)
+def tied(tok_model, tmp_path_factory):
+    """The conftest's tiny llama with one more token tied for the top after PROMPT: its lm_head
+    row copies the top token's row, so the two logits are equal bit for bit. Returns (llm, pair)."""
+    import torch
+    from safetensors.numpy import load_file, save_file
+
+    with torch.no_grad():
+        top = int(tok_model[1](torch.tensor([PROMPT])).logits[0, -1].argmax())
+    pair = (top, (top + 1) % 512 or 2)
+    d = tmp_path_factory.mktemp("tied_rows")
+    for f in tok_model[0].iterdir():
+        shutil.copy(f, d)
+    weights = load_file(d / "model.safetensors")
+    weights["lm_head.weight"][pair[1]] = weights["lm_head.weight"][pair[0]]
+    save_file(weights, d / "model.safetensors", metadata={"format": "pt"})
+    return LLM(d, **OPTS), pair
+
+
+@pytest.fixture(scope="module")
+def llm(tied):
+    return tied[0]
 
 
 def _request(base: str, method: str, path: str, body: dict | None = None, timeout: float = 60) -> tuple[int, dict]:
@@ -78,6 +101,25 @@ def test_queue_bound_refuses_past_it_and_serves_the_rest(llm):
         assert len(served) + results.count(grpc.StatusCode.RESOURCE_EXHAUSTED) == 6, results
         assert 2 <= len(served) <= 3, results
         pool_whole(llm)
+    finally:
+        st.stop()
+
+
+def test_grpc_and_http_rank_a_tie_alike(tied):
+    """Both frontends format top logprobs with one conversion (client.split_logprobs): with two
+    tokens tied for the top, the same order comes back from each."""
+    llm, pair = tied
+    st = ServerThread(llm, http_port=0)
+    try:
+        base, model = f"http://127.0.0.1:{st.server.http_port}", st.server.http.model_name
+        body = {"model": model, "prompt": PROMPT, "max_tokens": 1, "logprobs": 3, "temperature": 0}
+        status, out = _request(base, "POST", "/v1/completions", {**body, "return_tokens_as_token_ids": True})
+        assert status == 200, out
+        http_top = [int(k.removeprefix("token_id:")) for k in out["choices"][0]["logprobs"]["top_logprobs"][0]]
+        (r,) = [r for r in Client(st.target).generate(PROMPT, max_tokens=1, temperature=0, logprobs=3) if r.logprobs]
+        grpc_top = [t.token_id for t in r.logprobs[0].top]
+        assert set(http_top[:2]) == set(pair) and r.token_ids[0] == min(pair)  # the tie, and greedy's pick
+        assert http_top == grpc_top
     finally:
         st.stop()
 

@@ -36,7 +36,7 @@ from pydantic import BaseModel, ConfigDict
 from sse_starlette import EventSourceResponse
 
 from jaxserve.engine.chat import Conversation
-from jaxserve.engine.client import EngineClient, EngineDead, QueueFull, RequestStream, TokenLogprob, split_logprobs
+from jaxserve.engine.client import EngineClient, EngineDead, QueueFull, RequestStream, split_logprobs
 from jaxserve.engine.request import RequestOutput, SamplingParams
 from jaxserve.serving.metrics import Metrics
 
@@ -576,10 +576,8 @@ class HttpFrontend:
         if not lps:
             return {"content": []} if call.kind == "chat" else {"tokens": [], "token_logprobs": [], "top_logprobs": []}
         # OpenAI's top_logprobs are the n most likely tokens at each position, the chosen one
-        # included when it is among them (the engine's dict: the chosen token, then the top n).
-        n = call.logprobs
-        steps = [(split_logprobs(lp)[0], sorted(lp.items(), key=lambda kv: -kv[1])[:n]) for lp in lps]
-        steps = [(c, [TokenLogprob(t, v) for t, v in top]) for c, top in steps]
+        # included when it is among them: split_logprobs, the conversion gRPC uses too (ties too).
+        steps = [split_logprobs(lp, call.logprobs) for lp in lps]
         if call.body.return_tokens_as_token_ids:
             name = lambda t: f"token_id:{t}"  # noqa: E731
         else:
