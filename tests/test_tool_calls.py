@@ -251,6 +251,20 @@ def test_the_grammar_accepts_the_templates_call_and_refuses_bad_arguments(name, 
     assert tc.grammar(ToolRequest.of(TOOLS, "auto")) is None and tc.grammar(ToolRequest.of(TOOLS, "none")) is None
 
 
+def test_the_grammar_closes_open_objects_and_still_validates():
+    tok = load_tokenizer(DATA / "qwen2.5")
+    tc = ToolCalling.for_tokenizer(tok)
+    grammars = Grammars(tok, len(tok), [tok.eos_token_id])
+    nested = {"type": "object", "properties": {"opts": {"type": "object", "properties": {"x": {"type": "integer"}}}}}
+    req = ToolRequest.of([{"type": "function", "function": {"name": "f", "parameters": nested}}], "required")
+    ok = '<tool_call>\n{"name": "f", "arguments": {"opts": {"x": 1}}}\n</tool_call>'
+    assert _accepts(grammars, tc.grammar(req), tok, ok)
+    jsonschema.validate({"opts": {"x": 1}}, nested)
+    for extra in ('{"opts": {"x": 1, "y": 2}}', '{"opts": {"x": 1}, "z": 0}'):
+        jsonschema.validate(json.loads(extra), nested)  # the schema allows it; the grammar does not
+        assert not _accepts(grammars, tc.grammar(req), tok, ok.replace('{"opts": {"x": 1}}', extra))
+
+
 def test_smollm2_grammar_accepts_its_format():
     tok = load_tokenizer(DATA / "qwen2.5")  # a ChatML tokenizer with <tool_call> tokens, as SmolLM2's text needs
     tc = ToolCalling.for_tokenizer(tok, "smollm2")
@@ -369,10 +383,8 @@ SMALL = {
 }
 SERVER_TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "parameters": SMALL}},
-    {  # no free keys: a random model's free-form JSON would run to max_tokens
-        "type": "function",
-        "function": {"name": "get_time", "parameters": {"type": "object", "additionalProperties": False}},
-    },
+    # open to any key, as clients write it: the grammar closes it (else a random model's keys run to max_tokens)
+    {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}},
 ]
 SERVE_OPTS = dict(max_slots=4, page_size=8, max_model_len=384, num_pages=200, prefill_buckets=(32, 128))
 NAMED = {"type": "function", "function": {"name": "get_weather"}}

@@ -598,6 +598,23 @@ def parse(family: Family, text: str, tool_names: Sequence[str] = ()) -> tuple[st
 _JSON_STYLE = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}
 
 
+def _closed(schema: Any) -> Any:
+    """The schema with every object that does not say otherwise closed to keys it does not name
+    (`additionalProperties: false`): what it accepts still validates against the original, and a
+    small model cannot invent keys until max_tokens (OpenAI's strict mode asks the same of clients)."""
+    if isinstance(schema, list):
+        return [_closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _closed(v) if k in ("items", "anyOf", "oneOf", "allOf") else v for k, v in schema.items()}
+    for key in ("properties", "$defs", "definitions"):
+        if isinstance(schema.get(key), dict):
+            out[key] = {k: _closed(v) for k, v in schema[key].items()}
+    if (schema.get("type") == "object" or "properties" in schema) and "additionalProperties" not in schema:
+        out["additionalProperties"] = False
+    return out
+
+
 def _call_schema(family: Family, tools: Sequence[dict]) -> dict:
     branches = []
     for t in tools:
@@ -605,7 +622,7 @@ def _call_schema(family: Family, tools: Sequence[dict]) -> dict:
         branches.append(
             {
                 "type": "object",
-                "properties": {"name": {"const": fn["name"]}, family.args_key: fn["parameters"]},
+                "properties": {"name": {"const": fn["name"]}, family.args_key: _closed(fn["parameters"])},
                 "required": ["name", family.args_key],
                 "additionalProperties": False,
             }
