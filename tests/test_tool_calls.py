@@ -415,6 +415,7 @@ def tool_server(tok_model, tmp_path_factory):
         "named": llm.chat(ASK, sp, tools=SERVER_TOOLS, tool_choice=NAMED)[0],
         "result": llm.chat(SMALL_HISTORY, sp, tools=SERVER_TOOLS)[0],
         "plain": llm.chat(ASK, sp)[0],
+        "auto": llm.chat(ASK, sp, tools=SERVER_TOOLS)[0],
     }
     st = ServerThread(llm, max_waiting=16)
     yield st, llm, ref
@@ -497,6 +498,11 @@ def test_a_tool_result_turn_is_answered(tool_server):
     assert r.usage.prompt_tokens == len(want.prompt_token_ids)
     assert ch.message.content == want.text and ch.finish_reason == want.finish_reason
     assert not ch.message.tool_calls and not want.tool_calls
+    # the client's own reply object sent back, as agents do, with the tool's result
+    call = _create(st, messages=ASK, tools=SERVER_TOOLS, tool_choice=NAMED).choices[0].message
+    result = {"role": "tool", "tool_call_id": call.tool_calls[0].id, "content": "sunny"}
+    again = _create(st, messages=[*ASK, call, result], tools=SERVER_TOOLS, max_tokens=4)
+    assert again.choices[0].message.content is not None
 
 
 def test_tool_choice_none_returns_content(tool_server):
@@ -505,6 +511,17 @@ def test_tool_choice_none_returns_content(tool_server):
     ch = r.choices[0]
     assert ch.message.tool_calls is None and ch.finish_reason in ("stop", "length")
     assert ch.message.content == ref["plain"].text  # tools are neither shown nor parsed
+
+
+def test_auto_passes_a_reply_without_calls_through_whole_streamed_or_not(tool_server):
+    st, llm, ref = tool_server
+    want = ref["auto"]
+    assert not want.tool_calls  # random weights: no call
+    r = _create(st, messages=ASK, tools=SERVER_TOOLS)
+    assert r.choices[0].message.content == want.text and r.choices[0].message.tool_calls is None
+    assert r.choices[0].finish_reason == want.finish_reason
+    content, calls, finish = _reassemble(_create(st, messages=ASK, tools=SERVER_TOOLS, stream=True))
+    assert (content, calls, finish) == (want.text, [], want.finish_reason)
 
 
 @pytest.mark.parametrize(
@@ -533,3 +550,13 @@ def test_bad_tool_fields_are_a_400_naming_them(tool_server, kw, param):
         _create(st, **{"messages": ASK, **kw})
     assert e.value.body["param"] == param, e.value.body
     assert _create(st, messages=ASK, max_tokens=2).choices[0].message.content is not None
+
+
+def test_the_parser_option_is_checked_where_it_is_configured():
+    from jaxserve.engine.engine_config import EngineConfig
+    from jaxserve.serve_config import ServeConfig
+
+    assert EngineConfig(tool_call_parser="mistral").tool_call_parser == "mistral"
+    assert ServeConfig(tool_call_parser="hermes").engine_config().tool_call_parser == "hermes"
+    with pytest.raises(ValueError, match="^tool_call_parser must be one of hermes, smollm2, llama3_json, mistral"):
+        EngineConfig(tool_call_parser="pythonic")

@@ -464,6 +464,37 @@ class ToolCallParser:
     def made_calls(self) -> bool:
         return bool(self.calls)
 
+    # -- OpenAI's shapes ---------------------------------------------------------------------
+    def message(self, text: str) -> dict:
+        """A whole reply as OpenAI's chat message: content None when it is only calls."""
+        self.feed(text)
+        self.finish()
+        calls = self.tool_calls()
+        content = self.content if self.content.strip() or not calls else None
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = [c.openai() for c in calls]
+        return message
+
+    def delta(self, text: str, finished: bool) -> dict:
+        """One streamed chunk's OpenAI delta: the content and call pieces this text makes final
+        (text that may start a call is held back until it is known); the rest at the end."""
+        d = self.feed(text)
+        if finished:
+            last = self.finish()
+            d.content += last.content
+            d.calls += last.calls
+        delta: dict[str, Any] = {"content": d.content} if d.content else {}
+        merged: list[CallDelta] = []  # one entry per call in a chunk: a header absorbs the text after it
+        for c in d.calls:
+            if merged and merged[-1].index == c.index and c.name is None:
+                merged[-1] = dataclasses.replace(merged[-1], arguments=merged[-1].arguments + c.arguments)
+            else:
+                merged.append(c)
+        if merged:
+            delta["tool_calls"] = [c.openai() for c in merged]
+        return delta
+
     # -- internals ------------------------------------------------------------------------
     def _advance(self, final: bool) -> Delta:
         out = Delta()
@@ -575,6 +606,11 @@ class ToolCallParser:
     def _emit_args(self, out: Delta, index: int, text: str) -> None:
         self.calls[index]["arguments"] += text
         out.calls.append(CallDelta(index, arguments=text))
+
+
+def finish_reason(parser: ToolCallParser | None, reason: str | None) -> str | None:
+    """OpenAI's "tool_calls" when a reply that ended by itself made calls."""
+    return "tool_calls" if reason == "stop" and parser is not None and parser.made_calls else reason
 
 
 def _json_or_none(text: str) -> Any:

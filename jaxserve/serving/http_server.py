@@ -38,7 +38,7 @@ from sse_starlette import EventSourceResponse
 from jaxserve.engine.chat import Conversation
 from jaxserve.engine.client import EngineClient, QueueFull, RequestStream, TokenLogprob, split_logprobs
 from jaxserve.engine.request import RequestOutput, SamplingParams
-from jaxserve.engine.tool_calls import CallDelta, ToolCalling, ToolCallParser, ToolRequest
+from jaxserve.engine.tool_calls import ToolCalling, ToolRequest, finish_reason
 from jaxserve.serving.metrics import Metrics
 
 log = logging.getLogger("jaxserve.http")
@@ -532,10 +532,8 @@ class HttpFrontend:
                 choice["message"] = {"role": "assistant", "content": "".join(text[i])}
                 parser = self.tool_calling.parser(call.tools)
                 if parser is not None:
-                    parser.feed(choice["message"]["content"])
-                    parser.finish()
-                    choice["message"] = _tool_message(parser)
-                    choice["finish_reason"] = _finish_reason(parser, choice["finish_reason"])
+                    choice["message"] = parser.message("".join(text[i]))
+                    choice["finish_reason"] = finish_reason(parser, choice["finish_reason"])
             else:
                 choice["text"] = "".join(text[i])
             choice["logprobs"] = logprobs
@@ -578,14 +576,14 @@ class HttpFrontend:
                     choice: dict[str, Any] = {"index": out.index}
                     parser = parsers[out.index] if chat else None
                     if parser is not None:
-                        choice["delta"] = _tool_delta(parser, out.text, out.finished)
+                        choice["delta"] = parser.delta(out.text, out.finished)
                     elif chat:
                         choice["delta"] = {"content": out.text} if out.text else {}
                     else:
                         choice["text"] = out.text
                     lp = await self._logprobs(call, out.logprobs) if call.logprobs is not None else None
                     choice["logprobs"] = lp
-                    choice["finish_reason"] = _finish_reason(parser, out.finish_reason)
+                    choice["finish_reason"] = finish_reason(parser, out.finish_reason)
                     yield dumps({**head, "choices": [choice], **extra})
         except Exception as e:
             log.exception("engine error")
@@ -631,46 +629,6 @@ class HttpFrontend:
             "token_logprobs": [c.logprob for c, _ in steps],
             "top_logprobs": [{name(t.token_id): t.logprob for t in top} for _, top in steps],
         }
-
-
-def _tool_message(parser: ToolCallParser) -> dict:
-    """A chat reply parsed for calls: OpenAI's message, content None when it is only calls."""
-    calls = parser.tool_calls()
-    content = parser.content if parser.content.strip() or not calls else None
-    message: dict[str, Any] = {"role": "assistant", "content": content}
-    if calls:
-        message["tool_calls"] = [c.openai() for c in calls]
-    return message
-
-
-def _tool_delta(parser: ToolCallParser, text: str, finished: bool) -> dict:
-    """One streamed chunk's delta: the content and call pieces this text makes final (text
-    that may start a call is held back until it is known); the rest when the reply ends."""
-    d = parser.feed(text)
-    if finished:
-        last = parser.finish()
-        d.content += last.content
-        d.calls += last.calls
-    delta: dict[str, Any] = {"content": d.content} if d.content else {}
-    if d.calls:
-        delta["tool_calls"] = [c.openai() for c in _merge_calls(d.calls)]
-    return delta
-
-
-def _merge_calls(deltas: list[CallDelta]) -> list[CallDelta]:
-    """One delta per call index in a chunk (a header absorbs the argument text after it)."""
-    out: list[CallDelta] = []
-    for d in deltas:
-        if out and out[-1].index == d.index and d.name is None:
-            out[-1] = dataclasses.replace(out[-1], arguments=out[-1].arguments + d.arguments)
-        else:
-            out.append(d)
-    return out
-
-
-def _finish_reason(parser: ToolCallParser | None, reason: str | None) -> str | None:
-    """OpenAI's "tool_calls" when a reply that ended by itself made calls."""
-    return "tool_calls" if reason == "stop" and parser is not None and parser.made_calls else reason
 
 
 def _usage(prompt: int, completion: int, cached: int) -> dict:
