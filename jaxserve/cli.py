@@ -52,6 +52,11 @@ ENGINE_FLAGS = {
     "--speculative-model": ("speculative_model", str, 'a draft checkpoint directory, or "ngram"'),
     "--num-speculative-tokens": ("num_speculative_tokens", int, "draft tokens per step"),
     "--compilation-cache-dir": ("compilation_cache_dir", str, "persistent XLA compilation cache directory"),
+    "--tool-call-parser": (
+        "tool_call_parser",
+        str,
+        "hermes | smollm2 | llama3_json | mistral: how the model writes tool calls (default: from the chat template)",
+    ),
 }
 SERVER_FLAGS = {
     "--host": ("host", str, "address to bind"),

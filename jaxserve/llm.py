@@ -8,6 +8,7 @@ same core through `jaxserve.engine.client.EngineClient`.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -16,6 +17,7 @@ from typing import Sequence as Seq
 from jaxserve.engine.chat import Conversation, is_conversation
 from jaxserve.engine.core import EngineCore
 from jaxserve.engine.request import RequestOutput, SamplingParams, Sequence
+from jaxserve.engine.tool_calls import ToolCalling, ToolRequest
 
 log = logging.getLogger("jaxserve.llm")
 
@@ -27,6 +29,7 @@ class LLM:
         self, model: str | Path | None = None, *, warmup: bool = True, log_progress: bool = False, **engine_options
     ):
         self.core = EngineCore(model, warmup=warmup, log_progress=log_progress, **engine_options)
+        self._tool_calling: ToolCalling | None = None
 
     # What a user (and the tests) inspect: the core's parts, read-only.
     @property
@@ -147,16 +150,51 @@ class LLM:
         self,
         messages: Seq[dict] | Seq[Seq[dict]],
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        *,
+        tools: Seq[dict] | None = None,
+        tool_choice: str | dict | None = None,
+        parallel_tool_calls: bool | None = None,
     ) -> list[RequestOutput]:
         """Reply to one conversation (a list of {"role", "content"} dicts) or to each of a list of
         them; each is rendered with the checkpoint's chat template, ending with the assistant's
-        generation prompt. ValueError naming `messages` if the checkpoint has no template."""
+        generation prompt. ValueError naming `messages` if the checkpoint has no template.
+
+        tools, tool_choice, parallel_tool_calls: OpenAI's (engine/tool_calls.py). Each output's
+        `tool_calls` is then the list of calls parsed from the reply (ToolCall: id, name,
+        arguments as JSON text) and its `text` the rest; tool_choice "required" or a function
+        enforces calls with a grammar, so sampling_params may not carry another constraint."""
         if not isinstance(messages, Seq) or isinstance(messages, str) or not messages:
             raise ValueError(
                 "messages: must be a non-empty list of {'role', 'content'} dicts (or a list of such lists)"
             )
         conversations = [messages] if is_conversation(messages) else list(messages)
-        return self.generate([Conversation.of(c) for c in conversations], sampling_params)
+        request = ToolRequest.of(tools, tool_choice, parallel_tool_calls)
+        tc = self.tool_calling
+        prompts = [
+            Conversation.of(tc.messages(Conversation.of(c).messages, request), tc.template_tools(request))
+            for c in conversations
+        ]
+        grammar = tc.grammar(request)
+        if grammar is not None:
+            if sampling_params is None or isinstance(sampling_params, SamplingParams):
+                sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+            sampling_params = [dataclasses.replace(sp, grammar=grammar) for sp in sampling_params]
+        outputs = self.generate(prompts, sampling_params)
+        if tc.parser(request) is not None:
+            for out in outputs:
+                parser = tc.parser(request)
+                parser.feed(out.text)
+                parser.finish()
+                out.text, out.tool_calls = parser.content, parser.tool_calls()
+        return outputs
+
+    @property
+    def tool_calling(self) -> ToolCalling:
+        """How this checkpoint's template writes tool calls (the `tool_call_parser` option, or
+        detected from the template)."""
+        if self._tool_calling is None:
+            self._tool_calling = ToolCalling.for_tokenizer(self.tokenizer, self.cfg.tool_call_parser)
+        return self._tool_calling
 
     def stream(self, prompt: str | Seq[int], params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Yield incremental outputs of one request as they are produced (offline use)."""

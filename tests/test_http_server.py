@@ -274,7 +274,7 @@ BAD_CHAT = [
         "messages[0].content",
     ),
     (dict(messages=[{"role": "user", "content": "x " * 400}]), "messages"),  # the prompt alone is too long
-    (dict(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
+    (dict(tools=[{"type": "function", "function": {"name": "f g"}}]), "tools[0].function.name"),
     (dict(response_format={"type": "xml"}), "response_format"),
     (dict(logit_bias={"abc": 1}), "logit_bias"),
 ]

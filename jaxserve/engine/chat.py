@@ -8,6 +8,11 @@ text (`sanitize_control_tokens=True`): only the template itself writes control t
 cannot forge a turn. A checkpoint without a template is refused with a ValueError naming the
 `messages` field; there is no fallback format.
 
+Tool calling (engine/tool_calls.py) adds the request's `tools` (the template's `tools` variable),
+assistant messages with `tool_calls` (content may then be empty) and `tool` messages answering
+them; a call's `arguments`, JSON text in OpenAI's API, reach the template as a dict, as
+transformers' templates expect.
+
 Plain Python over a transformers tokenizer; no jax. The engine core calls it from the
 frontends' worker threads (EngineClient.submit), never from their event loops: Jinja rendering
 is pure Python and tokenization of a long conversation takes a while.
@@ -16,6 +21,7 @@ is pure Python and tokenization of a long conversation takes a while.
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Mapping
 from collections.abc import Sequence as Seq
 from typing import Any
@@ -29,11 +35,14 @@ class Conversation:
     Build it with `Conversation.of`, which validates what every template needs."""
 
     messages: tuple[dict[str, Any], ...]
+    tools: tuple[dict[str, Any], ...] | None = None  # OpenAI function tools, for the template
 
     @classmethod
-    def of(cls, messages: "Conversation | Seq[Mapping[str, Any]]") -> "Conversation":
+    def of(
+        cls, messages: "Conversation | Seq[Mapping[str, Any]]", tools: Seq[Mapping[str, Any]] | None = None
+    ) -> "Conversation":
         if isinstance(messages, Conversation):
-            return messages
+            return messages if tools is None else dataclasses.replace(messages, tools=tuple(tools) or None)
         if isinstance(messages, (str, bytes)) or not isinstance(messages, Seq):
             raise ValueError(f"messages: must be a list of {{'role', 'content'}} dicts, got {type(messages).__name__}")
         if not messages:
@@ -45,10 +54,36 @@ class Conversation:
             role, content = m.get("role"), m.get("content")
             if role not in ROLES:
                 raise ValueError(f"messages[{i}].role: must be one of {', '.join(ROLES)}, got {role!r}")
+            m = dict(m)
+            if role == "assistant" and m.get("tool_calls"):
+                m["tool_calls"] = _tool_calls(m["tool_calls"], f"messages[{i}].tool_calls")
+                if content is None:
+                    m["content"] = content = ""
+            elif "tool_calls" in m:
+                del m["tool_calls"]  # None or [] (OpenAI clients send them): as if absent
             if not isinstance(content, str):
                 raise ValueError(f"messages[{i}].content: must be a string, got {type(content).__name__}")
-            out.append(dict(m))
-        return cls(tuple(out))
+            out.append(m)
+        return cls(tuple(out), tuple(tools) if tools else None)
+
+
+def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
+    """An assistant message's calls as templates read them: arguments decoded to a dict."""
+    if isinstance(calls, (str, bytes)) or not isinstance(calls, Seq):
+        raise ValueError(f"{where}: must be a list of calls")
+    out = []
+    for j, c in enumerate(calls):
+        fn = c.get("function") if isinstance(c, Mapping) else None
+        if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
+            raise ValueError(f"{where}[{j}].function: must be an object with a name")
+        args = fn.get("arguments", {})
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except ValueError:
+                raise ValueError(f"{where}[{j}].function.arguments: not valid JSON") from None
+        out.append({**c, "type": "function", "function": {"name": fn["name"], "arguments": args}})
+    return out
 
 
 def is_conversation(obj: Any) -> bool:
@@ -77,6 +112,7 @@ def render(tokenizer: Any | None, conversation: Conversation, where: object = "t
             tokenize=True,
             return_dict=False,
             sanitize_control_tokens=True,
+            tools=list(conversation.tools) if conversation.tools else None,
         )
     except TemplateError as e:  # the template's raise_exception, or a message it cannot render
         raise ValueError(f"messages: the chat template refused the conversation: {e}") from None

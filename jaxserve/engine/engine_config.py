@@ -33,6 +33,9 @@ class EngineConfig:
     async_scheduling: bool = True
     compilation_cache_dir: str | None = None  # persistent XLA cache: a restart skips compilation
     seed: int = 0
+    # How the model writes tool calls (engine/tool_calls.py): "hermes" | "smollm2" | "llama3_json"
+    # | "mistral"; default: picked from the chat template.
+    tool_call_parser: str | None = None
 
     def __post_init__(self):
         for name in ("max_slots", "page_size", "max_prefill_tokens"):
@@ -48,5 +51,9 @@ class EngineConfig:
             raise ValueError(f"matmul_impl must be 'xla' or 'native', got {self.matmul_impl!r}")
         if list(self.prefill_buckets) != sorted(set(self.prefill_buckets)) or self.prefill_buckets[0] < 1:
             raise ValueError(f"prefill_buckets must be increasing positive sizes, got {self.prefill_buckets}")
+        from jaxserve.engine.tool_calls import PARSERS
+
+        if self.tool_call_parser not in (None, *PARSERS):
+            raise ValueError(f"tool_call_parser must be one of {', '.join(PARSERS)}, got {self.tool_call_parser!r}")
         if self.speculative_model not in (None, "ngram") and self.num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")

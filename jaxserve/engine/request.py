@@ -267,6 +267,7 @@ class RequestOutput:
     logprobs: list[dict[int, float]] | None = None
     num_cached_prompt_tokens: int = 0
     index: int = 0  # which of the request's n completions
+    tool_calls: list | None = None  # LLM.chat with tools: the reply's tool_calls.ToolCall list, text = the rest
 
     @property
     def finished(self) -> bool:

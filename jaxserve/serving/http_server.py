@@ -38,6 +38,7 @@ from sse_starlette import EventSourceResponse
 from jaxserve.engine.chat import Conversation
 from jaxserve.engine.client import EngineClient, EngineDead, QueueFull, RequestStream, split_logprobs
 from jaxserve.engine.request import RequestOutput, SamplingParams
+from jaxserve.engine.tool_calls import ToolCalling, ToolRequest, finish_reason
 from jaxserve.serving.metrics import Metrics
 
 log = logging.getLogger("jaxserve.http")
@@ -114,6 +115,9 @@ class ContentPart(_Body):
 class ChatMessage(_Body):
     role: str
     content: str | list[ContentPart] | None = None
+    tool_calls: list[dict] | None = None  # an assistant's past calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
+    name: str | None = None
 
 
 class ResponseFormat(_Body):
@@ -152,6 +156,8 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: int | None = None
     response_format: ResponseFormat | None = None
     tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class CompletionRequest(_Sampling):
@@ -173,6 +179,7 @@ class _Call:
     renames: dict[str, str]
     logprobs: int | None
     include_usage: bool
+    tools: ToolRequest | None = None  # a chat request's tools, parsed from its replies unless tool_choice is none
     id: str = ""
     created: int = 0
 
@@ -198,6 +205,7 @@ class HttpFrontend:
         self.created = int(time.time())
         self.draining = False
         self._token_texts: dict[int, str] = {}
+        self._tool_calling: ToolCalling | None = None
         self._uvicorn: uvicorn.Server | None = None
         self._task: asyncio.Task | None = None
         self.app = self._build_app()
@@ -312,6 +320,7 @@ class HttpFrontend:
         default_max: int,
         logprobs: int | None,
         renames: dict[str, str],
+        grammar: str | None = None,
     ) -> Callable[[int], SamplingParams]:
         """Validate the sampling fields now (before any tokenization) and return the builder of
         the request's SamplingParams as a function of its prompt length. renames: engine field
@@ -337,6 +346,7 @@ class HttpFrontend:
             "min_tokens": b.min_tokens or None,
             "repetition_penalty": b.repetition_penalty if b.repetition_penalty not in (None, 1.0) else None,
             "logit_bias": b.logit_bias or None,
+            "grammar": grammar,  # a tool call's (tool_choice required or a function)
         }
         if extra["logit_bias"] is not None:
             try:
@@ -345,6 +355,10 @@ class HttpFrontend:
                 raise _invalid("logit_bias", "logit_bias keys must be token ids") from None
         if isinstance(b, ChatCompletionRequest) and b.response_format is not None:
             rf = b.response_format
+            if grammar is not None and rf.type != "text":
+                raise _invalid(
+                    "response_format", "response_format cannot be combined with tool_choice required or a function"
+                )
             if rf.type == "json_object":
                 extra["json_object"] = True
             elif rf.type == "json_schema":
@@ -379,9 +393,19 @@ class HttpFrontend:
         param = _param_of(msg, renames)
         return _invalid(param, msg) if param else APIError(400, msg)
 
+    @property
+    def tool_calling(self) -> ToolCalling:
+        """The checkpoint's tool-call family and template support (tool_calls.py), built on first use."""
+        if self._tool_calling is None:
+            core = self.engine.core
+            self._tool_calling = ToolCalling.for_tokenizer(core.tokenizer, core.cfg.tool_call_parser)
+        return self._tool_calling
+
     def _chat_call(self, b: ChatCompletionRequest) -> _Call:
-        if b.tools:
-            raise _invalid("tools", "tools are not supported by this server")
+        try:
+            tools = ToolRequest.of(b.tools, b.tool_choice, b.parallel_tool_calls)
+        except ValueError as e:
+            raise self._engine_error(e, {}) from None
         messages = []
         for i, m in enumerate(b.messages):
             content = m.content
@@ -390,9 +414,13 @@ class HttpFrontend:
                 if bad:
                     raise _invalid(f"messages[{i}].content", f"only text content parts are supported, got {bad[0]!r}")
                 content = "\n".join(p.text for p in content)
-            messages.append({"role": "system" if m.role == "developer" else m.role, "content": content or ""})
+            message = {"role": "system" if m.role == "developer" else m.role, "content": content or ""}
+            message.update({k: getattr(m, k) for k in ("tool_calls", "tool_call_id", "name") if getattr(m, k)})
+            messages.append(message)
+        tc = self.tool_calling
         try:
-            prompt = Conversation.of(messages)
+            prompt = Conversation.of(tc.messages(Conversation.of(messages).messages, tools), tc.template_tools(tools))
+            grammar = tc.grammar(tools)
         except ValueError as e:
             raise self._engine_error(e, {}) from None
         if b.top_logprobs is not None and not b.logprobs:
@@ -403,10 +431,10 @@ class HttpFrontend:
             if b.max_completion_tokens is not None
             else (b.max_tokens, "max_tokens")
         )
-        renames = {"max_tokens": max_name, "logprobs": "top_logprobs", "prompt": "messages"}
-        params = self._sampling(b, max_tokens, self.default_max_tokens, logprobs, renames)
+        renames = {"max_tokens": max_name, "logprobs": "top_logprobs", "prompt": "messages", "grammar": "tool_choice"}
+        params = self._sampling(b, max_tokens, self.default_max_tokens, logprobs, renames, grammar)
         include_usage = bool(b.stream and b.stream_options and b.stream_options.include_usage)
-        return _Call("chat", b, prompt, params, renames, logprobs, include_usage)
+        return _Call("chat", b, prompt, params, renames, logprobs, include_usage, tools)
 
     def _completion_call(self, b: CompletionRequest) -> _Call:
         for name in ("echo", "suffix"):
@@ -506,6 +534,10 @@ class HttpFrontend:
             logprobs = await self._logprobs(call, lps[i]) if call.logprobs is not None else None
             if call.kind == "chat":
                 choice["message"] = {"role": "assistant", "content": "".join(text[i])}
+                parser = self.tool_calling.parser(call.tools)
+                if parser is not None:
+                    choice["message"] = parser.message("".join(text[i]))
+                    choice["finish_reason"] = finish_reason(parser, choice["finish_reason"])
             else:
                 choice["text"] = "".join(text[i])
             choice["logprobs"] = logprobs
@@ -537,6 +569,7 @@ class HttpFrontend:
                 }
                 yield dumps({**head, "choices": [first], **extra})
         n_out, last = 0, None
+        parsers = [self.tool_calling.parser(call.tools) if chat else None for _ in range(stream.n)]
         try:
             async with contextlib.aclosing(self._outputs(call, stream)) as outputs:
                 async for out in outputs:
@@ -545,13 +578,16 @@ class HttpFrontend:
                     if not (out.token_ids or out.text or out.finished):
                         continue  # one chunk per engine output, like gRPC (text may be held back)
                     choice: dict[str, Any] = {"index": out.index}
-                    if chat:
+                    parser = parsers[out.index] if chat else None
+                    if parser is not None:
+                        choice["delta"] = parser.delta(out.text, out.finished)
+                    elif chat:
                         choice["delta"] = {"content": out.text} if out.text else {}
                     else:
                         choice["text"] = out.text
                     lp = await self._logprobs(call, out.logprobs) if call.logprobs is not None else None
                     choice["logprobs"] = lp
-                    choice["finish_reason"] = out.finish_reason
+                    choice["finish_reason"] = finish_reason(parser, out.finish_reason)
                     yield dumps({**head, "choices": [choice], **extra})
         except Exception as e:
             log.exception("engine error")
