@@ -198,8 +198,10 @@ class Server:
         """engine: an EngineCore (or an LLM, whose core is used): the server runs its loop.
         http_port: also serve the OpenAI-compatible HTTP API (http_server.py) on this port, in
         the same event loop over the same engine client (0 picks a free port)."""
-        self.metrics = Metrics()
-        self.engine = EngineClient(getattr(engine, "core", engine), max_waiting, on_step=self.metrics.update_engine)
+        core = getattr(engine, "core", engine)
+        info = core.model_info()
+        self.metrics = Metrics(info.model_name, info.page_size, info.num_kv_pages)
+        self.engine = EngineClient(core, max_waiting, on_step=self.metrics.update_engine)
         self.servicer = JaxServeServicer(self.engine, self.metrics, default_max_tokens)
         self.host, self.port, self.metrics_port = host, port, metrics_port
         self.token, self.tls = token, (tls_cert, tls_key) if tls_cert else None
