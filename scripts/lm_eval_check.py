@@ -25,7 +25,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-LM_EVAL = "lm_eval==0.4.13"
+LM_EVAL = "lm_eval[api,hf]==0.4.13"
 ROOT = Path(__file__).resolve().parent.parent
 TASKS = ROOT / "tests" / "data" / "lm_eval"
 
@@ -134,9 +134,14 @@ def main() -> int:
     ref = lm_eval(
         exe,
         "hf",
-        f"pretrained={model},dtype=float32,device=cpu,max_length={args.max_length}",
+        # local-completions encodes without special tokens (its add_bos_token=False default); the hf
+        # backend's tokenizer default would add a BOS to every piece it encodes: the same inputs need
+        # add_bos_token=False here (both then start rolling windows with the BOS prefix token)
+        f"pretrained={model},dtype=float32,max_length={args.max_length},add_bos_token=False",
         "jaxserve_mc,jaxserve_ppl",
         args.out / "hf",
+        "--device",
+        "cpu",
     )
     ok = True
     print(f"{'metric':34} {'jaxserve':>12} {'hf':>12}")
