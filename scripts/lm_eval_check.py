@@ -120,6 +120,14 @@ def main() -> int:
             "jaxserve_mc,jaxserve_ppl",
             args.out / "jaxserve",
         )
+        remote = lm_eval(  # tokenized by the server's /tokenize, /detokenize and /tokenizer_info
+            exe,
+            "local-completions",
+            f"base_url={base}/v1/completions,model={served},tokenizer_backend=remote,max_length={args.max_length},"
+            "max_retries=1",
+            "jaxserve_mc",
+            args.out / "remote",
+        )
         chat = lm_eval(
             exe,
             "local-chat-completions",
@@ -156,6 +164,10 @@ def main() -> int:
         good = abs(a - b) <= tol * abs(b) + 1e-9
         ok &= good
         print(f"{task + ' ' + metric:34} {a:12.6f} {b:12.6f} {'ok' if good else 'MISMATCH'}")
+    for metric in ("acc,none", "acc_norm,none"):
+        a, b = remote["jaxserve_mc"][metric], ref["jaxserve_mc"][metric]
+        ok &= a == b
+        print(f"{'jaxserve_mc ' + metric + ' (remote tok.)':34} {a:12.6f} {b:12.6f} {'ok' if a == b else 'MISMATCH'}")
     n_gen = chat["jaxserve_gen"]
     print(f"jaxserve_gen (local-chat-completions) exact_match: {n_gen.get('exact_match,none')}")
     return 0 if ok else 1

@@ -190,6 +190,10 @@ def test_tokenize_round_trips_through_detokenize(served):
     messages = [{"role": "user", "content": "hello"}]
     r = _post(st, "/tokenize", {"model": _model(st), "messages": messages})[1]
     assert r["tokens"] == llm.core.render_chat(messages)
+    with urllib.request.urlopen(st.base_url + "/tokenizer_info", timeout=10) as r:  # lm-eval's remote tokenizer
+        info = json.load(r)
+    assert (info["bos_token"], info["eos_token"]) == (llm.tokenizer.bos_token, llm.tokenizer.eos_token)
+    assert info["chat_template"] == llm.tokenizer.chat_template
     status, bad = _post(st, "/detokenize", {"model": _model(st), "tokens": [10**6]})
     assert status == 400 and bad["error"]["param"] == "tokens"
 

@@ -165,6 +165,20 @@ class EngineClient:
             raise ValueError(f"tokens: {self.core.model_path.name} has no tokenizer")
         return tok.decode(list(token_ids))
 
+    def tokenizer_info(self) -> dict:
+        """vLLM's /tokenizer_info: the special tokens and the chat template (lm-eval's remote tokenizer)."""
+        tok = self.core.tokenizer
+        if tok is None:
+            raise ValueError(f"model: {self.core.model_path.name} has no tokenizer")
+        return {
+            "tokenizer_class": type(tok).__name__,
+            "bos_token": tok.bos_token,
+            "eos_token": tok.eos_token,
+            "pad_token": tok.pad_token,
+            "chat_template": getattr(tok, "chat_template", None),
+            "model_max_length": self.core.max_model_len,
+        }
+
     def model_info(self) -> ModelInfo:
         return self.core.model_info()
 

@@ -334,6 +334,13 @@ class HttpFrontend:
                 raise self._engine_error(e, {}) from None
             return {"prompt": text}
 
+        @app.get("/tokenizer_info", dependencies=auth)
+        async def tokenizer_info():
+            try:
+                return self.engine.tokenizer_info()
+            except ValueError as e:
+                raise self._engine_error(e, {}) from None
+
         @app.get("/metrics")
         async def metrics():
             return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
