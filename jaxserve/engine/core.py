@@ -386,7 +386,12 @@ class EngineCore:
         """Run the plan's prefill chunks; a sequence that asks for prompt logprobs has its chunk
         scored in the same device call (each position against the next prompt token), and the
         positions it covers filled in its `prompt_logprobs`."""
-        targets = [c.seq.all_ids[c.start + 1 : c.end + 1] if c.seq.wants_prompt_logprobs else None for c in chunks]
+
+        def next_tokens(c) -> list[int]:  # padded past the known tokens: those positions are not kept
+            ids = c.seq.all_ids[c.start + 1 : c.end + 1]
+            return ids + [0] * (c.end - c.start - len(ids))
+
+        targets = [next_tokens(c) if c.seq.wants_prompt_logprobs else None for c in chunks]
         results = self.runner.prefill(
             [Chunk(c.seq.all_ids[c.start : c.end], c.start, c.seq.pages) for c in chunks], targets
         )
