@@ -442,7 +442,7 @@ def build_parser() -> argparse.ArgumentParser:
         parents=[gin_parent],
         description="Load a model, compile every shape, serve gRPC (Generate, Abort, GetModelInfo, "
         "health, reflection) and, with --http-port, the OpenAI-compatible HTTP API (/v1/models, "
-        "/v1/completions, /v1/chat/completions, /health) from the same engine. Prints 'jaxserve: serving "
+        "/v1/completions, /v1/chat/completions, /health, /tokenize, /detokenize, /tokenizer_info, /metrics) from the same engine. Prints 'jaxserve: serving "
         "on HOST:PORT' once listening (and 'jaxserve: OpenAI-compatible HTTP on http://HOST:PORT/v1').",
         epilog=GIN_HELP + " Without --gin_file: configs/default.gin.",
     )

@@ -221,3 +221,5 @@ def _merge(acc: RequestOutput, delta: RequestOutput) -> None:
     acc.num_cached_prompt_tokens = delta.num_cached_prompt_tokens
     if delta.logprobs is not None:
         acc.logprobs.extend(delta.logprobs)
+    if delta.prompt_logprobs is not None:
+        acc.prompt_logprobs, acc.prompt_ranks = delta.prompt_logprobs, delta.prompt_ranks

@@ -23,7 +23,9 @@ SMALL = dict(max_slots=6, page_size=8, max_model_len=128, num_pages=80, prefill_
 
 def _steps(llm: LLM) -> int:
     e = llm.runner
-    steps = [getattr(w, n) for w in e.models for n in ("prefill", "prefill_ctx", "decode_sample", "copy")]
+    steps = [
+        getattr(w, n) for w in e.models for n in ("prefill", "prefill_ctx", "prefill_logprobs", "decode_sample", "copy")
+    ]
     return sum(len(s) for s in steps)
 
 

@@ -166,6 +166,40 @@ class EngineClient:
             return {t: f"token_id:{t}" for t in token_ids}
         return {t: tok.decode([t]) for t in token_ids}
 
+    def tokenize(self, prompt: str | Conversation, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a text (BOS and the like only with add_special_tokens) or of chat messages
+        rendered by the chat template (/tokenize); tokenizer work, so call it off the event loop."""
+        if isinstance(prompt, Conversation):
+            return self.core.render_chat(prompt)
+        tok = self.core.tokenizer
+        if tok is None:
+            raise ValueError(f"prompt: {self.core.model_path.name} has no tokenizer")
+        return tok.encode(prompt, add_special_tokens=add_special_tokens)
+
+    def detokenize(self, token_ids: Seq[int]) -> str:
+        """The text of token ids, special tokens included (/detokenize, echo of a token-id prompt)."""
+        tok, v = self.core.tokenizer, self.core.model_cfg.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < v]
+        if bad:
+            raise ValueError(f"tokens: token id {bad[0]} is outside the vocabulary [0, {v})")
+        if tok is None:
+            raise ValueError(f"tokens: {self.core.model_path.name} has no tokenizer")
+        return tok.decode(list(token_ids))
+
+    def tokenizer_info(self) -> dict:
+        """vLLM's /tokenizer_info: the special tokens and the chat template (lm-eval's remote tokenizer)."""
+        tok = self.core.tokenizer
+        if tok is None:
+            raise ValueError(f"model: {self.core.model_path.name} has no tokenizer")
+        return {
+            "tokenizer_class": type(tok).__name__,
+            "bos_token": tok.bos_token,
+            "eos_token": tok.eos_token,
+            "pad_token": tok.pad_token,
+            "chat_template": getattr(tok, "chat_template", None),
+            "model_max_length": self.core.max_model_len,
+        }
+
     def model_info(self) -> ModelInfo:
         return self.core.model_info()
 

@@ -230,6 +230,8 @@ class EngineCore:
                 f"max_tokens: the prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) "
                 f"exceeds max_model_len ({self.max_model_len})"
             )
+        if params.prompt_logprobs is not None and not self.cfg.enable_prompt_logprobs:
+            raise ValueError("prompt_logprobs: this engine was started with enable_prompt_logprobs=False")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop: stop strings need a tokenizer; use stop_token_ids")
         self._check_token_ids(params)
@@ -307,6 +309,9 @@ class EngineCore:
             "kv_pages_total": alloc.capacity,
             "kv_pages_free": alloc.num_free,
             "kv_pages_used": alloc.capacity - alloc.num_free,
+            # pages running requests hold (shared ones once): the rest of the used ones are
+            # cached prefixes no request reads, which admission evicts when it needs room
+            "kv_pages_active": len({p for s in self.scheduler.running for p in s.pages}),
             "preemptions": self.scheduler.num_preemptions,
             "prefix_cache_hit_tokens": pc.hit_tokens if pc else 0,
             "prefix_cache_queried_tokens": pc.queried_tokens if pc else 0,
@@ -358,7 +363,7 @@ class EngineCore:
         if plan.copies:
             self.runner.copy_pages(plan.copies)
         if plan.prefills:
-            self.runner.prefill([Chunk(c.seq.all_ids[c.start : c.end], c.start, c.seq.pages) for c in plan.prefills])
+            self._prefill(plan.prefills)
         touched: list[Sequence] = []
         if plan.decodes and self.spec_k and not any(s.params.plain_decode_only for s in plan.decodes):
             touched = self.scheduler.update(plan, self._speculate(plan.decodes))
@@ -376,6 +381,30 @@ class EngineCore:
                 touched += self._resolve(pending)
                 self._pending = None
         return [self._output(seq) for seq in touched + finished_now] + rejected
+
+    def _prefill(self, chunks) -> None:
+        """Run the plan's prefill chunks; a sequence that asks for prompt logprobs has its chunk
+        scored in the same device call (each position against the next prompt token), and the
+        positions it covers filled in its `prompt_logprobs`."""
+
+        def next_tokens(c) -> list[int]:  # padded past the known tokens: those positions are not kept
+            ids = c.seq.all_ids[c.start + 1 : c.end + 1]
+            return ids + [0] * (c.end - c.start - len(ids))
+
+        targets = [next_tokens(c) if c.seq.wants_prompt_logprobs else None for c in chunks]
+        results = self.runner.prefill(
+            [Chunk(c.seq.all_ids[c.start : c.end], c.start, c.seq.pages) for c in chunks], targets
+        )
+        for c, r in zip(chunks, results):
+            if r is None:
+                continue
+            seq, n = c.seq, c.seq.params.prompt_logprobs
+            for j in range(min(c.end, len(seq.prompt_ids) - 1) - c.start):  # a recomputed output is not scored
+                lp = {seq.all_ids[c.start + 1 + j]: float(r.logprobs[j])}
+                for k in range(n):
+                    lp.setdefault(int(r.top_ids[j, k]), float(r.top_logprobs[j, k]))
+                seq.prompt_logprobs[c.start + 1 + j] = lp
+                seq.prompt_ranks[c.start + 1 + j] = int(r.ranks[j])
 
     def _chunk(self, seq: Sequence, tokens: list[int], bitmask: np.ndarray | None = None):
         """A decoding sequence as the runner sees it: tokens fed from its last position, its
@@ -460,6 +489,10 @@ class EngineCore:
             self.scheduler.finish(seq, "stop")
         out = d.delta(seq)
         out.request_id, out.index = seq.parent_id, seq.index
+        if seq.params.prompt_logprobs is not None and not seq.prompt_logprobs_sent:
+            src = seq.leader or seq  # the other completions of a prompt share its first one's
+            out.prompt_logprobs, out.prompt_ranks = src.prompt_logprobs, src.prompt_ranks
+            seq.prompt_logprobs_sent = True
         if seq.status is Status.FINISHED:
             self._detok.pop(seq.request_id, None)
         return out

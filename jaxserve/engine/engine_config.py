@@ -31,6 +31,9 @@ class EngineConfig:
     # Dispatch each decode step before reading the previous one's tokens (host work hidden
     # behind the device); off for speculative decoding. Outputs are the same either way.
     async_scheduling: bool = True
+    # The scoring prefill of requests with prompt_logprobs (lm-eval's loglikelihood): compiled at
+    # warm-up, one executable per prefill bucket; off, such requests are refused.
+    enable_prompt_logprobs: bool = True
     compilation_cache_dir: str | None = None  # persistent XLA cache: a restart skips compilation
     seed: int = 0
     # How the model writes tool calls (engine/tool_calls.py): "hermes" | "smollm2" | "llama3_json"

@@ -43,7 +43,9 @@ class KVManager:
         or nothing (and False) when the pool cannot hold it. keep_reserve leaves a small
         watermark free for the running requests' next tokens."""
         cache = self.prefix_cache
-        match = cache.match(seq.all_ids[:-1]) if cache is not None else None
+        # A request that asks for prompt logprobs computes every prompt position (cached KV
+        # has no logits); it still offers its pages to the cache afterwards.
+        match = cache.match(seq.all_ids[:-1]) if cache is not None and not seq.wants_prompt_logprobs else None
         cached_pages = match.pages if match else []
         cached_tokens = match.num_tokens if match else 0
         # Pages still to allocate, plus one when a shared partial page must be copied on write.

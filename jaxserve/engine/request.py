@@ -56,6 +56,10 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    # vLLM's prompt_logprobs: each prompt token's logprob (the first is None: nothing predicts
+    # it) with the top n alternatives, computed in the prefill. A request that asks for them
+    # skips the prefix cache (its cached tokens would have no logits), as vLLM does.
+    prompt_logprobs: int | None = None
     n: int = 1
     min_p: float = 0.0
     min_tokens: int = 0
@@ -80,6 +84,8 @@ class SamplingParams:
             set_("seed", _integer("seed", self.seed, 0, 2**63 - 1))
         if self.logprobs is not None:
             set_("logprobs", _integer("logprobs", self.logprobs, 0, MAX_LOGPROBS))
+        if self.prompt_logprobs is not None:
+            set_("prompt_logprobs", _integer("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS))
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop must not contain an empty string")
         set_("n", _integer("n", self.n, 1, MAX_N))
@@ -218,10 +224,18 @@ class Sequence:
     # scheduling, at most one between steps): they count in `length` (pages, positions)
     # but are not in output_ids until `append` fills them in.
     num_pending: int = 0
+    # params.prompt_logprobs: position i's logprobs dict (the prompt token first, then the top
+    # n), filled by the prefill chunks; position 0 stays None. Sent with the first output.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_ranks: list[int | None] | None = None  # each prompt token's rank in the vocabulary (1: most likely)
+    prompt_logprobs_sent: bool = False
 
     def __post_init__(self):
         if self.parent_id is None:
             self.parent_id = self.request_id
+        if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None] * len(self.prompt_ids)
+            self.prompt_ranks = [None] * len(self.prompt_ids)
         if self.params.penalized and self.history is None:
             self.history = TokenHistory(self.prompt_ids, self.output_ids)
 
@@ -243,6 +257,11 @@ class Sequence:
         """Its next step needs its last token on the host (the grammar's mask, the penalties'
         history): its decode steps are not overlapped."""
         return self.grammar is not None or self.history is not None
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Its prefill must compute every prompt position's logits: no prefix-cache reuse."""
+        return self.params.prompt_logprobs is not None and not self.prompt_logprobs_sent and self.leader is None
 
     @property
     def prefilling(self) -> bool:
@@ -268,6 +287,10 @@ class RequestOutput:
     num_cached_prompt_tokens: int = 0
     index: int = 0  # which of the request's n completions
     tool_calls: list | None = None  # LLM.chat with tools: the reply's tool_calls.ToolCall list, text = the rest
+    # SamplingParams.prompt_logprobs: one entry per prompt token (None for the first), in the
+    # first output of each completion only
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_ranks: list[int | None] | None = None
 
     @property
     def finished(self) -> bool:

@@ -92,6 +92,21 @@ def _prefill_step(graphdef, attn_fn, params, kv, batch: StepBatch):
     return kv  # logits unused: XLA drops the vocabulary projection
 
 
+def _prefill_logprobs_step(graphdef, attn_fn, params, kv, batch: StepBatch, targets, *, num_top: int):
+    """A prefill that also scores the chunk (prompt logprobs, lm-eval's loglikelihood): the
+    log-softmax of every position's logits, gathered at `targets` [S, T] (each position's next
+    prompt token), its rank in the vocabulary (1: the most likely) and the top `num_top`.
+    A step of its own so the plain prefill keeps dropping the vocabulary projection. Returns
+    (kv, (logprob [S, T], rank [S, T], top ids [S, T, n], top logprobs [S, T, n]))."""
+    model = nnx.merge(graphdef, params)
+    logits, kv = model(batch.tokens, batch.positions, kv, batch.attn, attn_fn)
+    logp = jax.nn.log_softmax(logits, axis=-1)  # float32, as the decode step's logprobs
+    chosen = jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+    rank = 1 + jnp.sum(logp > chosen[..., None], axis=-1, dtype=jnp.int32)
+    top_lp, top_ids = jax.lax.top_k(logp, num_top)
+    return kv, (chosen, rank, top_ids.astype(jnp.int32), top_lp)
+
+
 def _decode_step(graphdef, attn_fn, params, kv, batch: StepBatch):
     """One token per row: (logits [S, V], kv). Serving runs `_decode_sample_step`."""
     model = nnx.merge(graphdef, params)
@@ -130,6 +145,17 @@ def _decode_sample_step(
 def _copy_pages(kv, src, dst):
     """Copy pages src -> dst in every array of every layer's cache tuple (scales too)."""
     return tuple(tuple(x.at[dst].set(x[src]) for x in layer) for layer in kv)
+
+
+@dataclasses.dataclass
+class PromptLogprobs:
+    """One prefill chunk's scores: position j's next token (the chunk's target j) has
+    `logprobs[j]` and vocabulary rank `ranks[j]`; top_ids/top_logprobs [m, n] the n most likely."""
+
+    logprobs: np.ndarray  # [m]
+    ranks: np.ndarray  # [m]
+    top_ids: np.ndarray  # [m, n]
+    top_logprobs: np.ndarray  # [m, n]
 
 
 @dataclasses.dataclass
@@ -243,6 +269,21 @@ class _Weights:
         )
         self.prefill = step(_prefill_step, "prefill", None)
         self.prefill_ctx = step(_prefill_step, "context", None)
+        self.prefill_logprobs = Step(  # the target's only: the draft fills KV with prefill_ctx
+            f"{name}-prefill-logprobs",
+            jax.jit(
+                pin_kv(
+                    functools.partial(_prefill_logprobs_step, self.graphdef, self.attn["context"]),
+                    self.kv_sharding,
+                    0,
+                    None,
+                ),
+                donate_argnums=(1,),
+                static_argnames=("num_top",),
+            ),
+            store,
+            fixed=2,
+        )
         self.decode = step(_decode_step, "decode", 1)  # logits only (tests, tools): not warmed up
         replicate = None
         if mesh is not None:
@@ -284,6 +325,7 @@ class RunnerConfig:
     kv_cache_dtype: str = "auto"  # "auto" (pages in dtype) | "int8" | "fp8" (8-bit pages + bfloat16 scales)
     matmul_impl: str = "xla"  # "native": Linear weights packed for the C++ CPU matmul
     max_logprobs: int = 0  # the top-n alternatives a decode step computes when any row asks for logprobs
+    prompt_logprobs: bool = True  # warm up the scoring prefill (prompt logprobs)
     num_speculative_tokens: int = 0  # k of a speculative step; 0 = no speculation
     tensor_parallel_size: int = 1
     # Decode batch buckets are powers of two from 8 rows (on TPU/GPU a sublane tile: fewer rows
@@ -435,12 +477,23 @@ class ModelRunner:
 
     # -- steps -------------------------------------------------------------------------
     @replicated
-    def prefill(self, chunks: list[Chunk]) -> None:
+    def prefill(self, chunks: list[Chunk], targets: Sequence[Sequence[int] | None] = ()) -> list[PromptLogprobs | None]:
         """Fill KV (of the target and the draft) for chunks of a sequence's tokens.
 
         Fresh prompts (start 0) are packed into one row of a bucket, each its own segment,
         so short prompts share one call and padding stays below one bucket step. A chunk that
-        continues a sequence runs alone and attends to the pages already written."""
+        continues a sequence runs alone and attends to the pages already written.
+
+        targets[i] (optional): the token after each of chunk i's tokens. Such a chunk runs
+        alone through the scoring prefill (`_prefill_logprobs_step`, the continuation
+        attention: it also serves a chunk at start 0), and result i is its PromptLogprobs;
+        the others' results are None."""
+        targets = list(targets) + [None] * (len(chunks) - len(targets))
+        results: list[PromptLogprobs | None] = [None] * len(chunks)
+        for i, c in enumerate(chunks):
+            if targets[i] is not None:
+                results[i] = self._run_prefill_logprobs(c, targets[i])
+        chunks = [c for c, t in zip(chunks, targets) if t is None]
         for c in chunks:
             if c.start:
                 self._run_prefill([c], "prefill_ctx", self.table_width)
@@ -454,6 +507,22 @@ class ModelRunner:
             used += len(c.tokens)
         if pack:
             self._run_prefill(pack, "prefill", 1)
+        return results
+
+    def _run_prefill_logprobs(self, chunk: Chunk, targets: Sequence[int]) -> PromptLogprobs:
+        m = len(chunk.tokens)
+        if len(targets) != m:
+            raise ValueError(f"targets: {len(targets)} for a chunk of {m} tokens")
+        t = bucket_for(self.prefill_buckets, m)
+        batch = self.batch([[chunk]], 1, t, self.table_width)
+        padded = np.zeros((1, t), np.int32)
+        padded[0, :m] = targets
+        w = self.target
+        w.kv, out = w.prefill_logprobs(w.params, w.kv, batch, padded, num_top=max(1, self.cfg.max_logprobs))
+        if self.draft is not None:
+            self.draft.kv = self.draft.prefill_ctx(self.draft.params, self.draft.kv, batch)
+        lp, rank, top_ids, top_lp = (to_host(x)[0, :m] for x in out)
+        return PromptLogprobs(lp, rank, top_ids, top_lp)
 
     def _run_prefill(self, chunks: list[Chunk], fn_name: str, table_width: int) -> None:
         t = bucket_for(self.prefill_buckets, sum(len(c.tokens) for c in chunks))
@@ -535,6 +604,8 @@ class ModelRunner:
         t0 = time.perf_counter()
         ps = self.cfg.page_size
         jobs = [("prefill", t, start) for t in self.prefill_buckets for start in (0, ps)]
+        if self.cfg.prompt_logprobs:
+            jobs += [("prefill_logprobs", t, 0) for t in self.prefill_buckets]
         for b in self.batch_buckets:
             jobs += [("decode", b, (do_sample, nlp)) for do_sample in (False, True) for nlp in (0, 1)]
             if self.spec_k:
@@ -544,6 +615,9 @@ class ModelRunner:
                 progress(f"compiling {kind} {a} {b if b is not None else ''} ({i + 1}/{len(jobs)})")
             if kind == "prefill":
                 self.prefill([Chunk([0] * a, b, [DUMMY_PAGE] * (self.max_pages_per_seq + a // ps + 2))])
+                continue
+            if kind == "prefill_logprobs":
+                self.prefill([Chunk([0] * a, 0, [DUMMY_PAGE] * (self.max_pages_per_seq + a // ps + 2))], [[0] * a])
                 continue
             # a rows pick bucket a: one live row on the dummy pages, the rest empty
             n_tok = 1 + self.spec_k if kind == "speculate" else 1
@@ -617,6 +691,7 @@ def resolve(
         kv_cache_dtype=kv_cache_dtype,
         matmul_impl=matmul_impl,
         max_logprobs=min(max_logprobs, model_cfg.vocab_size),
+        prompt_logprobs=cfg.enable_prompt_logprobs,
         num_speculative_tokens=spec_k,
         tensor_parallel_size=cfg.tensor_parallel_size,
         single_row_bucket=backend == "cpu",

@@ -1,6 +1,12 @@
 """The OpenAI-compatible HTTP frontend: GET /v1/models, POST /v1/completions, POST
 /v1/chat/completions (streamed as server-sent events ending in `data: [DONE]`, or not), GET
-/health.
+/health, vLLM's POST /tokenize and /detokenize, and GET /metrics (Prometheus: jaxserve's and
+vLLM's names, metrics.py).
+
+/v1/completions serves evaluation harnesses (lm-eval's `local-completions`) as vLLM does:
+prompt lists (each prompt its own choices, index = prompt * n + completion), token-id
+prompts, `echo` (max_tokens 0 allowed) with `logprobs` over the echoed prompt tokens (the
+first one's null) and vLLM's `prompt_logprobs`; the engine scores the prompt in its prefill.
 
 FastAPI on uvicorn, run by `Server` (server.py) in the same asyncio event loop as the gRPC
 frontend, over the same EngineClient: one engine, one scheduler, one set of metrics, one drain.
@@ -31,12 +37,13 @@ from typing import Any, AsyncIterator, Callable
 import uvicorn
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict
 from sse_starlette import EventSourceResponse
 
 from jaxserve.engine.chat import Conversation
-from jaxserve.engine.client import EngineClient, EngineDead, QueueFull, RequestStream, split_logprobs
+from jaxserve.engine.client import EngineClient, EngineDead, QueueFull, RequestStream, TokenLogprob, split_logprobs
 from jaxserve.engine.request import RequestOutput, SamplingParams
 from jaxserve.engine.tool_calls import ToolCalling, ToolRequest, finish_reason
 from jaxserve.serving.metrics import Metrics
@@ -44,6 +51,7 @@ from jaxserve.serving.metrics import Metrics
 log = logging.getLogger("jaxserve.http")
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
+MAX_PROMPTS = 1024  # prompts in one /v1/completions request (each is its own engine request)
 _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 
 
@@ -166,6 +174,21 @@ class CompletionRequest(_Sampling):
     echo: bool | None = None
     suffix: str | None = None
     best_of: int | None = None
+    prompt_logprobs: int | None = None  # vLLM's extension
+
+
+class TokenizeRequest(_Body):
+    """vLLM's /tokenize: a prompt, or chat messages rendered by the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[dict] | None = None
+    add_special_tokens: bool | None = None  # default: true for a prompt, false for messages (vLLM's)
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[int]
 
 
 @dataclasses.dataclass
@@ -182,6 +205,25 @@ class _Call:
     tools: ToolRequest | None = None  # a chat request's tools, parsed from its replies unless tool_choice is none
     id: str = ""
     created: int = 0
+    # /v1/completions only
+    prompts: list = dataclasses.field(default_factory=list)  # one engine request each
+    echo: bool = False
+    drop_output: bool = False  # max_tokens 0 with echo: the engine's one token is not returned
+    prompt_logprobs: int | None = None  # the vLLM field asked for (echo's logprobs come from the same scores)
+
+
+@dataclasses.dataclass
+class _CompletionChoice:
+    """One completions choice being assembled (or streamed): what was sent so far."""
+
+    prompt: int  # which prompt of the request
+    text: list[str] = dataclasses.field(default_factory=list)
+    logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)
+    finish_reason: str | None = None
+    prompt_logprobs: list | None = None
+    prompt_ranks: list | None = None
+    offset: int = 0  # text_offset of the next token (streaming)
+    echoed: bool = False
 
 
 # -- the frontend -----------------------------------------------------------------------
@@ -286,7 +328,32 @@ class HttpFrontend:
         @app.post("/v1/completions", dependencies=auth)
         async def completions(body: CompletionRequest, request: Request):
             self._check_model(body.model)
-            return await self._serve(self._completion_call(body), request)
+            return await self._serve_completion(self._completion_call(body), request)
+
+        @app.post("/tokenize", dependencies=auth)
+        async def tokenize(body: TokenizeRequest):
+            return await self._tokenize(body)
+
+        @app.post("/detokenize", dependencies=auth)
+        async def detokenize(body: DetokenizeRequest):
+            if body.model is not None:
+                self._check_model(body.model)
+            try:
+                text = await asyncio.get_running_loop().run_in_executor(None, self.engine.detokenize, body.tokens)
+            except ValueError as e:
+                raise self._engine_error(e, {}) from None
+            return {"prompt": text}
+
+        @app.get("/tokenizer_info", dependencies=auth)
+        async def tokenizer_info():
+            try:
+                return self.engine.tokenizer_info()
+            except ValueError as e:
+                raise self._engine_error(e, {}) from None
+
+        @app.get("/metrics")
+        async def metrics():
+            return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
         return app
 
@@ -437,29 +504,40 @@ class HttpFrontend:
         return _Call("chat", b, prompt, params, renames, logprobs, include_usage, tools)
 
     def _completion_call(self, b: CompletionRequest) -> _Call:
-        for name in ("echo", "suffix"):
-            if getattr(b, name):
-                raise _invalid(name, f"{name} is not supported by this server")
+        if b.suffix:
+            raise _invalid("suffix", "suffix is not supported by this server")
         if b.best_of is not None and b.best_of != 1:
             raise _invalid("best_of", f"best_of must be 1, got {b.best_of}")
-        prompt = b.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise _invalid("prompt", f"one prompt per request is supported, got a batch of {len(prompt)}")
-            prompt = prompt[0]
+        prompts = (
+            b.prompt if isinstance(b.prompt, list) and b.prompt and isinstance(b.prompt[0], (str, list)) else [b.prompt]
+        )
+        if not prompts or len(prompts) > MAX_PROMPTS:
+            raise _invalid("prompt", f"prompt: a list of 1 to {MAX_PROMPTS} prompts, got {len(prompts)}")
+        echo = bool(b.echo)
+        if b.max_tokens == 0 and not echo:
+            raise _invalid("max_tokens", "max_tokens must be >= 1 (0 only with echo: the prompt alone)")
+        drop = b.max_tokens == 0
+        # Echo's logprobs over the prompt and vLLM's prompt_logprobs come from one scoring prefill.
+        want = [n for n in (b.logprobs if echo else None, b.prompt_logprobs) if n is not None]
         renames = {"prompt_token_ids": "prompt"}
-        params = self._sampling(b, b.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, b.logprobs, renames)
+        if echo and b.logprobs is not None and b.prompt_logprobs is None:
+            renames["prompt_logprobs"] = "logprobs"
+        base = self._sampling(b, 1 if drop else b.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, b.logprobs, renames)
+        params = base if not want else lambda n: dataclasses.replace(base(n), prompt_logprobs=max(want))
+        try:
+            params(0)
+        except ValueError as e:
+            raise self._engine_error(e, renames) from None
         include_usage = bool(b.stream and b.stream_options and b.stream_options.include_usage)
-        return _Call("completion", b, prompt, params, renames, b.logprobs, include_usage)
+        call = _Call("completion", b, prompts[0], params, renames, b.logprobs, include_usage)
+        call.prompts, call.echo, call.drop_output, call.prompt_logprobs = prompts, echo, drop, b.prompt_logprobs
+        return call
 
     # -- serving ----------------------------------------------------------------------
-    async def _serve(self, call: _Call, request: Request):
-        if self.draining:
-            raise APIError(503, "the server is shutting down", type_="service_unavailable")
-        call.id = f"{'chatcmpl' if call.kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
-        call.created = int(time.time())
+    async def _submit(self, call: _Call, prompt, request_id: str) -> RequestStream:
+        """Submit one prompt of the call; the engine's refusal as an OpenAI error."""
         try:
-            stream = await self.engine.submit(call.prompt, call.params, call.id)
+            return await self.engine.submit(prompt, call.params, request_id)
         except ValueError as e:
             err = self._engine_error(e, call.renames)
             if (
@@ -474,6 +552,13 @@ class HttpFrontend:
             raise APIError(429, str(e), code="rate_limit_exceeded") from None
         except EngineDead as e:
             raise APIError(503, str(e), type_="service_unavailable") from None
+
+    async def _serve(self, call: _Call, request: Request):
+        if self.draining:
+            raise APIError(503, "the server is shutting down", type_="service_unavailable")
+        call.id = f"{'chatcmpl' if call.kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        call.created = int(time.time())
+        stream = await self._submit(call, call.prompt, call.id)
         if call.body.stream:
             return EventSourceResponse(self._events(call, stream), ping=15, sep="\n")
         return await self._until_done_or_gone(self._collect(call, stream), request)
@@ -598,6 +683,234 @@ class HttpFrontend:
             usage = _usage(len(stream.prompt_token_ids), n_out, last.num_cached_prompt_tokens)
             yield dumps({**head, "choices": [], "usage": usage})
         yield "[DONE]"
+
+    # -- /v1/completions ----------------------------------------------------------------
+    async def _serve_completion(self, call: _Call, request: Request):
+        """Each prompt of the list is its own engine request; the choices of prompt p are
+        p * n + 0..n-1. A refused prompt aborts the ones already submitted."""
+        if self.draining:
+            raise APIError(503, "the server is shutting down", type_="service_unavailable")
+        call.id, call.created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        streams: list[RequestStream] = []
+        try:
+            for p, prompt in enumerate(call.prompts):
+                streams.append(await self._submit(call, prompt, call.id if p == 0 else f"{call.id}-{p}"))
+        except BaseException:
+            for st in streams:
+                self.engine.abort(st.request_id)
+            raise
+        echo = [""] * len(streams)
+        if call.echo:  # the prompt's text as given, or the decoded token ids
+            loop = asyncio.get_running_loop()
+            for p, (prompt, st) in enumerate(zip(call.prompts, streams)):
+                echo[p] = (
+                    prompt
+                    if isinstance(prompt, str)
+                    else await loop.run_in_executor(None, self.engine.detokenize, st.prompt_token_ids)
+                )
+        if call.body.stream:
+            return EventSourceResponse(self._completion_events(call, streams, echo), ping=15, sep="\n")
+        return await self._until_done_or_gone(self._completion_collect(call, streams, echo), request)
+
+    async def _merged(self, call: _Call, streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(prompt index, output) of every stream as they come; closing it aborts the rest."""
+        q: asyncio.Queue = asyncio.Queue()
+
+        async def pump(p: int, stream: RequestStream) -> None:
+            try:
+                async with contextlib.aclosing(self._outputs(call, stream)) as outputs:
+                    async for out in outputs:
+                        q.put_nowait((p, out))
+            except Exception as e:
+                q.put_nowait((p, e))
+            finally:
+                q.put_nowait((p, None))
+
+        tasks = [asyncio.create_task(pump(p, st)) for p, st in enumerate(streams)]
+        try:
+            left = len(tasks)
+            while left:
+                p, item = await q.get()
+                if item is None:
+                    left -= 1
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    yield p, item
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)  # their cleanup aborts unfinished requests
+
+    def _choice_index(self, streams: list[RequestStream], p: int, out: RequestOutput) -> int:
+        return p * streams[0].n + out.index
+
+    def _absorb(self, call: _Call, choice: _CompletionChoice, out: RequestOutput) -> tuple[str, list, list]:
+        """An engine output's share of a choice: (text, output logprobs, echoed prompt part),
+        the echoed prompt in the choice's first output only."""
+        text, lps = ("", []) if call.drop_output else (out.text, out.logprobs or [])
+        prompt_part: list = []
+        if out.prompt_logprobs is not None and choice.prompt_logprobs is None:
+            choice.prompt_logprobs, choice.prompt_ranks = out.prompt_logprobs, out.prompt_ranks
+        if call.echo and not choice.echoed:
+            choice.echoed = True
+            prompt_part = [
+                (t, (choice.prompt_logprobs or [None] * len(out.prompt_token_ids))[i])
+                for i, t in enumerate(out.prompt_token_ids)
+            ]
+        choice.finish_reason = out.finish_reason
+        return text, lps, prompt_part
+
+    async def _completion_collect(self, call: _Call, streams: list[RequestStream], echo: list[str]) -> JSONResponse:
+        n = streams[0].n
+        choices = [_CompletionChoice(i // n) for i in range(len(streams) * n)]
+        parts: list[list] = [[] for _ in choices]  # echoed prompt (token, logprobs) pairs
+        last: dict[int, RequestOutput] = {}
+        n_out = 0
+        try:
+            async with contextlib.aclosing(self._merged(call, streams)) as merged:
+                async for p, out in merged:
+                    i = self._choice_index(streams, p, out)
+                    text, lps, prompt_part = self._absorb(call, choices[i], out)
+                    choices[i].text.append(text)
+                    choices[i].logprobs += lps
+                    parts[i] += prompt_part
+                    n_out += 0 if call.drop_output else len(out.token_ids)
+                    last[p] = out
+        except Exception as e:
+            log.exception("engine error")
+            return APIError(500, f"engine error: {e}").response()
+        body = []
+        for i, c in enumerate(choices):
+            text = (echo[c.prompt] if call.echo else "") + "".join(c.text)
+            entry: dict[str, Any] = {"index": i, "text": text}
+            entry["logprobs"] = (
+                await self._completion_logprobs(call, parts[i], c.logprobs, 0) if call.logprobs is not None else None
+            )
+            entry["finish_reason"] = c.finish_reason
+            if call.prompt_logprobs is not None:
+                entry["prompt_logprobs"] = await self._vllm_prompt_logprobs(call, c)
+            body.append(entry)
+        n_prompt = sum(len(st.prompt_token_ids) for st in streams)
+        cached = sum(out.num_cached_prompt_tokens for out in last.values())
+        return JSONResponse(
+            {**self._head(call, "text_completion"), "choices": body, "usage": _usage(n_prompt, n_out, cached)}
+        )
+
+    async def _completion_events(
+        self, call: _Call, streams: list[RequestStream], echo: list[str]
+    ) -> AsyncIterator[str]:
+        head = self._head(call, "text_completion")
+        extra = {"usage": None} if call.include_usage else {}
+        n = streams[0].n
+        choices = [_CompletionChoice(i // n) for i in range(len(streams) * n)]
+        n_out, last = 0, {}
+        try:
+            async with contextlib.aclosing(self._merged(call, streams)) as merged:
+                async for p, out in merged:
+                    i = self._choice_index(streams, p, out)
+                    c = choices[i]
+                    first = not c.echoed
+                    text, lps, prompt_part = self._absorb(call, c, out)
+                    if call.echo and first:
+                        text = echo[p] + text
+                    n_out += 0 if call.drop_output else len(out.token_ids)
+                    last[p] = out
+                    if not (text or lps or prompt_part or out.finished):
+                        continue  # one chunk per engine output (text may be held back)
+                    choice: dict[str, Any] = {"index": i, "text": text, "logprobs": None}
+                    if call.logprobs is not None:
+                        choice["logprobs"] = await self._completion_logprobs(call, prompt_part, lps, c.offset)
+                        offsets = choice["logprobs"]["text_offset"]
+                        toks = choice["logprobs"]["tokens"]
+                        c.offset = offsets[-1] + len(toks[-1]) if toks else c.offset
+                    choice["finish_reason"] = out.finish_reason
+                    if call.prompt_logprobs is not None and first:
+                        choice["prompt_logprobs"] = await self._vllm_prompt_logprobs(call, c)
+                    yield json.dumps({**head, "choices": [choice], **extra})
+        except Exception as e:
+            log.exception("engine error")
+            yield json.dumps(APIError(500, f"engine error: {e}").body())
+            yield "[DONE]"
+            return
+        if call.include_usage:
+            n_prompt = sum(len(st.prompt_token_ids) for st in streams)
+            usage = _usage(n_prompt, n_out, sum(o.num_cached_prompt_tokens for o in last.values()))
+            yield json.dumps({**head, "choices": [], "usage": usage})
+        yield "[DONE]"
+
+    async def _token_names(self, call: _Call, ids: set[int]) -> Callable[[int], str]:
+        if call.body.return_tokens_as_token_ids:
+            return lambda t: f"token_id:{t}"
+        return (await self._texts(ids)).__getitem__
+
+    async def _completion_logprobs(self, call: _Call, prompt_part: list, lps: list, offset: int) -> dict:
+        """OpenAI's legacy completions logprobs over the echoed prompt tokens (the first one's
+        null: nothing predicts it) and the generated ones: tokens, token_logprobs, top_logprobs
+        (the `logprobs` most likely, split_logprobs' order) and text_offset (into the text)."""
+        n = call.logprobs
+        rows: list[tuple[int, float | None, list[TokenLogprob] | None]] = []
+        for tid, lp in prompt_part:
+            if lp is None:
+                rows.append((tid, None, None))
+            else:
+                chosen, top = split_logprobs(lp, n)
+                rows.append((tid, chosen.logprob, top))
+        for lp in lps:
+            chosen, top = split_logprobs(lp, n)
+            rows.append((chosen.token_id, chosen.logprob, top))
+        name = await self._token_names(call, {t for t, _, top in rows for t in (t, *(x.token_id for x in top or ()))})
+        tokens = [name(t) for t, _, _ in rows]
+        offsets = []
+        for tok in tokens:
+            offsets.append(offset)
+            offset += len(tok)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [lp for _, lp, _ in rows],
+            "top_logprobs": [None if top is None else {name(x.token_id): x.logprob for x in top} for _, _, top in rows],
+            "text_offset": offsets,
+        }
+
+    async def _vllm_prompt_logprobs(self, call: _Call, c: _CompletionChoice) -> list | None:
+        """vLLM's prompt_logprobs: per prompt token None (the first) or {token id: {logprob,
+        rank, decoded_token}}, the prompt token (its rank in the vocabulary) and the top n."""
+        if c.prompt_logprobs is None:
+            return None
+        n = call.prompt_logprobs
+        steps = [None if lp is None else split_logprobs(lp, n) for lp in c.prompt_logprobs]
+        name = await self._token_names(call, {t.token_id for s in steps if s is not None for t in (s[0], *s[1])})
+        out = []
+        for s, rank in zip(steps, c.prompt_ranks):
+            if s is None:
+                out.append(None)
+                continue
+            chosen, top = s
+            d = {
+                str(chosen.token_id): {"logprob": chosen.logprob, "rank": rank, "decoded_token": name(chosen.token_id)}
+            }
+            for r, t in enumerate(top, 1):
+                d.setdefault(str(t.token_id), {"logprob": t.logprob, "rank": r, "decoded_token": name(t.token_id)})
+            out.append(d)
+        return out
+
+    # -- /tokenize --------------------------------------------------------------------
+    async def _tokenize(self, b: TokenizeRequest) -> dict:
+        if b.model is not None:
+            self._check_model(b.model)
+        if (b.prompt is None) == (b.messages is None):
+            raise _invalid("prompt", "prompt: give exactly one of prompt and messages")
+        loop = asyncio.get_running_loop()
+        try:
+            if b.messages is not None:
+                prompt: Any = Conversation.of(b.messages)
+                add = bool(b.add_special_tokens)
+            else:
+                prompt, add = b.prompt, b.add_special_tokens is not False
+            ids = await loop.run_in_executor(None, self.engine.tokenize, prompt, add)
+        except ValueError as e:
+            raise self._engine_error(e, {}) from None
+        return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids}
 
     # -- logprobs ---------------------------------------------------------------------
     async def _texts(self, ids: set[int]) -> dict[int, str]:

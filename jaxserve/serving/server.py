@@ -53,10 +53,10 @@ class Server:
         OpenAI-compatible HTTP API (http_server.py) on this port (0 picks a free port)."""
         if port is None and http_port is None:
             raise ValueError("port: at least one of the gRPC port and http_port must be set")
-        self.metrics = Metrics()
-        self.engine = EngineClient(
-            getattr(engine, "core", engine), max_waiting, on_step=self.metrics.update_engine, on_fatal=self._on_fatal
-        )
+        core = getattr(engine, "core", engine)
+        info = core.model_info()
+        self.metrics = Metrics(info.model_name, info.page_size, info.num_kv_pages)
+        self.engine = EngineClient(core, max_waiting, on_step=self.metrics.update_engine, on_fatal=self._on_fatal)
         self.servicer = JaxServeServicer(self.engine, self.metrics, default_max_tokens)
         self.host, self.port, self.metrics_port = host, port, metrics_port
         self.token, self.tls = token, (tls_cert, tls_key) if tls_cert else None
