@@ -13,7 +13,10 @@ and medians are reported, as ratios first:
 3. the decode step alone at batch 1 and 32, every slot at ``--context`` tokens (kv-math's
    ``decode_step_runner``, timed as the engine runs steps), beside its memory bound: the bytes
    it must read (weights but the embedding table, live KV) over a streaming read taken just
-   before each timing.
+   before each timing;
+4. the mixed-64 workload offline with ``LLM(path)`` defaults but ``matmul_dtype`` (as
+   scripts/bench_offline.py --defaults: every run cold, prefix cache flushed): useful output
+   tokens per second, and how many outputs equal float32's.
 
     JAX_PLATFORMS=cpu .venv/bin/python scripts/bench_amx.py [--rounds 5] [--json F]
 """
@@ -139,6 +142,35 @@ def bench_decode(spec: dict, batches, context: int, rounds: int, repeats: int) -
     return out
 
 
+def bench_workload(wl: dict, rounds: int) -> dict:
+    from bench_offline import build_model, run_jaxserve
+
+    from jaxserve import LLM
+    from jaxserve.runner.executable_cache import compile_count
+
+    reqs = wl["requests"]
+    useful = sum(r["output_len"] for r in reqs)
+    times = {d: [] for d in DTYPES}
+    outs = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        build_model(wl["model"], Path(tmp))
+        engines = {d: LLM(tmp, matmul_dtype=d) for d in DTYPES}
+        before = compile_count()
+        for _ in range(rounds):
+            for d, llm in engines.items():
+                secs, toks, _ = run_jaxserve(llm, reqs, None)
+                times[d].append(secs)
+                outs[d] = toks
+        compiles = compile_count() - before
+    return {
+        "requests": len(reqs),
+        "useful_tokens": useful,
+        "identical_outputs": sum(a == b for a, b in zip(outs["float32"], outs["bfloat16"])),
+        "compiles_after_warmup": compiles,
+        **{d: {"median_s": statistics.median(t), "tok_s": useful / statistics.median(t)} for d, t in times.items()},
+    }
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workload", default=str(DEFAULT_WORKLOAD))
@@ -147,7 +179,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt", type=int, default=2048)
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=10, help="decode steps per timing")
-    ap.add_argument("--skip", default="", help="comma-separated parts to skip: square,prefill,decode")
+    ap.add_argument("--skip", default="", help="comma-separated parts to skip: square,prefill,decode,workload")
+    ap.add_argument("--workload-rounds", type=int, default=2)
     ap.add_argument("--json", help="write results here")
     args = ap.parse_args(argv)
 
@@ -157,7 +190,8 @@ def main(argv=None) -> int:
         print(f"bfloat16 matmul unavailable: {native_matmul.bf16_unavailable_reason()}")
         return 1
     skip = set(args.skip.split(","))
-    spec = json.loads(Path(args.workload).read_text())["model"]
+    wl = json.loads(Path(args.workload).read_text())
+    spec = wl["model"]
     res: dict = {"date": time.strftime("%Y-%m-%d"), "rounds": args.rounds}
     if "square" not in skip:
         sq = res["square"] = bench_square(args.square, args.rounds)
@@ -188,6 +222,15 @@ def main(argv=None) -> int:
                 f"{f['median_s'] / b['median_s']:.2f}x faster",
                 flush=True,
             )
+    if "workload" not in skip:
+        w = res["workload"] = bench_workload(wl, args.workload_rounds)
+        print(
+            f"mixed workload ({w['requests']} requests, LLM(path) defaults): float32 {w['float32']['tok_s']:.0f} tok/s, "
+            f"bfloat16 {w['bfloat16']['tok_s']:.0f} tok/s: {w['bfloat16']['tok_s'] / w['float32']['tok_s']:.2f}x; "
+            f"outputs equal to float32's {w['identical_outputs']}/{w['requests']}; compiles after warm-up "
+            f"{w['compiles_after_warmup']}",
+            flush=True,
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1))
     return 0

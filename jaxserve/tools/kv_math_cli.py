@@ -446,7 +446,9 @@ def main(argv: list[str] | None = None) -> int:
         model = resolve_model(args.model)
         if args.measure_host:
             if args.weight_dtype not in ("bf16", "fp32", "int8"):
-                raise ValueError(f"weight_dtype: --measure-host runs bf16, fp32 or int8 weights, not {args.weight_dtype}")
+                raise ValueError(
+                    f"weight_dtype: --measure-host runs bf16, fp32 or int8 weights, not {args.weight_dtype}"
+                )
             return _measure_host_report(
                 model,
                 _positive_int("context_len", args.context),
