@@ -390,7 +390,7 @@ struct BfProblem {
   int64_t rows_per_item, panels_per_item, panel_items, n_items;
 };
 
-#if JM_X86
+#if JM_X86 && JAXSERVE_CAN_AMX
 #define JM_AMX __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bf16,avx512vl,avx512bw,avx2,fma")))
 
 struct alignas(64) TileConfig {
@@ -534,7 +534,7 @@ ffi::Error RunBf16(ffi::ThreadPool pool, BfProblem pr) {
     return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
                       "bfloat16 matmul: needs the AMX tiles, which this host lacks or JAXSERVE_CPU_ISA turned off "
                       "(pack the weights as float32 instead)");
-#if JM_X86
+#if JM_X86 && JAXSERVE_CAN_AMX
   const int64_t workers = std::max<int64_t>(1, pool.num_threads());
   const int64_t row_blocks0 = (pr.M + kBfRowsPerItem - 1) / kBfRowsPerItem;
   pr.rows_per_item = 32 * (((pr.M + row_blocks0 - 1) / row_blocks0 + 31) / 32);

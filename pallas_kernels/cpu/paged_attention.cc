@@ -665,7 +665,7 @@ __attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,avx2,fma"))) void item
 // matmul.cc); every other kernel runs its AVX-512 code there.
 enum Isa { kGeneric = 0, kAvx2 = 1, kAvx512 = 2, kAmx = 3 };
 
-#if JS_X86
+#if JS_X86 && JAXSERVE_CAN_AMX
 // Linux hands out the AMX tile state (8 KiB per thread) only to a process that asks first: a
 // tile instruction before this syscall is SIGILL.  Asked once; false if the kernel refuses.
 bool request_amx_tiles() {
@@ -691,7 +691,11 @@ int detect_isa() {
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
       __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq"))
+#if JAXSERVE_CAN_AMX
     return has_amx_bf16() ? kAmx : kAvx512;
+#else
+    return kAvx512;
+#endif
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return kAvx2;
 #endif
   return kGeneric;
