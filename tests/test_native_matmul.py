@@ -289,6 +289,21 @@ def test_bf16_off_falls_back_to_the_reference():
         _check_bf16(np.asarray(native_matmul.matmul(x, native_matmul.pack_bf16(w), n=70)), x, w)
 
 
+def test_environment_variable_turns_amx_off():
+    """JAXSERVE_CPU_ISA=avx512, read when the library loads, turns the tiles off for the process
+    (what this suite runs with, conftest); without it an AMX host reports amx."""
+    import os
+    import subprocess
+    import sys
+
+    code = "from pallas_kernels import native, native_matmul; print(native.cpu_isa(), native_matmul.bf16_available())"
+    env = {k: v for k, v in os.environ.items() if k != "JAXSERVE_CPU_ISA"}
+    run = lambda e: subprocess.run([sys.executable, "-c", code], env=e, capture_output=True, text=True, check=True)  # noqa: E731
+    assert run({**env, "JAXSERVE_CPU_ISA": "avx512"}).stdout.split() == ["avx512", "False"]
+    best = native.ISAS[native._load().jaxserve_cpu_best_isa()]
+    assert run(env).stdout.split() == [best, str(best == "amx")]
+
+
 def test_engine_precision_follows_the_host():
     """LLM(path) defaults to bfloat16 weights where AMX is on, float32 where it is off
     (JAXSERVE_CPU_ISA=avx512) or when dtype / matmul_dtype say float32; the reason is kept for the
