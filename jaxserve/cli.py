@@ -48,6 +48,7 @@ ENGINE_FLAGS = {
     "--attention-impl": ("attention_impl", str, "xla | pallas (default: by backend)"),
     "--kv-cache-dtype": ("kv_cache_dtype", str, "auto | int8 | fp8: 8-bit KV pages with per-token scales"),
     "--matmul-impl": ("matmul_impl", str, "native | xla: the projections' matmul (default: native on CPU)"),
+    "--matmul-dtype": ("matmul_dtype", str, "bfloat16 | float32: native matmul weights (default: bfloat16 with AMX)"),
     "--tensor-parallel-size": ("tensor_parallel_size", int, "chips in the tensor-parallel mesh"),
     "--speculative-model": ("speculative_model", str, 'a draft checkpoint directory, or "ngram"'),
     "--num-speculative-tokens": ("num_speculative_tokens", int, "draft tokens per step"),

@@ -45,7 +45,7 @@ LIB_NAME = "_jaxserve_cpu.so"
 TARGET = "jaxserve_paged_attention"
 TARGET_Q8 = "jaxserve_paged_attention_q8"  # int8 pages + bfloat16 scales (kv_cache_dtype="int8")
 ABI_VERSION = 3  # must match jaxserve_cpu_abi_version() in the .cc (3: bfloat16 scales)
-ISAS = ("generic", "avx2", "avx512")
+ISAS = ("generic", "avx2", "avx512", "amx")  # amx: AVX-512 + the AMX bf16 tiles (the bf16 matmul)
 
 # -O3 and a portable baseline; the kernel carries its own AVX2 and AVX-512 variants, chosen at
 # run time. JAXSERVE_CPU_MARCH_NATIVE=1 adds -march=native (not portable to other hosts).
@@ -247,14 +247,16 @@ def unavailable_reason() -> str | None:
 
 
 def cpu_isa() -> str:
-    """The instruction set the kernel's vector code uses now: generic, avx2 or avx512."""
+    """The instruction set the kernels use now: generic, avx2, avx512 or amx (AVX-512 and the
+    AMX bfloat16 tiles, which only the bfloat16 matmul uses)."""
     lib = _load()
     return "unavailable" if lib is None else ISAS[lib.jaxserve_cpu_isa()]
 
 
 def set_cpu_isa(name: str) -> str:
     """Use at most this instruction set (for testing every variant on one host); returns the
-    one now in use. The default is the best the host has (JAXSERVE_CPU_ISA lowers it)."""
+    one now in use. The default is the best the host has (JAXSERVE_CPU_ISA lowers it:
+    JAXSERVE_CPU_ISA=avx512 turns AMX off)."""
     lib = _load()
     if lib is None:
         raise RuntimeError(f"native CPU kernels unavailable: {_state.get('error')}")

@@ -10,6 +10,11 @@ panel [K, 64] contiguous: the whole array is [P, K, 64], P = ceil(N / 64), zero-
 - ``pack_int8(q, scale)``: int8 weights [N, K] (one row per output channel, as quantized at load)
   and their per-channel scales [N] -> int8 [P, K, 64] with each row's 64 bytes interleaved (byte
   4i + j holds column 16j + i: what the kernel's widening reads in order) and scales [P * 64].
+- ``pack_bf16(w)``: float32 kernel [K, N] -> bfloat16 [P, ceil(K / 32), 2048]: each panel cut along
+  K into blocks of 32, each block 4 AMX weight tiles of 16 columns holding k in pairs
+  ([16 k pairs][16 columns][2]: the VNNI layout TDPBF16PS reads); zero-padded past K and N. Runs
+  on the AMX tiles only (``bf16_available()``); x is rounded to bfloat16 in the kernel, products
+  and sums are float32.
 - ``matmul(x, w, scale, n=N)``: x [..., K] float32 -> float32 [..., N]; int8 panels need scale.
 - ``reference``: the same from the unpacked weights in jnp, the oracle.
 
@@ -29,17 +34,37 @@ from pallas_kernels import native
 PANEL = 64  # columns per panel (kPanel in cpu/matmul.cc)
 TARGET_F32 = "jaxserve_matmul_f32"
 TARGET_Q8 = "jaxserve_matmul_q8"
-ABI_VERSION = 1  # must match jaxserve_matmul_abi_version() in cpu/matmul.cc
+TARGET_BF16 = "jaxserve_matmul_bf16"
+K_BLOCK = 32  # k per AMX tile step (kKBlock in cpu/matmul.cc)
+TILE_COLS = 16  # columns per AMX weight tile
+ABI_VERSION = 2  # must match jaxserve_matmul_abi_version() in cpu/matmul.cc
 
 _kernels = native.MoreKernels(
     "matmul",
     "jaxserve_matmul_abi_version",
     ABI_VERSION,
-    {TARGET_F32: "JaxserveMatmulF32", TARGET_Q8: "JaxserveMatmulQ8"},
+    {TARGET_F32: "JaxserveMatmulF32", TARGET_Q8: "JaxserveMatmulQ8", TARGET_BF16: "JaxserveMatmulBF16"},
     "XLA's dot will be used",
 )
 available = _kernels.available  # True when the native matmul is built, loaded and registered (CPU only)
 unavailable_reason = _kernels.unavailable_reason
+
+
+def bf16_available() -> bool:
+    """True when the bfloat16 matmul runs here: the kernels are built and the CPU has the AMX
+    bf16 tiles, not turned off (JAXSERVE_CPU_ISA=avx512 or lower, or ``native.set_cpu_isa``)."""
+    return available() and native.cpu_isa() == "amx"
+
+
+def bf16_unavailable_reason() -> str | None:
+    if bf16_available():
+        return None
+    if not available():
+        return unavailable_reason()
+    best = native.ISAS[native._load().jaxserve_cpu_best_isa()]
+    if best == "amx":
+        return "AMX is turned off (JAXSERVE_CPU_ISA or native.set_cpu_isa)"
+    return f"this CPU has no AMX bfloat16 tiles (best instruction set: {best})"
 
 
 def num_panels(n: int) -> int:
@@ -73,9 +98,29 @@ def pack_int8(q, scale) -> tuple[np.ndarray, np.ndarray]:
     return np.ascontiguousarray(p), s
 
 
-def unpack(w, n: int) -> jax.Array:
-    """Panels back to the [K, N] matrix (float32; int8 panels as their int8 values, unscaled)."""
+def pack_bf16(w) -> np.ndarray:
+    """float32 kernel [K, N] -> bfloat16 AMX panels [P, ceil(K / 32), 2048] (rounded to nearest
+    even; on the host, once at load): element [p, kb, 512 j + 32 kk + 2 c + e] is
+    w[32 kb + 2 kk + e, 64 p + 16 j + c]."""
+    w = np.asarray(w)
+    if w.ndim != 2 or w.dtype != np.float32:
+        raise ValueError(f"pack_bf16: a float32 kernel [K, N], got {w.shape} {w.dtype}")
+    k, _ = w.shape
+    kb = -(-k // K_BLOCK)
+    p = _panels(np.pad(w, ((0, kb * K_BLOCK - k), (0, 0))))  # [P, KB * 32, 64]
+    p = p.reshape(p.shape[0], kb, K_BLOCK // 2, 2, PANEL // TILE_COLS, TILE_COLS)  # [P, kb, kk, e, j, c]
+    p = p.transpose(0, 1, 4, 2, 5, 3)  # [P, kb, j, kk, c, e]
+    return np.ascontiguousarray(p.astype(jnp.bfloat16).reshape(p.shape[0], kb, K_BLOCK * PANEL))
+
+
+def unpack(w, n: int, k: int | None = None) -> jax.Array:
+    """Panels back to the [K, N] matrix (float32; int8 panels as their int8 values, unscaled;
+    bfloat16 panels need K, padded there to a multiple of 32)."""
     w = jnp.asarray(w)
+    if w.dtype == jnp.bfloat16:
+        p, kb, _ = w.shape
+        w = w.reshape(p, kb, PANEL // TILE_COLS, K_BLOCK // 2, TILE_COLS, 2).transpose(1, 3, 5, 0, 2, 4)
+        return w.reshape(kb * K_BLOCK, p * PANEL)[:k, :n].astype(jnp.float32)
     if w.dtype == jnp.int8:
         w = w.reshape(*w.shape[:2], 16, 4).transpose(0, 1, 3, 2).reshape(w.shape)
     p, k, _ = w.shape
@@ -83,9 +128,14 @@ def unpack(w, n: int) -> jax.Array:
 
 
 def reference(x, w, scale=None, *, n: int) -> jax.Array:
-    """The oracle: x @ unpack(w) (* scale), in float32, by XLA."""
+    """The oracle: x @ unpack(w) (* scale), in float32, by XLA (x rounded to bfloat16 first
+    for bfloat16 panels, as the kernel does)."""
     x = jnp.asarray(x, jnp.float32)
-    y = jax.lax.dot_general(x, unpack(w, n), (((x.ndim - 1,), (0,)), ((), ())), precision=jax.lax.Precision.HIGHEST)
+    if w.dtype == jnp.bfloat16:
+        x = x.astype(jnp.bfloat16).astype(jnp.float32)
+    y = jax.lax.dot_general(
+        x, unpack(w, n, x.shape[-1]), (((x.ndim - 1,), (0,)), ((), ())), precision=jax.lax.Precision.HIGHEST
+    )
     if scale is not None:
         y = y * jnp.asarray(scale, jnp.float32)[:n]
     return y
@@ -93,32 +143,37 @@ def reference(x, w, scale=None, *, n: int) -> jax.Array:
 
 def matmul(x, w, scale=None, *, n: int) -> jax.Array:
     """x [..., K] @ panels w -> float32 [..., n] in the native kernel (``reference`` where it is
-    unavailable). Float32 panels take no scale; int8 panels need theirs ([P * 64])."""
+    unavailable; for bfloat16 panels, where the AMX tiles are off). Float32 and bfloat16 panels
+    take no scale; int8 panels need theirs ([P * 64])."""
     x = jnp.asarray(x)
     if x.dtype != jnp.float32:
         x = x.astype(jnp.float32)
     q8 = w.dtype == jnp.int8
+    bf16 = w.dtype == jnp.bfloat16
+    k_rows, width = (-(-x.shape[-1] // K_BLOCK), K_BLOCK * PANEL) if bf16 else (x.shape[-1], PANEL)
     if (
         w.ndim != 3
-        or w.shape[2] != PANEL
-        or x.shape[-1] != w.shape[1]
+        or w.shape[2] != width
+        or w.shape[1] != k_rows
         or num_panels(n) != w.shape[0]
-        or w.dtype not in (jnp.float32, jnp.int8)
+        or w.dtype not in (jnp.float32, jnp.int8, jnp.bfloat16)
         or (scale is None) == q8
         or (q8 and scale.shape != (w.shape[0] * PANEL,))
     ):
         raise ValueError(
             f"matmul: x [..., K] float, w [ceil(n / {PANEL}), K, {PANEL}] float32 or int8 (with scale "
-            f"[P * {PANEL}]); got x {x.shape}, w {w.shape} {w.dtype}, scale "
+            f"[P * {PANEL}]), or bfloat16 [ceil(n / {PANEL}), ceil(K / {K_BLOCK}), {K_BLOCK * PANEL}]; got x {x.shape}, w {w.shape} {w.dtype}, scale "
             f"{None if scale is None else scale.shape}, n {n}"
         )
-    if not available():
+    if not (bf16_available() if bf16 else available()):
         return reference(x, w, scale, n=n)
     lead, k = x.shape[:-1], x.shape[-1]
     rows = int(np.prod(lead, dtype=np.int64))
     out = jax.ShapeDtypeStruct((rows, n), jnp.float32)
     if q8:
         y = jax.ffi.ffi_call(TARGET_Q8, out)(x.reshape(rows, k), w, jnp.asarray(scale, jnp.float32))
+    elif bf16:
+        y = jax.ffi.ffi_call(TARGET_BF16, out)(x.reshape(rows, k), w)
     else:
         y = jax.ffi.ffi_call(TARGET_F32, out)(x.reshape(rows, k), w)
     return y.reshape(*lead, n)

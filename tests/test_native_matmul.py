@@ -2,9 +2,18 @@
 on the unpacked weights: float32 and int8 panels, any row count (one register tile, several, the
 remainder), K and N that are not multiples of the vector width or of a panel, every vector
 variant; rows independent of each other; packing round trips; and the engine's default CPU step
-runs on it, with no float copy of int8 weights."""
+runs on it, with no float copy of int8 weights.
+
+bfloat16 weights on the AMX tiles: against float64 NumPy on the bf16-rounded x and weights (the
+kernel's own rounding; products exact in float32, sums float32), every tile shape (1-16 rows,
+17-32, several blocks), K and N off the tile sizes, the LM head's shape; the engine's default
+precision follows the host (AMX on: bfloat16; JAXSERVE_CPU_ISA=avx512: float32, today's exact
+path), and bfloat16 greedy output mostly agrees with float32 on the shipped model. The suite runs
+with AMX off (conftest); these tests turn it on around themselves (``amx`` fixture)."""
 
 from __future__ import annotations
+
+import contextlib
 
 import jax
 import jax.numpy as jnp
@@ -182,3 +191,194 @@ def test_engine_packs_on_the_cpu_and_not_when_told():
         EngineConfig(matmul_impl="blas")
     with pytest.raises(ValueError, match="matmul_impl"):
         model_runner.resolve(cfg, None, EngineConfig(matmul_impl="native", tensor_parallel_size=2), 0, 0)
+
+
+# ---- bfloat16 weights on the AMX tiles ---------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _isa(name):
+    before = native.cpu_isa()
+    try:
+        yield native.set_cpu_isa(name)
+    finally:
+        native.set_cpu_isa(before)
+
+
+@pytest.fixture
+def amx():
+    """AMX on for one test (the suite runs with it off: conftest)."""
+    with _isa("amx") as got:
+        if got != "amx":
+            pytest.skip(f"this host has no AMX bf16 tiles ({native_matmul.bf16_unavailable_reason()})")
+        yield
+
+
+def _bf16(a):
+    return np.asarray(jnp.asarray(a).astype(jnp.bfloat16).astype(jnp.float32), np.float64)
+
+
+def _check_bf16(y, x, w):
+    """Against the bf16-rounded operands in float64: every product is exact in float32 (8-bit
+    mantissas), so only the float32 sums round: |error| <= (K + 2) eps sum_k |x_k w_k|."""
+    xb, wb = _bf16(x), _bf16(w)
+    ref, mag = xb @ wb, np.abs(xb) @ np.abs(wb)
+    assert y.shape == ref.shape and y.dtype == np.float32
+    assert np.all(np.abs(y - ref) <= (x.shape[1] + 2) * EPS32 * mag + 1e-30)
+
+
+def _bf16_case(rows, k, n, seed):
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal((rows, k)).astype(np.float32), rng.standard_normal((k, n)).astype(np.float32)
+
+
+@settings(
+    max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+)
+@given(rows=st.integers(1, 80), k=st.integers(1, 300), n=st.integers(1, 200), seed=st.integers(0, 2**31 - 1))
+def test_bf16_matches_numpy(amx, rows, k, n, seed):
+    x, w = _bf16_case(rows, k, n, seed)
+    y = np.asarray(jax.jit(native_matmul.matmul, static_argnames="n")(x, native_matmul.pack_bf16(w), n=n))
+    _check_bf16(y, x, w)
+
+
+def test_bf16_tile_shapes_and_the_lm_head(amx):
+    """One row, a full 16-row tile, 17 and 32 (the two-block micro-kernel), 33 (both), a 130-row
+    prefill chunk (several items and row blocks); K a multiple of 32 and not; the 56.4M bench
+    model's LM head (512 -> 32000) at decode and prefill heights."""
+    for rows, k, n in ((1, 64, 64), (16, 32, 16), (17, 96, 130), (32, 33, 64), (33, 513, 200), (130, 256, 320)):
+        x, w = _bf16_case(rows, k, n, rows)
+        _check_bf16(np.asarray(native_matmul.matmul(x, native_matmul.pack_bf16(w), n=n)), x, w)
+    x, w = _bf16_case(40, 512, 32000, 1)
+    p = native_matmul.pack_bf16(w)
+    for rows in (1, 40):
+        _check_bf16(np.asarray(native_matmul.matmul(x[:rows], p, n=32000)), x[:rows], w)
+
+
+def test_bf16_rows_are_independent(amx):
+    x, w = _bf16_case(100, 130, 300, 7)
+    p = native_matmul.pack_bf16(w)
+    f = jax.jit(native_matmul.matmul, static_argnames="n")
+    full = np.asarray(f(x, p, n=300))
+    for r in (0, 16, 31, 99):
+        np.testing.assert_array_equal(np.asarray(f(x[r : r + 1], p, n=300))[0], full[r])
+    np.testing.assert_array_equal(np.asarray(f(x[3:40], p, n=300)), full[3:40])
+
+
+def test_bf16_pack_layout():
+    """Element [p, kb, 512 j + 32 kk + 2 c + e] holds w[32 kb + 2 kk + e, 64 p + 16 j + c] (the
+    VNNI pairs of one AMX weight tile), zero-padded past K and N; unpack inverts it."""
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((70, 130)).astype(np.float32)
+    p = native_matmul.pack_bf16(w)
+    assert p.shape == (3, 3, 2048) and p.dtype == jnp.bfloat16
+    pf = p.astype(np.float32)
+    for pi, kb, j, kk, c, e in ((0, 0, 0, 0, 0, 1), (1, 2, 3, 1, 15, 0), (0, 1, 2, 7, 4, 1)):
+        assert pf[pi, kb, 512 * j + 32 * kk + 2 * c + e] == _bf16(w)[32 * kb + 2 * kk + e, 64 * pi + 16 * j + c]
+    np.testing.assert_array_equal(np.asarray(native_matmul.unpack(p, 130, 70)), _bf16(w).astype(np.float32))
+    full = np.asarray(native_matmul.unpack(p, 192, 96))
+    assert np.all(full[70:] == 0) and np.all(full[:, 130:] == 0)
+
+
+def test_bf16_off_falls_back_to_the_reference():
+    """With AMX off (this suite's default) bfloat16 panels still give the right answer, through
+    XLA (native_matmul.reference), and bf16_available() says why not."""
+    with _isa("avx512"):
+        assert not native_matmul.bf16_available() and native_matmul.bf16_unavailable_reason()
+        x, w = _bf16_case(5, 40, 70, 3)
+        _check_bf16(np.asarray(native_matmul.matmul(x, native_matmul.pack_bf16(w), n=70)), x, w)
+
+
+def test_environment_variable_turns_amx_off():
+    """JAXSERVE_CPU_ISA=avx512, read when the library loads, turns the tiles off for the process
+    (what this suite runs with, conftest); without it an AMX host reports amx."""
+    import os
+    import subprocess
+    import sys
+
+    code = "from pallas_kernels import native, native_matmul; print(native.cpu_isa(), native_matmul.bf16_available())"
+    env = {k: v for k, v in os.environ.items() if k != "JAXSERVE_CPU_ISA"}
+    run = lambda e: subprocess.run([sys.executable, "-c", code], env=e, capture_output=True, text=True, check=True)  # noqa: E731
+    assert run({**env, "JAXSERVE_CPU_ISA": "avx512"}).stdout.split() == ["avx512", "False"]
+    best = native.ISAS[native._load().jaxserve_cpu_best_isa()]
+    assert run(env).stdout.split() == [best, str(best == "amx")]
+
+
+def test_engine_precision_follows_the_host():
+    """LLM(path) defaults to bfloat16 weights where AMX is on, float32 where it is off
+    (JAXSERVE_CPU_ISA=avx512) or when dtype / matmul_dtype say float32; the reason is kept for the
+    start-up log; an explicit bfloat16 the host cannot run is refused, naming the field."""
+    from flax import nnx
+
+    from jaxserve.engine.engine_config import EngineConfig
+    from jaxserve.runner import model_runner
+
+    cfg = _model(None).cfg
+    opts = dict(num_pages=16, max_model_len=64)
+    resolve = lambda **o: model_runner.resolve(cfg, None, EngineConfig(**opts, **o), 0, 0)  # noqa: E731
+    with _isa("avx512"):
+        rc = resolve()
+        assert (rc.matmul_impl, rc.matmul_dtype) == ("native", "float32") and "AMX" in rc.matmul_reason
+        with pytest.raises(ValueError, match="matmul_dtype"):
+            resolve(matmul_dtype="bfloat16")
+        runner = model_runner.ModelRunner(_model(None), cfg, rc)
+        packed = [a for p, a in nnx.to_flat_state(runner.target.params) if str(p[-1]) == "packed"]
+        assert packed and all(a.get_value().dtype == jnp.float32 for a in packed)
+    with pytest.raises(ValueError, match="matmul_dtype"):
+        EngineConfig(matmul_dtype="float16")
+    with pytest.raises(ValueError, match="matmul_dtype"):
+        resolve(matmul_impl="xla", matmul_dtype="bfloat16")
+    with _isa("amx") as got:
+        if got != "amx":
+            return  # the rest needs AMX; the float32 side above is what such a host runs
+        assert resolve().matmul_dtype == "bfloat16"
+        assert resolve(dtype="float32").matmul_dtype == "float32"
+        assert resolve(matmul_dtype="float32").matmul_dtype == "float32"
+        assert resolve(dtype="float32", matmul_dtype="bfloat16").matmul_dtype == "bfloat16"
+        runner = model_runner.ModelRunner(_model(None), cfg, resolve())
+        packed = [a for p, a in nnx.to_flat_state(runner.target.params) if str(p[-1]) == "packed"]
+        assert len(packed) == 2 * 4 + 1 and all(a.get_value().dtype == jnp.bfloat16 for a in packed)
+
+
+def test_packed_bf16_model_is_close_and_calls_the_tile_kernel(amx):
+    """Every projection and the LM head on bfloat16 tiles: logits within bf16 rounding of the
+    float32 model's, one tile-kernel call per product."""
+    from flax import nnx
+
+    from jaxserve.models.linear import pack_native
+
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 512, (2, 9)), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(9, dtype=jnp.int32), (2, 9))
+    module = _model(None)
+    want = np.asarray(module(tokens, positions)[0])
+    assert pack_native(module, "bfloat16") == 2 * 4 + 1
+    graphdef, state = nnx.split(module)
+    fwd = jax.jit(lambda st, t, p: nnx.merge(graphdef, st)(t, p)[0])
+    got = np.asarray(fwd(state, tokens, positions))
+    assert np.max(np.abs(got - want)) <= 0.02 * np.max(np.abs(want))  # bf16: 2^-8 relative per operand
+    hlo = fwd.lower(state, tokens, positions).compile().as_text()
+    assert hlo.count(f'custom_call_target="{native_matmul.TARGET_BF16}"') == 2 * 4 + 1
+
+
+def test_engine_bf16_greedy_mostly_agrees_with_float32(amx):
+    """The shipped model through LLM: bfloat16 weights (the AMX default) against float32, 8
+    prompts x 24 greedy tokens. This 6.5M model's top two logits are often close, so a rounding
+    difference can flip a token and the rest of the completion with it: the bound is loose
+    (measured 2026-12-02: see docs/quantization.md), the exact figures are in the docs."""
+    from jaxserve import LLM, SamplingParams
+    from jaxserve.models.registry import DEFAULT_MODEL
+
+    rng = np.random.default_rng(0)
+    prompts = [[int(t) for t in rng.integers(3, 4000, 16)] for _ in range(8)]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    outs = {}
+    for md in ("float32", "bfloat16"):
+        # no warm-up: only the steps this test runs are compiled (test_llm covers warm-up)
+        llm = LLM(DEFAULT_MODEL, matmul_dtype=md, warmup=False, max_slots=8, max_model_len=48, prefill_buckets=(16,))
+        assert f"matmul:native:{md}" in llm.core.model_info().features
+        outs[md] = [o.token_ids for o in llm.generate(prompts, [params] * len(prompts))]
+        del llm
+    first = [o[0] for o in outs["float32"]], [o[0] for o in outs["bfloat16"]]
+    equal = sum(a == b for x, y in zip(outs["float32"], outs["bfloat16"]) for a, b in zip(x, y))
+    print(f"bf16 vs fp32 greedy: {equal}/{8 * 24} tokens equal, first tokens {first}")
+    assert sum(a == b for a, b in zip(*first)) >= 6 and equal >= 0.5 * 8 * 24

@@ -100,6 +100,7 @@ class EngineCore:
             rc.max_model_len,
             rc.attention_impl,
         )
+        log.info("matmul: %s, %s weights (%s)", rc.matmul_impl, rc.matmul_dtype, rc.matmul_reason)
         self.spec_k = self.runner.spec_k
         self.speculative_name = None
         self.spec_stats = None
@@ -324,7 +325,8 @@ class EngineCore:
         }
 
     def model_info(self) -> ModelInfo:
-        features = [f"attention:{self.runner.attention_impl}"]
+        rc = self.runner.cfg
+        features = [f"attention:{self.runner.attention_impl}", f"matmul:{rc.matmul_impl}:{rc.matmul_dtype}"]
         if self.kv.prefix_cache is not None:
             features.append("prefix_caching")
         if self.speculative_name:

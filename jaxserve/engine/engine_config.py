@@ -23,6 +23,10 @@ class EngineConfig:
     # The projections' matmul: "native" (CPU: weights packed into panels, streamed by the C++
     # kernel) | "xla"; default native on the CPU where the kernel is built, xla elsewhere.
     matmul_impl: str | None = None
+    # The native matmul's float weights: "bfloat16" (AMX tiles, half the bytes a decode step
+    # reads; activations, norms, attention and the KV cache stay float32) | "float32" (today's
+    # exact path). Default: bfloat16 where the CPU has AMX and `dtype` is not given, else float32.
+    matmul_dtype: str | None = None
     interpret: bool | None = None  # run Pallas kernels interpreted (default: on CPU)
     enable_prefix_caching: bool = True
     speculative_model: str | None = None  # a draft checkpoint directory, or "ngram" (prompt lookup)
@@ -52,6 +56,8 @@ class EngineConfig:
             raise ValueError(f"attention_impl must be 'xla', 'pallas' or 'native', got {self.attention_impl!r}")
         if self.matmul_impl not in (None, "xla", "native"):
             raise ValueError(f"matmul_impl must be 'xla' or 'native', got {self.matmul_impl!r}")
+        if self.matmul_dtype not in (None, "float32", "bfloat16"):
+            raise ValueError(f"matmul_dtype must be 'float32' or 'bfloat16', got {self.matmul_dtype!r}")
         if list(self.prefill_buckets) != sorted(set(self.prefill_buckets)) or self.prefill_buckets[0] < 1:
             raise ValueError(f"prefill_buckets must be increasing positive sizes, got {self.prefill_buckets}")
         from jaxserve.engine.tool_calls import PARSERS

@@ -12,7 +12,10 @@ weight_scale) + bias``, computed by XLA (dequantize, then dot).
 On the CPU the runner then packs every Linear for the native matmul (``pack_native``, done once
 at start; ``pallas_kernels.native_matmul``): ``packed`` [ceil(out / 64), in, 64] float32 or int8
 panels (and ``weight_scale`` padded to a whole panel), which the kernel streams once per step at
-memory speed where XLA:CPU's GEMM reads weights at half of it from 8 rows up. A tensor-parallel
+memory speed where XLA:CPU's GEMM reads weights at half of it from 8 rows up. With
+``weight_dtype="bfloat16"`` (the engine's ``matmul_dtype``, default on a CPU with AMX) a float
+kernel is packed instead as bfloat16 AMX tiles [ceil(out / 64), ceil(in / 32), 2048]: half the
+bytes, and the tile unit's throughput for prefill; x stays float32 (rounded in the kernel). A tensor-parallel
 runner does not pack (XLA's partitioner cannot split a custom call), nor does a TPU/GPU.
 
 Loading, tensor-parallel placement (column- or row-parallel; the scales split with their output
@@ -81,9 +84,11 @@ class Linear(nnx.Module):
         """Unpacked weights the native CPU matmul takes: int8, or a float32 kernel."""
         return self.quantization == "int8" or self.kernel[...].dtype == jnp.float32
 
-    def pack_native(self) -> bool:
-        """Replace the kernel (or int8 weight) by panels for the native CPU matmul, in place;
-        False (nothing changed) for weights it does not take (bfloat16)."""
+    def pack_native(self, weight_dtype: str = "float32") -> bool:
+        """Replace the kernel (or int8 weight) by panels for the native CPU matmul, in place:
+        a float32 kernel as float32 panels or, with weight_dtype="bfloat16", as bfloat16 AMX
+        tiles (int8 weights stay int8). False (nothing changed) for weights it does not take
+        (a bfloat16 model's kernel)."""
         from pallas_kernels import native_matmul
 
         if self.packed_native:
@@ -94,6 +99,9 @@ class Linear(nnx.Module):
             w, s = native_matmul.pack_int8(np.asarray(self.weight[...]), np.asarray(self.weight_scale[...]))
             del self.weight
             self.weight_scale = nnx.Param(jnp.asarray(s))
+        elif weight_dtype == "bfloat16":
+            w = native_matmul.pack_bf16(np.asarray(self.kernel[...]))
+            del self.kernel
         else:
             w = native_matmul.pack(np.asarray(self.kernel[...]))
             del self.kernel
@@ -138,8 +146,9 @@ def quantize_modules(module: nnx.Module, mode: str | None, keep: tuple[str, ...]
     return done
 
 
-def pack_native(module: nnx.Module) -> int:
-    """Pack every Linear in ``module`` for the native CPU matmul (Linear.pack_native), first
+def pack_native(module: nnx.Module, weight_dtype: str = "float32") -> int:
+    """Pack every Linear in ``module`` for the native CPU matmul (Linear.pack_native; float
+    kernels as ``weight_dtype`` panels), first
     fusing the projections that share an input (modules with a ``fuse_projections`` method:
     q/k/v, gate/up), since each product is a call whose start costs tens of microseconds while
     the second core wakes; returns how many were packed."""
@@ -147,7 +156,7 @@ def pack_native(module: nnx.Module) -> int:
         fuse = getattr(m, "fuse_projections", None)
         if fuse is not None and _packable(m):
             fuse()
-    return sum(m.pack_native() for _, m in nnx.iter_modules(module) if isinstance(m, Linear))
+    return sum(m.pack_native(weight_dtype) for _, m in nnx.iter_modules(module) if isinstance(m, Linear))
 
 
 def _packable(module: nnx.Module) -> bool:

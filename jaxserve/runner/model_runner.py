@@ -231,12 +231,13 @@ class _Weights:
         store: ExecutableStore | None = None,
         kv_cache_dtype: str = "auto",
         matmul_impl: str = "xla",
+        matmul_dtype: str = "float32",
     ):
         self.cfg = cfg
         if matmul_impl == "native":  # resolve() never picks it under tensor parallelism
             from jaxserve.models.linear import pack_native
 
-            pack_native(module)
+            pack_native(module, matmul_dtype)
         self.graphdef, self.params = nnx.split(module)
         self.kv_sharding = None
         if mesh is not None:
@@ -324,6 +325,8 @@ class RunnerConfig:
     interpret: bool
     kv_cache_dtype: str = "auto"  # "auto" (pages in dtype) | "int8" | "fp8" (8-bit pages + bfloat16 scales)
     matmul_impl: str = "xla"  # "native": Linear weights packed for the C++ CPU matmul
+    matmul_dtype: str = "float32"  # the native matmul's float weights: "float32" | "bfloat16" (AMX tiles)
+    matmul_reason: str = ""  # why that matmul_impl / matmul_dtype (the start-up log, model info)
     max_logprobs: int = 0  # the top-n alternatives a decode step computes when any row asks for logprobs
     prompt_logprobs: bool = True  # warm up the scoring prefill (prompt logprobs)
     num_speculative_tokens: int = 0  # k of a speculative step; 0 = no speculation
@@ -391,6 +394,7 @@ class ModelRunner:
             self.store,
             kv_cache_dtype=cfg.kv_cache_dtype,
             matmul_impl=cfg.matmul_impl,
+            matmul_dtype=cfg.matmul_dtype,
         )
         self.target = build("target", model, model_cfg)
         self.draft = build("draft", draft, draft_cfg) if draft is not None else None
@@ -678,6 +682,7 @@ def resolve(
             )
         attention_impl = "xla"  # the CPU default falls back to the XLA path, which reads fp8 pages
     matmul_impl = _resolve_matmul(cfg, backend)
+    matmul_dtype, matmul_reason = _resolve_matmul_dtype(cfg, matmul_impl)
     spec_k = cfg.num_speculative_tokens if cfg.speculative_model else 0
     return RunnerConfig(
         max_slots=cfg.max_slots,
@@ -690,6 +695,8 @@ def resolve(
         interpret=cfg.interpret if cfg.interpret is not None else backend == "cpu",
         kv_cache_dtype=kv_cache_dtype,
         matmul_impl=matmul_impl,
+        matmul_dtype=matmul_dtype,
+        matmul_reason=matmul_reason,
         max_logprobs=min(max_logprobs, model_cfg.vocab_size),
         prompt_logprobs=cfg.enable_prompt_logprobs,
         num_speculative_tokens=spec_k,
@@ -698,7 +705,7 @@ def resolve(
         compilation_cache_dir=cfg.compilation_cache_dir,
         # what the executables were compiled for, as resolved here (packed weights or not)
         store_context=f"{dataclasses.replace(cfg, compilation_cache_dir=None)!r} {model_cfg!r} {draft_cfg!r} "
-        f"matmul={matmul_impl}",
+        f"matmul={matmul_impl}-{matmul_dtype}",
     )
 
 
@@ -717,6 +724,31 @@ def _resolve_matmul(cfg, backend: str) -> str:
     if cfg.matmul_impl is None and backend == "cpu" and cfg.tensor_parallel_size == 1 and native_matmul.available():
         return "native"
     return "xla"
+
+
+def _resolve_matmul_dtype(cfg, matmul_impl: str) -> tuple[str, str]:
+    """The native matmul's float weights and why: bfloat16 on the AMX tiles by default where the
+    CPU has them and the user left ``dtype`` unset (an explicit dtype="float32" keeps today's
+    exact path); float32 otherwise. An explicit matmul_dtype="bfloat16" the host cannot run is
+    refused (ValueError naming the field)."""
+    from pallas_kernels import native_matmul
+
+    if matmul_impl != "native":
+        if cfg.matmul_dtype == "bfloat16":
+            raise ValueError("matmul_dtype='bfloat16' needs the native CPU matmul (matmul_impl='native')")
+        return "float32", f"matmul_impl={matmul_impl}"
+    why_not = native_matmul.bf16_unavailable_reason()
+    if cfg.matmul_dtype == "bfloat16":
+        if why_not:
+            raise ValueError(f"matmul_dtype='bfloat16' is unavailable here: {why_not}")
+        return "bfloat16", "matmul_dtype='bfloat16' (AMX tiles)"
+    if cfg.matmul_dtype == "float32":
+        return "float32", "matmul_dtype='float32'"
+    if cfg.dtype is not None:
+        return "float32", f"dtype={cfg.dtype!r} given (matmul_dtype='bfloat16' for the AMX tiles)"
+    if why_not:
+        return "float32", why_not
+    return "bfloat16", "default on a CPU with AMX bf16 tiles (matmul_dtype='float32' for the exact float32 path)"
 
 
 def kv_bytes_per_token(dtype: str, *cfgs: ModelConfig | None, kv_cache_dtype: str = "auto") -> int:

@@ -140,10 +140,12 @@ def decode_step_runner(
     kv_cache_dtype: str = "auto",
     quantization: str | None = None,
     matmul_impl: str | None = None,
+    matmul_dtype: str = "float32",
 ):
     """A ModelRunner for a random-weight model of this shape (float32; the engine's default
     attention for this backend unless `attention_impl`; KV pages in float32 or `kv_cache_dtype`;
-    weights in float32 or int8 with `quantization`) and its decode rows: `batch` slots, each at
+    weights in float32, or int8 with `quantization`, or bfloat16 AMX tiles with
+    matmul_dtype="bfloat16") and its decode rows: `batch` slots, each at
     `context_len` tokens on its own pages. Returns (runner, rows); `runner.decode(rows, 0)` is
     one step. The step kv-math predicts, also timed by scripts/bench_quant.py."""
     from flax import nnx
@@ -179,6 +181,7 @@ def decode_step_runner(
         attention_impl=attention_impl,
         kv_cache_dtype=kv_cache_dtype,
         matmul_impl=matmul_impl,
+        matmul_dtype=matmul_dtype if matmul_impl != "xla" else None,
         enable_prefix_caching=False,
     )
     rc = model_runner.resolve(cfg, None, engine_cfg, weight_bytes=0, max_logprobs=0)
@@ -266,7 +269,8 @@ def _measure_host_report(
     repeats: int = 5,
 ) -> int:
     """kv_dtype: fp32 (the CPU's pages), or int8 / fp8 (the engine's kv_cache_dtype, scales counted);
-    weight_dtype: fp32, or int8 (the engine's quantization="int8").
+    weight_dtype: fp32, int8 (the engine's quantization="int8") or bf16 (matmul_dtype="bfloat16",
+    the engine's default where the CPU has AMX; elsewhere fp32 is measured and said so).
 
     A shared host's memory speed swings by 2x within seconds, so one bandwidth reading followed
     by the steps can put any ratio anywhere. Instead every step is compiled first, then `rounds`
@@ -277,10 +281,16 @@ def _measure_host_report(
     bound at the median bandwidth beside it."""
     kv_cache_dtype = kv_dtype if kv_dtype in ("int8", "fp8") else "auto"
     kv_dtype = kv_dtype if kv_cache_dtype != "auto" else "fp32"
+    from pallas_kernels import native_matmul
+
     quantization = "int8" if weight_dtype == "int8" else None
-    weight_dtype = "int8" if quantization else "fp32"
+    if weight_dtype == "bf16" and not native_matmul.bf16_available():
+        print(f"bf16 weights need the AMX tiles ({native_matmul.bf16_unavailable_reason()}): measuring fp32")
+        weight_dtype = "fp32"
+    weight_dtype = "int8" if quantization else weight_dtype if weight_dtype == "bf16" else "fp32"
+    matmul_dtype = "bfloat16" if weight_dtype == "bf16" else "float32"
     batches = (1, 8, 32)
-    impls = {"engine": {}, "xla": {"attention_impl": "xla", "matmul_impl": "xla"}}  # the XLA path beside it
+    impls = {"engine": {"matmul_dtype": matmul_dtype}, "xla": {"attention_impl": "xla", "matmul_impl": "xla"}}
     runners = {}
     for b in batches:
         for name, kw in impls.items():
@@ -413,8 +423,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--measure-host",
         action="store_true",
-        help="measure this machine and predict fp32 decode steps at batch 1, 8, 32 (KV fp32, or --kv-dtype "
-        "int8/fp8; weights fp32, or --weight-dtype int8: the engine's quantization)",
+        help="measure this machine and predict decode steps at batch 1, 8, 32 (KV fp32, or --kv-dtype "
+        "int8/fp8; weights bf16 on the AMX tiles where the CPU has them, else fp32; --weight-dtype fp32, "
+        "or int8: the engine's quantization)",
     )
     ap.add_argument(
         "--rounds",
@@ -434,8 +445,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         model = resolve_model(args.model)
         if args.measure_host:
-            if args.weight_dtype not in ("bf16", "fp32", "int8"):  # bf16 is the planner's default: fp32 here
-                raise ValueError(f"weight_dtype: --measure-host runs fp32 or int8 weights, not {args.weight_dtype}")
+            if args.weight_dtype not in ("bf16", "fp32", "int8"):
+                raise ValueError(
+                    f"weight_dtype: --measure-host runs bf16, fp32 or int8 weights, not {args.weight_dtype}"
+                )
             return _measure_host_report(
                 model,
                 _positive_int("context_len", args.context),

@@ -107,7 +107,7 @@ __attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,avx2,fma"))) int32_t r
 
 RowFn pick(int isa) {
 #if defined(__x86_64__) || defined(__i386__)
-  if (isa == 2) return &row_avx512;
+  if (isa >= 2) return &row_avx512;
   if (isa == 1) return &row_avx2;
 #endif
   (void)isa;

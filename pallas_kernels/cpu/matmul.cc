@@ -54,7 +54,7 @@ namespace ffi = xla::ffi;
 #define JM_INLINE inline __attribute__((always_inline))
 #define JM_EXPORT extern "C" __attribute__((visibility("default")))
 
-// Defined in paged_attention.cc (same library): 0 baseline, 1 AVX2+FMA, 2 AVX-512.
+// Defined in paged_attention.cc (same library): 0 baseline, 1 AVX2+FMA, 2 AVX-512, 3 AVX-512 + AMX.
 extern "C" int jaxserve_cpu_isa();
 
 namespace {
@@ -259,7 +259,7 @@ __attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,avx2,fma"))) void item
 
 ItemFn pick(int isa, bool q8) {
 #if JM_X86
-  if (isa == 2) return q8 ? &item_avx512<true> : &item_avx512<false>;
+  if (isa >= 2) return q8 ? &item_avx512<true> : &item_avx512<false>;
   if (isa == 1) return q8 ? &item_avx2<true> : &item_avx2<false>;
 #endif
   (void)isa;
@@ -279,7 +279,7 @@ ffi::Error Run(ffi::ThreadPool pool, Problem pr, bool q8) {
     return ffi::Error::Success();
   }
   const int isa = jaxserve_cpu_isa();
-  const int64_t rm = isa == 2 ? 6 : isa == 1 ? 3 : 2;  // rows per register tile of the variant
+  const int64_t rm = isa >= 2 ? 6 : isa == 1 ? 3 : 2;  // rows per register tile of the variant
   const int64_t workers = std::max<int64_t>(1, pool.num_threads());
   const int64_t per_panel = pr.K * kPanel * std::max<int64_t>(1, pr.M / 4);
   int64_t items = std::clamp<int64_t>(pr.P * per_panel / kItemElems, 1, kItemsPerWorker * workers);
@@ -352,10 +352,244 @@ ffi::Error MatmulQ8Impl(ffi::ThreadPool pool, ffi::BufferR2<ffi::F32> x, ffi::Bu
              true);
 }
 
+// ---- bfloat16 weights on the AMX tiles ------------------------------------------------------
+//
+//   y[m, n] = sum_k bf16(x[m, k]) * w[k, n]     (w bfloat16, products and sums in float32)
+//
+// Layout (pallas_kernels/native_matmul.py pack_bf16): the same panels of 64 columns, each cut
+// along K into blocks of 32 (K zero-padded to KB = ceil(K / 32) blocks), each block 4 AMX "B"
+// tiles of 16 columns: tile j holds 16 rows of k pairs x 16 columns x 2, element
+// [kk][c][e] = w[32 kb + 2 kk + e, 64 p + 16 j + c] (the VNNI pairs TDPBF16PS reads).  The whole
+// array is [P, KB, 2048] bfloat16; a panel is one contiguous run read front to back.
+//
+// Each work item converts its rows of x to bfloat16 once (round to nearest even, zero past K)
+// into a per-thread scratch, then for each of its panels and each block of up to 32 rows runs
+// one micro-kernel in the 8 tile registers:
+//   - up to 16 rows: 4 accumulators (16 x 16 float32 each, the panel's 64 columns), 1 A tile,
+//     3 B tiles in rotation;
+//   - 17-32 rows: 2 x 2 accumulators, 2 A tiles, 2 B tiles, the panel in two halves (each B tile
+//     loaded once for 32 rows).
+// Tile heights are set to the block's rows (LDTILECFG), so no row past M is read or written.
+// A row's result depends only on that row and the weights (the k order is fixed): batched
+// equals alone, bit for bit.
+//
+// The tiles need the process's permission (arch_prctl, asked in paged_attention.cc's
+// detect_isa()), so this code runs only when jaxserve_cpu_isa() is 3; the library itself is
+// still built for any x86-64 (function-level target attributes).
+
+constexpr int64_t kKBlock = 32;              // k per tile step (native_matmul.K_BLOCK)
+constexpr int64_t kBlockElems = kPanel * kKBlock;  // bf16 elements per (panel, k block): 2048
+constexpr int64_t kTileElems = 512;          // one B tile: 16 k pairs x 16 columns x 2
+constexpr int64_t kBfRowsPerItem = 128;      // the item's rows in bf16 stay in L2
+
+struct BfProblem {
+  const float* x;     // [M, K]
+  const uint16_t* w;  // [P, KB, 2048]
+  float* y;           // [M, N]
+  int64_t M, K, N, P, KB;
+  int64_t rows_per_item, panels_per_item, panel_items, n_items;
+};
+
+#if JM_X86 && JAXSERVE_CAN_AMX
+#define JM_AMX __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bf16,avx512vl,avx512bw,avx2,fma")))
+
+struct alignas(64) TileConfig {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// Tiles 0-3 accumulate, 4(-5) hold x, the rest weights; r1 == 0: one block of r0 rows.
+JM_AMX void load_config(int r0, int r1) {
+  TileConfig c{};
+  c.palette = 1;
+  const int rows1[8] = {r0, r0, r0, r0, r0, 16, 16, 16};
+  const int rows2[8] = {r0, r0, r1, r1, r0, r1, 16, 16};
+  for (int t = 0; t < 8; ++t) {
+    c.rows[t] = uint8_t(r1 ? rows2[t] : rows1[t]);
+    c.colsb[t] = 64;
+  }
+  _tile_loadconfig(&c);
+}
+
+// Rows of x (float32 [rows, K]) -> bfloat16 [rows, ld], zero past K.
+JM_AMX void convert_rows(const float* x, int64_t K, int64_t rows, int64_t ld, uint16_t* a) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * K;
+    uint16_t* ar = a + r * ld;
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(ar + k), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(xr + k)));
+    if (k < K) {
+      const __mmask16 live = __mmask16((1u << (K - k)) - 1);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(ar + k),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(live, xr + k)));
+      k += 16;
+    }
+    for (; k < ld; ++k) ar[k] = 0;
+  }
+}
+
+// Accumulator tile `t` (rows r, 16 columns from column c) into y, or as many columns as are
+// live (the last panel's padding is dropped).
+#define JM_STORE(t, r, m, c)                                                        \
+  do {                                                                              \
+    if ((c) + 16 <= pr.N) {                                                         \
+      _tile_stored(t, pr.y + (m) * pr.N + (c), pr.N * 4);                           \
+    } else if ((c) < pr.N) {                                                        \
+      _tile_stored(t, buf, 64);                                                     \
+      for (int64_t i_ = 0; i_ < (r); ++i_)                                          \
+        std::memcpy(pr.y + ((m) + i_) * pr.N + (c), buf + i_ * 16, 4 * (pr.N - (c))); \
+    }                                                                               \
+  } while (0)
+
+// Rows m .. m + r0 (<= 16) of one panel: A at `a` (row stride lda bytes).
+JM_AMX void block16(const BfProblem& pr, const uint16_t* a, int64_t lda, const uint16_t* wp, int64_t p, int64_t m,
+                    int r0, float* buf) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t kb = 0; kb < pr.KB; ++kb) {
+    const uint16_t* b = wp + kb * kBlockElems;
+    _tile_loadd(4, a + kb * kKBlock, lda);
+    _tile_loadd(5, b, 64);
+    _tile_dpbf16ps(0, 4, 5);
+    _tile_loadd(6, b + kTileElems, 64);
+    _tile_dpbf16ps(1, 4, 6);
+    _tile_loadd(7, b + 2 * kTileElems, 64);
+    _tile_dpbf16ps(2, 4, 7);
+    _tile_loadd(5, b + 3 * kTileElems, 64);
+    _tile_dpbf16ps(3, 4, 5);
+  }
+  const int64_t c = p * kPanel;
+  JM_STORE(0, r0, m, c);
+  JM_STORE(1, r0, m, c + 16);
+  JM_STORE(2, r0, m, c + 32);
+  JM_STORE(3, r0, m, c + 48);
+}
+
+// Rows m .. m + 16 + r1 (r1 in 1..16) of one panel, in two halves of 32 columns.
+JM_AMX void block32(const BfProblem& pr, const uint16_t* a, int64_t lda, const uint16_t* wp, int64_t p, int64_t m,
+                    int r1, float* buf) {
+  const uint16_t* a1 = a + 16 * (lda / 2);
+  for (int half = 0; half < 2; ++half) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t kb = 0; kb < pr.KB; ++kb) {
+      const uint16_t* b = wp + kb * kBlockElems + 2 * half * kTileElems;
+      _tile_loadd(4, a + kb * kKBlock, lda);
+      _tile_loadd(6, b, 64);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_loadd(7, b + kTileElems, 64);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_loadd(5, a1 + kb * kKBlock, lda);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+    const int64_t c = p * kPanel + 32 * half;
+    JM_STORE(0, 16, m, c);
+    JM_STORE(1, 16, m, c + 16);
+    JM_STORE(2, r1, m + 16, c);
+    JM_STORE(3, r1, m + 16, c + 16);
+  }
+}
+#undef JM_STORE
+
+// One item: rows [m0, m1) x panels [p0, p1).  `a`: scratch for rows_per_item x KB * 32 bf16;
+// `buf`: 16 x 16 floats.
+JM_AMX void bf16_item(const BfProblem& pr, int64_t item, uint16_t* a, float* buf) {
+  const int64_t pi = item % pr.panel_items, ri = item / pr.panel_items;
+  const int64_t p0 = pi * pr.panels_per_item, p1 = std::min(pr.P, p0 + pr.panels_per_item);
+  const int64_t m0 = ri * pr.rows_per_item, m1 = std::min(pr.M, m0 + pr.rows_per_item);
+  const int64_t ld = pr.KB * kKBlock, lda = 2 * ld;
+  convert_rows(pr.x + m0 * pr.K, pr.K, m1 - m0, ld, a);
+  int cur0 = -1, cur1 = -1;
+  for (int64_t p = p0; p < p1; ++p) {
+    const uint16_t* wp = pr.w + p * pr.KB * kBlockElems;
+    for (int64_t m = m0; m < m1; m += 32) {
+      const int r = int(std::min<int64_t>(32, m1 - m)), r0 = std::min(16, r), r1 = r - r0;
+      if (r0 != cur0 || r1 != cur1) {
+        load_config(r0, r1);
+        cur0 = r0, cur1 = r1;
+      }
+      if (r1)
+        block32(pr, a + (m - m0) * ld, lda, wp, p, m, r1, buf);
+      else
+        block16(pr, a + (m - m0) * ld, lda, wp, p, m, r0, buf);
+    }
+  }
+  _tile_release();
+}
+#endif
+
+// Work split: rows in blocks of at most kBfRowsPerItem (whole 32-row tiles but the last),
+// panels in runs so that there are about kItemsPerWorker items per thread, none smaller than
+// kItemElems weights.
+ffi::Error RunBf16(ffi::ThreadPool pool, BfProblem pr) {
+  if (pr.M == 0 || pr.N == 0) return ffi::Error::Success();
+  if (jaxserve_cpu_isa() < 3)
+    return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                      "bfloat16 matmul: needs the AMX tiles, which this host lacks or JAXSERVE_CPU_ISA turned off "
+                      "(pack the weights as float32 instead)");
+#if JM_X86 && JAXSERVE_CAN_AMX
+  const int64_t workers = std::max<int64_t>(1, pool.num_threads());
+  const int64_t row_blocks0 = (pr.M + kBfRowsPerItem - 1) / kBfRowsPerItem;
+  pr.rows_per_item = 32 * (((pr.M + row_blocks0 - 1) / row_blocks0 + 31) / 32);
+  const int64_t row_blocks = (pr.M + pr.rows_per_item - 1) / pr.rows_per_item;
+  const int64_t by_size = std::max<int64_t>(1, pr.P * pr.KB * kBlockElems / kItemElems);
+  const int64_t want = (kItemsPerWorker * workers + row_blocks - 1) / row_blocks;
+  pr.panel_items = std::clamp<int64_t>(std::min(want, by_size), 1, pr.P);
+  pr.panels_per_item = (pr.P + pr.panel_items - 1) / pr.panel_items;
+  pr.panel_items = (pr.P + pr.panels_per_item - 1) / pr.panels_per_item;
+  pr.n_items = pr.panel_items * row_blocks;
+  const int64_t scratch = pr.rows_per_item * pr.KB * kKBlock + 2 * 256;  // x rows in bf16, then 256 floats
+  jaxserve_cpu::run_items(
+      pool, pr.n_items, [scratch] { return std::unique_ptr<uint16_t[]>(new (std::nothrow) uint16_t[scratch + 32]); },
+      [pr, scratch](std::unique_ptr<uint16_t[]>& sc, int64_t i) {
+        if (!sc) return false;
+        uint16_t* base = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(sc.get()) + 63) & ~uintptr_t(63));
+        bf16_item(pr, i, base, reinterpret_cast<float*>(base + scratch - 2 * 256));
+        return true;
+      });
+  return ffi::Error::Success();
+#else
+  (void)pool;
+  return ffi::Error::Internal("unreachable");
+#endif
+}
+
+ffi::Error MatmulBf16Impl(ffi::ThreadPool pool, ffi::BufferR2<ffi::F32> x, ffi::BufferR3<ffi::BF16> w,
+                          ffi::ResultBufferR2<ffi::F32> y) {
+  const auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
+  if (wd[1] != (xd[1] + kKBlock - 1) / kKBlock || wd[2] != kBlockElems || yd[0] != xd[0] || yd[1] > wd[0] * kPanel ||
+      yd[1] <= (wd[0] - 1) * kPanel)
+    return ffi::Error::InvalidArgument("bfloat16 matmul: x [M, K], w [ceil(N / 64), ceil(K / 32), 2048] -> y [M, N]; "
+                                       "got x " + jaxserve_cpu::dims_str(xd) + ", w " + jaxserve_cpu::dims_str(wd) +
+                                       ", y " + jaxserve_cpu::dims_str(yd));
+  BfProblem pr{};
+  pr.x = x.typed_data();
+  pr.w = w.typed_data();
+  pr.y = y->typed_data();
+  pr.M = xd[0];
+  pr.K = xd[1];
+  pr.N = yd[1];
+  pr.P = wd[0];
+  pr.KB = wd[1];
+  if (pr.K == 0) {
+    std::memset(pr.y, 0, sizeof(float) * pr.M * pr.N);
+    return ffi::Error::Success();
+  }
+  return RunBf16(pool, pr);
+}
+
 }  // namespace
 
 JM_EXPORT XLA_FFI_Error* JaxserveMatmulF32(XLA_FFI_CallFrame* call_frame);
 JM_EXPORT XLA_FFI_Error* JaxserveMatmulQ8(XLA_FFI_CallFrame* call_frame);
+JM_EXPORT XLA_FFI_Error* JaxserveMatmulBF16(XLA_FFI_CallFrame* call_frame);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMatmulF32, MatmulF32Impl,
                               ffi::Ffi::Bind()
@@ -372,6 +606,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMatmulQ8, MatmulQ8Impl,
                                   .Arg<ffi::BufferR1<ffi::F32>>()   // scale [P * 64]
                                   .Ret<ffi::BufferR2<ffi::F32>>());  // y [M, N]
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMatmulBF16, MatmulBf16Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::BufferR2<ffi::F32>>()    // x [M, K]
+                                  .Arg<ffi::BufferR3<ffi::BF16>>()   // w [P, ceil(K / 32), 2048]
+                                  .Ret<ffi::BufferR2<ffi::F32>>());  // y [M, N]
+
 // Bumped whenever these kernels' FFI signatures or the packed layout change, so that a stale
 // library is not used.
-JM_EXPORT int jaxserve_matmul_abi_version() { return 1; }
+JM_EXPORT int jaxserve_matmul_abi_version() { return 2; }  // 2: the bfloat16 (AMX) target

@@ -46,7 +46,10 @@
 #include "work_pool.h"
 
 #if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #define JS_X86 1
 #endif
 
@@ -658,24 +661,52 @@ __attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,avx2,fma"))) void item
 }
 #endif
 
-enum Isa { kGeneric = 0, kAvx2 = 1, kAvx512 = 2 };
+// kAmx: AVX-512 plus the AMX bf16 tiles and AVX512-BF16 (the matmul's bfloat16 weights,
+// matmul.cc); every other kernel runs its AVX-512 code there.
+enum Isa { kGeneric = 0, kAvx2 = 1, kAvx512 = 2, kAmx = 3 };
+
+#if JS_X86 && JAXSERVE_CAN_AMX
+// Linux hands out the AMX tile state (8 KiB per thread) only to a process that asks first: a
+// tile instruction before this syscall is SIGILL.  Asked once; false if the kernel refuses.
+bool request_amx_tiles() {
+  static const bool ok = [] {
+    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+}
+
+bool has_amx_bf16() {
+  unsigned a, b, c, d;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+  const bool tiles = (d >> 24 & 1) && (d >> 22 & 1);  // AMX-TILE, AMX-BF16
+  if (!__get_cpuid_count(7, 1, &a, &b, &c, &d)) return false;
+  const bool avx512bf16 = a >> 5 & 1;
+  return tiles && avx512bf16 && request_amx_tiles();
+}
+#endif
 
 int detect_isa() {
 #if JS_X86
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
       __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq"))
+#if JAXSERVE_CAN_AMX
+    return has_amx_bf16() ? kAmx : kAvx512;
+#else
     return kAvx512;
+#endif
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return kAvx2;
 #endif
   return kGeneric;
 }
 
+// JAXSERVE_CPU_ISA=generic|avx2|avx512|amx lowers the best the host has (avx512 turns AMX off).
 int initial_isa() {
   int isa = detect_isa();
   if (const char* env = std::getenv("JAXSERVE_CPU_ISA")) {
     std::string s(env);
-    int want = s == "generic" ? kGeneric : s == "avx2" ? kAvx2 : s == "avx512" ? kAvx512 : isa;
+    int want = s == "generic" ? kGeneric : s == "avx2" ? kAvx2 : s == "avx512" ? kAvx512 : s == "amx" ? kAmx : isa;
     isa = std::min(isa, want);
   }
   return isa;
@@ -689,7 +720,7 @@ std::atomic<int>& current_isa() {
 template <class KT, int HD>
 ItemFn pick_isa(int isa) {
 #if JS_X86
-  if (isa == kAvx512) return &item_avx512<KT, HD>;
+  if (isa >= kAvx512) return &item_avx512<KT, HD>;
   if (isa == kAvx2) return &item_avx2<KT, HD>;
 #endif
   (void)isa;
@@ -845,7 +876,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedAttentionQ8, PagedAttentionQ8Impl,
                                   .Attr<float>("scale")
                                   .Attr<int64_t>("kv_heads_per_item"));
 
-// Which vector code runs: 0 baseline, 1 AVX2+FMA, 2 AVX-512.
+// Which vector code runs: 0 baseline, 1 AVX2+FMA, 2 AVX-512, 3 AVX-512 + AMX bf16 tiles.
 JS_EXPORT int jaxserve_cpu_isa() { return current_isa().load(); }
 // The best instruction set this host supports.
 JS_EXPORT int jaxserve_cpu_best_isa() { return detect_isa(); }

@@ -24,6 +24,17 @@
 #include <immintrin.h>
 #endif
 
+// Whether this compiler can build the AMX tile code (matmul.cc; GCC 11 / Clang 12 have the
+// intrinsics): where it cannot, the library is built without it and never reports the amx level.
+#ifndef JAXSERVE_CAN_AMX  // -DJAXSERVE_CAN_AMX=0 builds without it (the test of that build)
+#if (defined(__x86_64__) || defined(__i386__)) && \
+    ((defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11))
+#define JAXSERVE_CAN_AMX 1
+#else
+#define JAXSERVE_CAN_AMX 0
+#endif
+#endif
+
 namespace jaxserve_cpu {
 
 inline void relax() {
