@@ -158,9 +158,9 @@ def test_engine_failure_fails_streams_and_stops_serving(llm):
     model = st.server.http.model_name
     real_step, calls = llm.core.step, []
 
-    def failing_step():
-        calls.append(1)
-        if len(calls) > 3:
+    def failing_step():  # fails once all three requests are in flight and have made a few steps
+        calls.append(len(st.server.engine.in_flight) == 3)
+        if sum(calls) > 3:
             raise RuntimeError("injected step failure")
         return real_step()
 

@@ -9,6 +9,7 @@ stream and, when the client goes away, abort.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import uuid
 from typing import Any
@@ -18,6 +19,7 @@ import grpc
 from jaxserve.engine.chat import Conversation
 from jaxserve.engine.client import EngineClient, EngineDead, QueueFull, split_logprobs
 from jaxserve.engine.request import SamplingParams
+from jaxserve.serving.lifecycle import RequestLife, default_max_tokens
 from jaxserve.serving.metrics import Metrics
 from jaxserve.v1 import jaxserve_pb2 as pb
 from jaxserve.v1 import jaxserve_pb2_grpc as pb_grpc
@@ -48,7 +50,7 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
         constraint = {which: getattr(s, which)} if which else {}
 
         def build(prompt_len: int) -> SamplingParams:
-            max_tokens = s.max_tokens or max(1, min(self.default_max_tokens, self.max_model_len - prompt_len))
+            max_tokens = s.max_tokens or default_max_tokens(prompt_len, self.default_max_tokens, self.max_model_len)
             return SamplingParams(
                 max_tokens=max_tokens,
                 temperature=s.temperature,
@@ -93,14 +95,11 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except EngineDead as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-        rid = stream.request_id
-        n_prompt = len(stream.prompt_token_ids)
-        timer = self.metrics.request(n_prompt)
-        done = False
+        rid, n_prompt = stream.request_id, len(stream.prompt_token_ids)
+        life = RequestLife(self.engine, self.metrics, stream)
         try:
-            try:
-                async for out in stream:
-                    timer.tokens(len(out.token_ids))
+            async with contextlib.aclosing(life.outputs()) as outputs:  # a cancelled call aborts the request
+                async for out in outputs:
                     resp = pb.GenerateResponse(request_id=rid, text=out.text, token_ids=out.token_ids, index=out.index)
                     for lp in out.logprobs or []:
                         chosen, top = split_logprobs(lp, request.sampling.logprobs)
@@ -110,26 +109,17 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
                             top=[pb.TokenLogprob(token_id=t.token_id, logprob=t.logprob) for t in top],
                         )
                     if out.finished:  # this completion; the request when all n are (stream.finished)
-                        done = stream.finished
                         resp.finish_reason = FINISH[out.finish_reason]
                         resp.usage.CopyFrom(
                             pb.Usage(
                                 prompt_tokens=n_prompt,
-                                completion_tokens=timer.completion,
+                                completion_tokens=life.timer.completion,
                                 cached_prompt_tokens=out.num_cached_prompt_tokens,
                             )
                         )
-                        if done:
-                            timer.finish(out.finish_reason)
                     yield resp
-            except Exception as e:  # the engine step failed
-                done = True
-                timer.finish("error")
-                await context.abort(grpc.StatusCode.INTERNAL, f"engine error: {e}")
-        finally:
-            if not done:  # the client cancelled or its deadline passed: free the slot and pages now
-                timer.finish("cancelled")
-                self.engine.abort(rid)
+        except Exception as e:  # the engine step failed
+            await context.abort(grpc.StatusCode.INTERNAL, f"engine error: {e}")
 
     async def Abort(self, request, context):
         return pb.AbortResponse(found=self.engine.abort(request.request_id))

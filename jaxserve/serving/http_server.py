@@ -46,6 +46,7 @@ from jaxserve.engine.chat import Conversation
 from jaxserve.engine.client import EngineClient, EngineDead, QueueFull, RequestStream, TokenLogprob, split_logprobs
 from jaxserve.engine.request import RequestOutput, SamplingParams
 from jaxserve.engine.tool_calls import ToolCalling, ToolRequest, finish_reason
+from jaxserve.serving.lifecycle import RequestLife, default_max_tokens
 from jaxserve.serving.metrics import Metrics
 
 log = logging.getLogger("jaxserve.http")
@@ -323,7 +324,7 @@ class HttpFrontend:
         @app.post("/v1/chat/completions", dependencies=auth)
         async def chat_completions(body: ChatCompletionRequest, request: Request):
             self._check_model(body.model)
-            return await self._serve(self._chat_call(body), request)
+            return await self._serve_chat(self._chat_call(body), request)
 
         @app.post("/v1/completions", dependencies=auth)
         async def completions(body: CompletionRequest, request: Request):
@@ -446,7 +447,11 @@ class HttpFrontend:
             kw[name] = value
 
         def build(prompt_len: int) -> SamplingParams:
-            n = max_tokens if max_tokens is not None else max(1, min(default_max, self.max_model_len - prompt_len))
+            n = (
+                max_tokens
+                if max_tokens is not None
+                else default_max_tokens(prompt_len, default_max, self.max_model_len)
+            )
             return SamplingParams(max_tokens=n, **kw)
 
         try:
@@ -553,10 +558,11 @@ class HttpFrontend:
         except EngineDead as e:
             raise APIError(503, str(e), type_="service_unavailable") from None
 
-    async def _serve(self, call: _Call, request: Request):
+    # -- /v1/chat/completions -------------------------------------------------------------
+    async def _serve_chat(self, call: _Call, request: Request):
         if self.draining:
             raise APIError(503, "the server is shutting down", type_="service_unavailable")
-        call.id = f"{'chatcmpl' if call.kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        call.id = f"chatcmpl-{uuid.uuid4().hex}"
         call.created = int(time.time())
         stream = await self._submit(call, call.prompt, call.id)
         if call.body.stream:
@@ -579,32 +585,17 @@ class HttpFrontend:
             return JSONResponse({}, status_code=499)  # nobody reads it
         return task.result()
 
-    async def _outputs(self, call: _Call, stream: RequestStream) -> AsyncIterator[RequestOutput]:
-        """The engine's outputs, with metrics; aborts the request if the consumer stops early."""
-        timer = self.metrics.request(len(stream.prompt_token_ids))
-        done = False
-        try:
-            async for out in stream:
-                timer.tokens(len(out.token_ids))
-                if out.finished and stream.finished:  # the last of the request's n choices
-                    done = True
-                    timer.finish(out.finish_reason)
-                yield out
-        except Exception:
-            done = True
-            timer.finish("error")
-            raise
-        finally:
-            if not done:  # the client went away: free the slot and pages now
-                timer.finish("cancelled")
-                self.engine.abort(stream.request_id)
+    def _outputs(self, stream: RequestStream) -> AsyncIterator[RequestOutput]:
+        """The engine's outputs through the shared request lifecycle (metrics; an abort if the
+        consumer stops early)."""
+        return RequestLife(self.engine, self.metrics, stream).outputs()
 
     async def _collect(self, call: _Call, stream: RequestStream) -> JSONResponse:
         n = stream.n  # choices, by the outputs' index
         text, lps, last = [[] for _ in range(n)], [[] for _ in range(n)], [None] * n
         n_ids = 0
         try:
-            async with contextlib.aclosing(self._outputs(call, stream)) as outputs:
+            async with contextlib.aclosing(self._outputs(stream)) as outputs:
                 async for out in outputs:
                     text[out.index].append(out.text)
                     n_ids += len(out.token_ids)
@@ -617,19 +608,16 @@ class HttpFrontend:
         for i in range(n):
             choice: dict[str, Any] = {"index": i, "finish_reason": last[i].finish_reason}
             logprobs = await self._logprobs(call, lps[i]) if call.logprobs is not None else None
-            if call.kind == "chat":
-                choice["message"] = {"role": "assistant", "content": "".join(text[i])}
-                parser = self.tool_calling.parser(call.tools)
-                if parser is not None:
-                    choice["message"] = parser.message("".join(text[i]))
-                    choice["finish_reason"] = finish_reason(parser, choice["finish_reason"])
-            else:
-                choice["text"] = "".join(text[i])
+            choice["message"] = {"role": "assistant", "content": "".join(text[i])}
+            parser = self.tool_calling.parser(call.tools)
+            if parser is not None:
+                choice["message"] = parser.message("".join(text[i]))
+                choice["finish_reason"] = finish_reason(parser, choice["finish_reason"])
             choice["logprobs"] = logprobs
             choices.append(choice)
         return JSONResponse(
             {
-                **self._head(call, "chat.completion" if call.kind == "chat" else "text_completion"),
+                **self._head(call, "chat.completion"),
                 "choices": choices,
                 "usage": _usage(len(stream.prompt_token_ids), n_ids, last[0].num_cached_prompt_tokens),
             }
@@ -639,37 +627,29 @@ class HttpFrontend:
         return {"id": call.id, "object": obj, "created": call.created, "model": self.model_name}
 
     async def _events(self, call: _Call, stream: RequestStream) -> AsyncIterator[str]:
-        """Server-sent events: OpenAI's chunks, the usage chunk if asked for, then [DONE]."""
-        chat = call.kind == "chat"
-        head = self._head(call, "chat.completion.chunk" if chat else "text_completion")
+        """Server-sent events: OpenAI's chunks (the first of each choice carries the role), the
+        usage chunk if asked for, then [DONE]."""
+        head = self._head(call, "chat.completion.chunk")
         extra = {"usage": None} if call.include_usage else {}
         dumps = json.dumps
-        if chat:
-            for i in range(stream.n):
-                first = {
-                    "index": i,
-                    "delta": {"role": "assistant", "content": ""},
-                    "logprobs": None,
-                    "finish_reason": None,
-                }
-                yield dumps({**head, "choices": [first], **extra})
+        for i in range(stream.n):
+            first = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+            yield dumps({**head, "choices": [first], **extra})
         n_out, last = 0, None
-        parsers = [self.tool_calling.parser(call.tools) if chat else None for _ in range(stream.n)]
+        parsers = [self.tool_calling.parser(call.tools) for _ in range(stream.n)]
         try:
-            async with contextlib.aclosing(self._outputs(call, stream)) as outputs:
+            async with contextlib.aclosing(self._outputs(stream)) as outputs:
                 async for out in outputs:
                     n_out += len(out.token_ids)
                     last = out
                     if not (out.token_ids or out.text or out.finished):
                         continue  # one chunk per engine output, like gRPC (text may be held back)
                     choice: dict[str, Any] = {"index": out.index}
-                    parser = parsers[out.index] if chat else None
+                    parser = parsers[out.index]
                     if parser is not None:
                         choice["delta"] = parser.delta(out.text, out.finished)
-                    elif chat:
-                        choice["delta"] = {"content": out.text} if out.text else {}
                     else:
-                        choice["text"] = out.text
+                        choice["delta"] = {"content": out.text} if out.text else {}
                     lp = await self._logprobs(call, out.logprobs) if call.logprobs is not None else None
                     choice["logprobs"] = lp
                     choice["finish_reason"] = finish_reason(parser, out.finish_reason)
@@ -718,7 +698,7 @@ class HttpFrontend:
 
         async def pump(p: int, stream: RequestStream) -> None:
             try:
-                async with contextlib.aclosing(self._outputs(call, stream)) as outputs:
+                async with contextlib.aclosing(self._outputs(stream)) as outputs:
                     async for out in outputs:
                         q.put_nowait((p, out))
             except Exception as e:
@@ -922,8 +902,9 @@ class HttpFrontend:
         return self._token_texts
 
     async def _logprobs(self, call: _Call, lps: list[dict[int, float]] | None) -> dict | None:
+        """A chat choice's logprobs (`content`: each token with its top_logprobs)."""
         if not lps:
-            return {"content": []} if call.kind == "chat" else {"tokens": [], "token_logprobs": [], "top_logprobs": []}
+            return {"content": []}
         # OpenAI's top_logprobs are the n most likely tokens at each position, the chosen one
         # included when it is among them: split_logprobs, the conversion gRPC uses too (ties too).
         steps = [split_logprobs(lp, call.logprobs) for lp in lps]
@@ -932,18 +913,12 @@ class HttpFrontend:
         else:
             texts = await self._texts({t.token_id for c, top in steps for t in (c, *top)})
             name = texts.__getitem__
-        if call.kind == "chat":
 
-            def entry(t):
-                s = name(t.token_id)
-                return {"token": s, "logprob": t.logprob, "bytes": list(s.encode())}
+        def entry(t):
+            s = name(t.token_id)
+            return {"token": s, "logprob": t.logprob, "bytes": list(s.encode())}
 
-            return {"content": [{**entry(c), "top_logprobs": [entry(t) for t in top]} for c, top in steps]}
-        return {
-            "tokens": [name(c.token_id) for c, _ in steps],
-            "token_logprobs": [c.logprob for c, _ in steps],
-            "top_logprobs": [{name(t.token_id): t.logprob for t in top} for _, top in steps],
-        }
+        return {"content": [{**entry(c), "top_logprobs": [entry(t) for t in top]} for c, top in steps]}
 
 
 def _usage(prompt: int, completion: int, cached: int) -> dict:
