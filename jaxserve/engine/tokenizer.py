@@ -18,8 +18,14 @@ _GENERIC_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
 
 
 def load_tokenizer(path: Path) -> Any | None:
-    """The checkpoint's own tokenizer, or None: token-id prompts still work without one."""
+    """The checkpoint's own tokenizer, or None: token-id prompts still work without one. A GGUF
+    file's tokenizer and chat template come from its metadata, through transformers' GGUF
+    tokenizer conversion (the reference for what llama.cpp's vocabulary means)."""
     path = Path(path)
+    if path.suffix.lower() == ".gguf":
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+        return TokenizersBackend.from_pretrained(str(path.parent), gguf_file=path.name)
     if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
         return None
     if (path / "tokenizer.json").is_file() and _tokenizer_class(path) in _GENERIC_TOKENIZERS:
