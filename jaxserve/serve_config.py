@@ -32,10 +32,9 @@ from typing import Any, Sequence
 import gin
 
 from jaxserve.engine.engine_config import EngineConfig
-from jaxserve.models.registry import DEFAULT_MODEL
+from jaxserve.models import registry
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-CONFIG_DIR = REPO_ROOT / "configs"
+CONFIG_DIR = Path(__file__).resolve().parent / "configs"  # package data: installed with the wheel
 DEFAULT_GIN_FILE = CONFIG_DIR / "default.gin"
 
 __all__ = [
@@ -192,8 +191,9 @@ class _ServeConfigMethods:
 
     @property
     def model_path(self) -> Path:
-        """The checkpoint directory: `model`, or the shipped default model."""
-        return Path(self.model) if self.model is not None else DEFAULT_MODEL
+        """The checkpoint (a directory or a GGUF file): `model`, or the default model (an installed
+        package's file; ValueError saying how to install it when missing)."""
+        return Path(self.model) if self.model is not None else registry.default_model()
 
     def replace(self, **changes) -> "ServeConfig":
         """A copy with fields changed, validated again."""

@@ -127,9 +127,8 @@ def main(argv=None) -> int:
 
     from jaxserve import LLM, SamplingParams
     from jaxserve.models.loader import load_model
-    from jaxserve.models.registry import DEFAULT_MODEL
 
-    model_dir = Path(args.model) if args.model else DEFAULT_MODEL
+    model_dir = Path(args.model) if args.model else REPO / "assets" / "models" / "default" / "target"
     keep = tuple(x for x in args.keep_full_precision.split(",") if x)
     kvs = [k for k in args.kv.split(",") if k]
     if not kv_option_exists():
