@@ -1,14 +1,14 @@
 """The gin layer: one `ServeConfig` holds everything a deployment chooses.
 
-A deployment is a gin file (``configs/*.gin``) plus overrides:
+A deployment is a gin file (``jaxserve/configs/*.gin``) plus overrides:
 
-    cfg = load_config(["configs/llama-3.1-8b-instruct.gin"], ["ServeConfig.max_slots = 32"])
+    cfg = load_config(["jaxserve/configs/llama-3.1-8b-instruct.gin"], ["ServeConfig.max_slots = 32"])
     cfg.engine_config()        # an EngineConfig, validated, no weights loaded
     LLM(cfg.model, **cfg.engine_options())
 
 `ServeConfig` has a field for every `EngineConfig` field (generated from the dataclass, so a
 new engine option is configurable the day it lands), plus the checkpoint path and the
-server's fields. Gin files include each other by paths relative to ``configs/`` (the search
+server's fields. Gin files include each other by paths relative to ``jaxserve/configs/`` (the search
 path is set here); later files and ``--gin_param`` bindings override earlier ones; explicit
 CLI flags (``overrides``) override everything. Every mistake — an unknown parameter or
 configurable, a file that does not exist, a value of the wrong type, a value the engine
@@ -239,7 +239,7 @@ ServeConfig = gin.configurable("ServeConfig", module="jaxserve.config")(_ServeCo
 
 
 def _ensure_search_path() -> None:
-    """Gin files include each other relative to configs/: put it on gin's search path when a
+    """Gin files include each other relative to jaxserve/configs/: put it on gin's search path when a
     config is loaded (not at import, which would change gin's global state for anyone)."""
     if str(CONFIG_DIR) not in gin.config._LOCATION_PREFIXES:  # noqa: SLF001 (gin has no public getter)
         gin.add_config_file_search_path(str(CONFIG_DIR))

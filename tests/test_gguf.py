@@ -212,6 +212,9 @@ def test_gguf_tokenizer_and_chat_template_are_the_checkpoints(written):
     chat = Conversation.of([{"role": "user", "content": "What is 2 + 2?"}])
     assert render(tok, chat) == render(ref, chat)
     assert tok.eos_token_id == 1
+    again = load_tokenizer(path)  # from the tokenizer cache the first load wrote
+    assert again is not tok and render(again, chat) == render(ref, chat)
+    assert again("hello world")["input_ids"] == ref("hello world")["input_ids"] and again.eos_token_id == 1
 
 
 def _minimal_gguf(path: Path, arch: str, tensor: np.ndarray, raw_dtype: Q | None = None) -> Path:

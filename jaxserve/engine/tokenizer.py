@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from pathlib import Path
 from typing import Any, Collection
 
 from jaxserve.engine.request import RequestOutput, Sequence, Status
+
+log = logging.getLogger("jaxserve.tokenizer")
 
 _GENERIC_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
 
@@ -23,9 +26,7 @@ def load_tokenizer(path: Path) -> Any | None:
     tokenizer conversion (the reference for what llama.cpp's vocabulary means)."""
     path = Path(path)
     if path.suffix.lower() == ".gguf":
-        from transformers.tokenization_utils_tokenizers import TokenizersBackend
-
-        return TokenizersBackend.from_pretrained(str(path.parent), gguf_file=path.name)
+        return _gguf_tokenizer(path)
     if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
         return None
     if (path / "tokenizer.json").is_file() and _tokenizer_class(path) in _GENERIC_TOKENIZERS:
@@ -37,6 +38,40 @@ def load_tokenizer(path: Path) -> Any | None:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(path))
+
+
+def _gguf_tokenizer(path: Path) -> Any:
+    """A GGUF's tokenizer, converted by transformers once (seconds: tens of thousands of tokens and
+    merges, and the import of torch) and saved as tokenizer.json beside the converted weights'
+    cache, keyed by the file's fingerprint; a restart loads that in a fraction of a second."""
+    import hashlib
+    import os
+    import shutil
+    import tempfile
+
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+    from jaxserve.models import gguf
+    from jaxserve.models.loader import default_cache_root
+
+    h = hashlib.sha256(b"tokenizer:1")
+    gguf.fingerprint_update(h, path)
+    cache = default_cache_root().parent / "tokenizers" / f"{path.stem}-{h.hexdigest()[:16]}"
+    if (cache / "tokenizer.json").is_file():
+        try:
+            return TokenizersBackend.from_pretrained(str(cache))
+        except Exception as e:  # an unreadable cache is rebuilt, never used
+            log.warning("tokenizer cache %s is unreadable (%s); converting again", cache, e)
+    tok = TokenizersBackend.from_pretrained(str(path.parent), gguf_file=path.name)
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=cache.parent))
+        tok.save_pretrained(str(tmp))
+        shutil.rmtree(cache, ignore_errors=True)
+        os.replace(tmp, cache)
+    except OSError as e:  # a read-only home: convert every time
+        log.warning("could not cache the GGUF tokenizer in %s (%s)", cache, e)
+    return tok
 
 
 def _tokenizer_class(path: Path) -> str | None:
