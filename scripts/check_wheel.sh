@@ -29,6 +29,7 @@ if [[ -n "$DEPS_FROM" ]]; then
   # directory but runs none of its .pth files: an editable jaxserve there stays invisible here).
   purelib="$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
   "$DEPS_FROM/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])' >"$purelib/zz_deps.pth"
+  "$PY" -m pip install -q "setuptools>=68" wheel  # the build backend, here (no isolated build env)
   "$PY" -m pip install -q --no-deps --no-build-isolation "$REPO"
 else
   "$PY" -m pip install -q --upgrade pip
@@ -51,9 +52,11 @@ for _ in $(seq 600); do
 done
 reply="$("$PY" - "$PORT" <<'EOF'
 import json, sys, urllib.request
-body = {"model": "default", "messages": [{"role": "user", "content": "What is the capital of France?"}],
+base = f"http://127.0.0.1:{sys.argv[1]}/v1"
+model = json.load(urllib.request.urlopen(f"{base}/models", timeout=60))["data"][0]["id"]
+body = {"model": model, "messages": [{"role": "user", "content": "What is the capital of France?"}],
         "max_tokens": 32, "temperature": 0}
-req = urllib.request.Request(f"http://127.0.0.1:{sys.argv[1]}/v1/chat/completions", json.dumps(body).encode(),
+req = urllib.request.Request(f"{base}/chat/completions", json.dumps(body).encode(),
                              {"Content-Type": "application/json"})
 print(json.load(urllib.request.urlopen(req, timeout=300))["choices"][0]["message"]["content"])
 EOF

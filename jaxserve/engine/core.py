@@ -328,7 +328,7 @@ class EngineCore:
         if self.speculative_name:
             features.append(f"speculative:{self.speculative_name}")
         return ModelInfo(
-            self.model_path.name,
+            self.model_path.stem if self.model_path.suffix == ".gguf" else self.model_path.name,
             self.max_model_len,
             self.model_cfg.vocab_size,
             tuple(features),
