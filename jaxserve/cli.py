@@ -105,7 +105,7 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
         default=None,
-        help="checkpoint directory (default: gin's ServeConfig.model; None there = the shipped model)",
+        help="checkpoint directory or GGUF file (default: gin's ServeConfig.model; None there = the default model)",
     )
     _add_flags(p, ENGINE_FLAGS, "engine")
     g = p.add_argument_group("engine switches")

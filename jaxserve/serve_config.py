@@ -55,7 +55,12 @@ ENGINE_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Engine
 
 # (name, type, default, help) of the fields that are not EngineConfig's.
 _MODEL_FIELDS = [
-    ("model", str | None, None, "checkpoint directory (Hugging Face layout); None = the shipped default model"),
+    (
+        "model",
+        str | None,
+        None,
+        "checkpoint directory (Hugging Face layout) or GGUF file; None = the default model (SmolLM2-135M-Instruct)",
+    ),
     (
         "kv_math_preset",
         str | None,
