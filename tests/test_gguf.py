@@ -201,6 +201,35 @@ def _state(model):
     return nnx.state(model)
 
 
+def test_gguf_tokenizer_is_the_one_transformers_builds_without_torch(written, tmp_path):
+    """load_tokenizer reads the metadata with the `gguf` package (transformers' GGUF reader imports
+    torch, a test-only dependency) and builds what AutoTokenizer(gguf_file=...) builds."""
+    import subprocess
+    import sys
+
+    from transformers import AutoTokenizer
+
+    path, _ = written["Q8_0"]
+    ours, ref = load_tokenizer(path), AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    assert type(ours) is type(ref) and ours.chat_template == ref.chat_template
+    assert (ours.bos_token, ours.eos_token, ours.pad_token, ours.unk_token, ours.all_special_ids) == (
+        ref.bos_token,
+        ref.eos_token,
+        ref.pad_token,
+        ref.unk_token,
+        ref.all_special_ids,
+    )
+    for text in ("def f(x):\n    return x + 1\n", "héllo ☃ 日本語 </s> <s>", "", "  a\tb\n\n"):
+        assert ours(text)["input_ids"] == ref(text)["input_ids"], text
+    code = (
+        "import sys; from pathlib import Path; from jaxserve.engine.tokenizer import load_tokenizer; "
+        "t = load_tokenizer(Path(sys.argv[1])); print(t('hello world')['input_ids'], 'torch' in sys.modules)"
+    )
+    env = dict(__import__("os").environ, JAXSERVE_CACHE_DIR=str(tmp_path / "cache"))
+    out = subprocess.run([sys.executable, "-c", code, str(path)], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split()[-1] == "False", out.stdout + out.stderr[-2000:]
+
+
 def test_gguf_tokenizer_and_chat_template_are_the_checkpoints(written):
     """The GGUF's vocabulary (read by transformers' GGUF conversion) encodes and renders chats as
     the tokenizer it was written from does."""
