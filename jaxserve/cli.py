@@ -2,10 +2,10 @@
 
 Every command takes gin configuration (see docs/deploy.md):
 
-    jaxserve serve --gin_file configs/llama-3.1-8b-instruct.gin --gin_param "ServeConfig.max_slots = 32"
+    jaxserve serve --gin_file jaxserve/configs/llama-3.1-8b-instruct.gin --gin_param "ServeConfig.max_slots = 32"
 
 Precedence, lowest first: ServeConfig's defaults, the gin files in order (serve, generate and
-convert read configs/default.gin when none is given), the --gin_param bindings in order,
+convert read jaxserve/configs/default.gin when none is given), the --gin_param bindings in order,
 then explicit flags (--max-slots ...). serve and generate log the effective configuration at
 start. A bad flag, binding, file or value exits 2 with "jaxserve CMD: error: ...".
 """
@@ -20,7 +20,7 @@ from pathlib import Path
 log = logging.getLogger("jaxserve.cli")
 
 GIN_HELP = (
-    "gin configuration: --gin_file FILE (repeatable; a path, or relative to configs/, e.g. "
+    "gin configuration: --gin_file FILE (repeatable; a path, or relative to jaxserve/configs/, e.g. "
     "llama-3.1-8b-instruct.gin) and --gin_param 'ServeConfig.FIELD = VALUE' (repeatable). "
     "Explicit flags override both."
 )
@@ -87,7 +87,7 @@ def _gin_parent() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="FILE",
-        help="a gin file (repeatable, applied in order); a path, or relative to configs/",
+        help="a gin file (repeatable, applied in order); a path, or relative to jaxserve/configs/",
     )
     g.add_argument(
         "--gin_param",
@@ -111,7 +111,7 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
         default=None,
-        help="checkpoint directory (default: gin's ServeConfig.model; None there = the shipped model)",
+        help="checkpoint directory or GGUF file (default: gin's ServeConfig.model; None there = the default model)",
     )
     _add_flags(p, ENGINE_FLAGS, "engine")
     g = p.add_argument_group("engine switches")
@@ -265,14 +265,18 @@ def cmd_generate(args) -> int:
         return 0
     try:
         for prompt in args.prompt:
+            if args.chat:  # one user turn, rendered by the model's chat template; the reply alone is printed
+                from jaxserve.engine.chat import Conversation
+
+                prompt = Conversation.of([{"role": "user", "content": prompt}])
             if params.n == 1:
-                print(prompt, end="", flush=True)
+                print("" if args.chat else prompt, end="", flush=True)
                 for out in llm.stream(prompt, params):
                     print(out.text, end="", flush=True)
                 print()
                 continue
             for out in llm.generate([prompt], params):  # n completions, one after the other
-                print(f"[{out.index}] {prompt}{out.text}")
+                print(f"[{out.index}] {'' if args.chat else prompt}{out.text}")
     finally:
         llm.shutdown()
     return 0
@@ -445,7 +449,7 @@ def build_parser() -> argparse.ArgumentParser:
         "health, reflection) and, with --http-port, the OpenAI-compatible HTTP API (/v1/models, "
         "/v1/completions, /v1/chat/completions, /health, /tokenize, /detokenize, /tokenizer_info, /metrics) from the same engine. Prints 'jaxserve: serving "
         "on HOST:PORT' once listening (and 'jaxserve: OpenAI-compatible HTTP on http://HOST:PORT/v1').",
-        epilog=GIN_HELP + " Without --gin_file: configs/default.gin.",
+        epilog=GIN_HELP + " Without --gin_file: jaxserve/configs/default.gin.",
     )
     _add_engine_flags(p)
     _add_flags(p, SERVER_FLAGS, "server")
@@ -457,10 +461,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="generate offline, no server",
         parents=[gin_parent],
         description="Load a model and complete each PROMPT on stdout.",
-        epilog=GIN_HELP + " Without --gin_file: configs/default.gin.",
+        epilog=GIN_HELP + " Without --gin_file: jaxserve/configs/default.gin.",
     )
     _add_engine_flags(p)
     p.add_argument("prompt", nargs="+")
+    p.add_argument("--chat", action="store_true", help="send each PROMPT as a user message (the model's chat template)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-k", type=int, default=0)
@@ -510,9 +515,9 @@ def build_parser() -> argparse.ArgumentParser:
         "convert",
         help="convert a Hugging Face checkpoint into the converted-weight cache",
         parents=[gin_parent],
-        epilog=GIN_HELP + " Without --gin_file: configs/default.gin.",
+        epilog=GIN_HELP + " Without --gin_file: jaxserve/configs/default.gin.",
     )
-    p.add_argument("--model", default=None, help="checkpoint directory (default: gin's ServeConfig.model)")
+    p.add_argument("--model", default=None, help="checkpoint directory or GGUF file (default: gin's ServeConfig.model)")
     p.add_argument("--dtype", default=None)
     p.add_argument("--cache-dir", default=None)
     p.set_defaults(fn=cmd_convert)

@@ -1,14 +1,14 @@
 """The gin layer: one `ServeConfig` holds everything a deployment chooses.
 
-A deployment is a gin file (``configs/*.gin``) plus overrides:
+A deployment is a gin file (``jaxserve/configs/*.gin``) plus overrides:
 
-    cfg = load_config(["configs/llama-3.1-8b-instruct.gin"], ["ServeConfig.max_slots = 32"])
+    cfg = load_config(["jaxserve/configs/llama-3.1-8b-instruct.gin"], ["ServeConfig.max_slots = 32"])
     cfg.engine_config()        # an EngineConfig, validated, no weights loaded
     LLM(cfg.model, **cfg.engine_options())
 
 `ServeConfig` has a field for every `EngineConfig` field (generated from the dataclass, so a
 new engine option is configurable the day it lands), plus the checkpoint path and the
-server's fields. Gin files include each other by paths relative to ``configs/`` (the search
+server's fields. Gin files include each other by paths relative to ``jaxserve/configs/`` (the search
 path is set here); later files and ``--gin_param`` bindings override earlier ones; explicit
 CLI flags (``overrides``) override everything. Every mistake — an unknown parameter or
 configurable, a file that does not exist, a value of the wrong type, a value the engine
@@ -32,10 +32,9 @@ from typing import Any, Sequence
 import gin
 
 from jaxserve.engine.engine_config import EngineConfig
-from jaxserve.models.registry import DEFAULT_MODEL
+from jaxserve.models import registry
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-CONFIG_DIR = REPO_ROOT / "configs"
+CONFIG_DIR = Path(__file__).resolve().parent / "configs"  # package data: installed with the wheel
 DEFAULT_GIN_FILE = CONFIG_DIR / "default.gin"
 
 __all__ = [
@@ -56,7 +55,12 @@ ENGINE_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Engine
 
 # (name, type, default, help) of the fields that are not EngineConfig's.
 _MODEL_FIELDS = [
-    ("model", str | None, None, "checkpoint directory (Hugging Face layout); None = the shipped default model"),
+    (
+        "model",
+        str | None,
+        None,
+        "checkpoint directory (Hugging Face layout) or GGUF file; None = the default model (SmolLM2-135M-Instruct)",
+    ),
     (
         "kv_math_preset",
         str | None,
@@ -192,8 +196,9 @@ class _ServeConfigMethods:
 
     @property
     def model_path(self) -> Path:
-        """The checkpoint directory: `model`, or the shipped default model."""
-        return Path(self.model) if self.model is not None else DEFAULT_MODEL
+        """The checkpoint (a directory or a GGUF file): `model`, or the default model (an installed
+        package's file; ValueError saying how to install it when missing)."""
+        return Path(self.model) if self.model is not None else registry.default_model()
 
     def replace(self, **changes) -> "ServeConfig":
         """A copy with fields changed, validated again."""
@@ -239,7 +244,7 @@ ServeConfig = gin.configurable("ServeConfig", module="jaxserve.config")(_ServeCo
 
 
 def _ensure_search_path() -> None:
-    """Gin files include each other relative to configs/: put it on gin's search path when a
+    """Gin files include each other relative to jaxserve/configs/: put it on gin's search path when a
     config is loaded (not at import, which would change gin's global state for anyone)."""
     if str(CONFIG_DIR) not in gin.config._LOCATION_PREFIXES:  # noqa: SLF001 (gin has no public getter)
         gin.add_config_file_search_path(str(CONFIG_DIR))

@@ -6,7 +6,7 @@ empty (temporary) compilation cache directory, then again with the cache the fir
 and reports the time from process start to the first generated token for each:
 
     .venv/bin/python scripts/bench_restart.py                  # the shipped default model
-    .venv/bin/python scripts/bench_restart.py --model DIR --gin_file configs/default.gin
+    .venv/bin/python scripts/bench_restart.py --model DIR --gin_file jaxserve/configs/default.gin
     .venv/bin/python scripts/bench_restart.py --serve    # `jaxserve serve`, first token over gRPC
 
 The compilation cache directory holds JAX's persistent XLA cache and jaxserve's executable store

@@ -76,13 +76,17 @@ def main(argv=None) -> int:
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     from jaxserve import LLM
-    from jaxserve.models.registry import DEFAULT_DRAFT
+
+    # jaxserve's small trained model and its draft (the draft shares its tokenizer)
+    small = REPO / "assets" / "models" / "default"
 
     opts = dict(max_slots=8, max_model_len=1024, enable_prefix_caching=False)
     engines = {
-        "plain": LLM(**opts),
-        "draft": LLM(speculative_model=str(DEFAULT_DRAFT), num_speculative_tokens=args.k, **opts),
-        "ngram": LLM(speculative_model="ngram", num_speculative_tokens=args.k, **opts),
+        "plain": LLM(str(small / "target"), **opts),
+        "draft": LLM(
+            str(small / "target"), speculative_model=str(small / "draft"), num_speculative_tokens=args.k, **opts
+        ),
+        "ngram": LLM(str(small / "target"), speculative_model="ngram", num_speculative_tokens=args.k, **opts),
     }
     workloads = {"code": code_prompts(args.requests), "editing": editing_prompts(args.requests)}
     rows = []

@@ -28,6 +28,7 @@ import re
 import statistics
 import sys
 import time
+from pathlib import Path
 
 SCHEMAS = {
     "person": {
@@ -322,7 +323,7 @@ def _tokenizers() -> dict:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from jaxserve.models.registry import DEFAULT_MODEL
+    small_dir = Path(__file__).resolve().parents[1] / "assets" / "models" / "default" / "target"
 
     texts, size = [], 0
     for f in sorted(glob.glob(sysconfig.get_paths()["stdlib"] + "/**/*.py", recursive=True)):
@@ -341,7 +342,7 @@ def _tokenizers() -> dict:
         texts, trainers.BpeTrainer(vocab_size=32000, special_tokens=["<s>", "</s>"], initial_alphabet=alphabet)
     )
     big = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
-    small = PreTrainedTokenizerFast.from_pretrained(str(DEFAULT_MODEL))
+    small = PreTrainedTokenizerFast.from_pretrained(str(small_dir))
     return {"default-4096": (small, len(small)), "bpe-32000": (big, len(big))}
 
 
@@ -455,7 +456,8 @@ def main(argv=None) -> int:
     from jaxserve import LLM
 
     t0 = time.perf_counter()
-    llm = LLM(max_slots=args.batch, max_model_len=512, prefill_buckets=(16, 32, 64))
+    small = Path(__file__).resolve().parents[1] / "assets" / "models" / "default" / "target"
+    llm = LLM(small, max_slots=args.batch, max_model_len=512, prefill_buckets=(16, 32, 64))
     print(f"engine ready in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
     if args.validate:
         r = validate(llm, args.requests or 200)

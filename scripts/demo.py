@@ -1,5 +1,6 @@
-"""`make demo`: start jaxserve on the shipped default model, stream one generation through
-the gRPC client to the terminal, and stop the server with SIGTERM (it drains)."""
+"""`make demo`: start jaxserve on the default model (SmolLM2-135M-Instruct), stream its answers
+to two chat questions through the gRPC client to the terminal, and stop the server with
+SIGTERM (it drains)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import sys
 import threading
 import time
 
-PROMPT = "def fibonacci(n):"
+QUESTIONS = ["What is the capital of France?", "Write a Python function that returns the square of a number."]
 
 
 def main() -> int:
@@ -37,14 +38,19 @@ def main() -> int:
         from jaxserve.serving.client import Client
 
         client = Client(target)
-        print(f"$ jaxserve client --target {target} --echo {PROMPT!r}", flush=True)
-        print(PROMPT, end="", flush=True)
-        last = None
-        for r in client.generate(PROMPT, max_tokens=96, temperature=0):
-            print(r.text, end="", flush=True)
-            last = r
-        u = last.usage
-        print(f"\n\n[{u.completion_tokens} tokens streamed; prompt {u.prompt_tokens} tokens]", flush=True)
+        for question in QUESTIONS:
+            print(f"$ jaxserve client --target {target} --chat {question!r}", flush=True)
+            last = None
+            t1 = time.perf_counter()
+            for r in client.generate([{"role": "user", "content": question}], max_tokens=160, temperature=0):
+                print(r.text, end="", flush=True)
+                last = r
+            u = last.usage
+            print(
+                f"\n[{u.completion_tokens} tokens streamed in {time.perf_counter() - t1:.1f}s; "
+                f"prompt {u.prompt_tokens} tokens]\n",
+                flush=True,
+            )
         client.close()
     finally:
         server.send_signal(signal.SIGTERM)

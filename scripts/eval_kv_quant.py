@@ -31,7 +31,6 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from jaxserve.models.loader import load_model  # noqa: E402
-from jaxserve.models.registry import DEFAULT_MODEL  # noqa: E402
 from pallas_kernels import reference  # noqa: E402
 
 
@@ -87,7 +86,7 @@ def paged_losses(model, cfg, windows: np.ndarray, kv_cache_dtype: str, batch: in
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", type=Path, default=DEFAULT_MODEL)
+    ap.add_argument("--model", type=Path, default=ROOT / "assets" / "models" / "default" / "target")
     ap.add_argument("--kinds", nargs="+", default=["auto", "int8", "fp8"], choices=reference.KV_CACHE_DTYPES)
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--heldout-modulus", type=int, default=50)

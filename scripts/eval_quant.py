@@ -46,6 +46,15 @@ def heldout_windows(model_dir: Path, seq_len: int, modulus: int):
 
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     held = [t for r, t in collect_files(stdlib) if is_heldout(r, modulus)]
+    if model_dir.suffix == ".gguf":  # its own vocabulary: documents between its BOS and EOS tokens
+        import numpy as np
+
+        from jaxserve.engine.tokenizer import load_tokenizer
+
+        tok = load_tokenizer(model_dir)
+        enc = tok.backend_tokenizer.encode_batch(held, add_special_tokens=False)
+        bos, eos = tok.bos_token_id, tok.eos_token_id
+        return eval_windows(np.concatenate([np.asarray([bos] + e.ids + [eos], np.int32) for e in enc]), seq_len)
     tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     return eval_windows(token_stream(tok, held), seq_len)
 
@@ -128,9 +137,8 @@ def main(argv=None) -> int:
 
     from jaxserve import LLM, SamplingParams
     from jaxserve.models.loader import load_model
-    from jaxserve.models.registry import DEFAULT_MODEL
 
-    model_dir = Path(args.model) if args.model else DEFAULT_MODEL
+    model_dir = Path(args.model) if args.model else REPO / "assets" / "models" / "default" / "target"
     keep = tuple(x for x in args.keep_full_precision.split(",") if x)
     kvs = [k for k in args.kv.split(",") if k]
     if not kv_option_exists():

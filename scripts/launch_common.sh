@@ -33,9 +33,9 @@ run_remote() {  # run_remote FLAG SCRIPT CMD...
 }
 step() { echo "# $*"; }
 
-find_gin_file() {  # find_gin_file REPO FILE: print FILE as given, in REPO/configs/ or in REPO, or die
+find_gin_file() {  # find_gin_file REPO FILE: print FILE as given, in REPO/jaxserve/configs/ (the package's presets), or in REPO, or die
   local repo="$1" gin_file="$2" candidate
-  for candidate in "$gin_file" "$repo/configs/$gin_file" "$repo/$gin_file"; do
+  for candidate in "$gin_file" "$repo/jaxserve/configs/$gin_file" "$repo/jaxserve/$gin_file" "$repo/$gin_file"; do
     if [[ -f "$candidate" ]]; then gin_file="$candidate"; break; fi
   done
   [[ -f "$gin_file" ]] || die "--gin-file $gin_file not found"

@@ -8,8 +8,8 @@
 # the endpoint. --dry-run prints every command instead.
 #
 #   scripts/launch_gpu_vm.sh --name qwen7b --zone us-central1-a --gpu-type nvidia-l4 \
-#       --machine-type g2-standard-16 --gin-file configs/qwen2.5-7b-instruct.gin
-#   scripts/launch_gpu_vm.sh --host ubuntu@10.0.0.5 --gin-file configs/llama-3.1-8b-instruct.gin \
+#       --machine-type g2-standard-16 --gin-file jaxserve/configs/qwen2.5-7b-instruct.gin
+#   scripts/launch_gpu_vm.sh --host ubuntu@10.0.0.5 --gin-file jaxserve/configs/llama-3.1-8b-instruct.gin \
 #       --checkpoint /data/Llama-3.1-8B-Instruct
 set -euo pipefail
 # shellcheck source-path=SCRIPTDIR source=launch_common.sh
@@ -30,8 +30,8 @@ Serve a gin-configured model with systemd on a new GCE GPU VM or on an existing 
   --image-family FAMILY     boot image with the NVIDIA driver (default: common-cu124-debian-11-py310)
   --image-project PROJECT   (default: deeplearning-platform-release)
   --host USER@ADDR          use this SSH-reachable host instead of creating a VM (driver installed)
-  --gin-file FILE           model preset, e.g. configs/qwen2.5-7b-instruct.gin
-                            (default: configs/llama-3.1-8b-instruct.gin)
+  --gin-file FILE           model preset, e.g. jaxserve/configs/qwen2.5-7b-instruct.gin
+                            (default: jaxserve/configs/llama-3.1-8b-instruct.gin)
   --checkpoint PATH         checkpoint directory on the machine, or gs://... to copy onto /models/
                             (default: the preset's ServeConfig.model)
   --port PORT               gRPC port (default: 50051)
@@ -46,7 +46,7 @@ die() { echo "launch_gpu_vm.sh: error: $*" >&2; exit 2; }
 
 NAME="" ZONE="" PROJECT="" GPU_TYPE="nvidia-h100-80gb" GPU_COUNT=1 MACHINE_TYPE="a3-highgpu-1g"
 IMAGE_FAMILY="common-cu124-debian-11-py310" IMAGE_PROJECT="deeplearning-platform-release" HOST=""
-GIN_FILE="configs/llama-3.1-8b-instruct.gin" CHECKPOINT="" PORT=50051 EXISTING=0 WAIT_TIMEOUT=1800 DRY_RUN=0
+GIN_FILE="jaxserve/configs/llama-3.1-8b-instruct.gin" CHECKPOINT="" PORT=50051 EXISTING=0 WAIT_TIMEOUT=1800 DRY_RUN=0
 
 while [[ $# -gt 0 ]]; do
   case "$1" in
@@ -82,7 +82,7 @@ if ! [[ "$PORT" =~ ^[0-9]+$ ]] || (( PORT < 1 || PORT > 65535 )); then die "--po
 [[ "$WAIT_TIMEOUT" =~ ^[0-9]+$ ]] || die "--wait-timeout must be a number of seconds"
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-GIN_FILE="$(find_gin_file "$REPO" "$GIN_FILE")"  # as given, in configs/, in the repo
+GIN_FILE="$(find_gin_file "$REPO" "$GIN_FILE")"  # as given, in jaxserve/configs/, in the repo
 JAX_VERSION="$(jax_version "$REPO")"
 
 GCLOUD_SCOPE=()

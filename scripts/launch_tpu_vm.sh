@@ -7,7 +7,7 @@
 # health on worker 0 says SERVING, print the endpoint. --dry-run prints every command instead.
 #
 #   scripts/launch_tpu_vm.sh --name llama8b --zone us-east5-b --accelerator-type v6e-1 \
-#       --gin-file configs/llama-3.1-8b-instruct.gin --checkpoint gs://my-bucket/Llama-3.1-8B-Instruct
+#       --gin-file jaxserve/configs/llama-3.1-8b-instruct.gin --checkpoint gs://my-bucket/Llama-3.1-8B-Instruct
 set -euo pipefail
 # shellcheck source-path=SCRIPTDIR source=launch_common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/launch_common.sh"
@@ -24,7 +24,7 @@ Create a Cloud TPU VM and serve a gin-configured model on it with systemd.
   --accelerator-type TYPE   e.g. v6e-1, v5litepod-8, v5litepod-16 (multi-host), v4-8 (default: v5litepod-8)
   --runtime-version VER     TPU VM software version (default: v2-alpha-tpuv5-lite; v2-alpha-tpuv6e for v6e,
                             tpu-ubuntu2204-base for v4/v5p)
-  --gin-file FILE           model preset, e.g. configs/llama-3.1-8b-instruct.gin (default: that one);
+  --gin-file FILE           model preset, e.g. jaxserve/configs/llama-3.1-8b-instruct.gin (default: that one);
                             base/tpu.gin is applied after it
   --checkpoint PATH         checkpoint directory on the VM, or gs://... to copy onto /models/ (default: the
                             preset's ServeConfig.model)
@@ -42,7 +42,7 @@ EOF
 
 die() { echo "launch_tpu_vm.sh: error: $*" >&2; exit 2; }
 
-NAME="" ZONE="" PROJECT="" ACCEL="v5litepod-8" RUNTIME="" GIN_FILE="configs/llama-3.1-8b-instruct.gin"
+NAME="" ZONE="" PROJECT="" ACCEL="v5litepod-8" RUNTIME="" GIN_FILE="jaxserve/configs/llama-3.1-8b-instruct.gin"
 CHECKPOINT="" PORT=50051 SPOT=0 EXISTING=0 WAIT_TIMEOUT=1800 DRY_RUN=0
 
 while [[ $# -gt 0 ]]; do
@@ -70,7 +70,7 @@ if ! [[ "$PORT" =~ ^[0-9]+$ ]] || (( PORT < 1 || PORT > 65535 )); then die "--po
 [[ "$WAIT_TIMEOUT" =~ ^[0-9]+$ ]] || die "--wait-timeout must be a number of seconds"
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-GIN_FILE="$(find_gin_file "$REPO" "$GIN_FILE")"  # as given, in configs/, in the repo
+GIN_FILE="$(find_gin_file "$REPO" "$GIN_FILE")"  # as given, in jaxserve/configs/, in the repo
 
 if [[ -z "$RUNTIME" ]]; then
   case "$ACCEL" in

@@ -27,7 +27,14 @@ def suite_xla_flags(*extra: str) -> str:
 if TEST_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = suite_xla_flags(os.environ.get("XLA_FLAGS", "")).strip()
 
+from pathlib import Path  # noqa: E402
+
 import pytest  # noqa: E402
+
+# The fast test models: jaxserve's small trained Llama (6.5M parameters) and its draft, in the
+# checkout. The default model (SmolLM2-135M-Instruct, 30 layers) is for users; tests name these.
+TEST_MODEL = Path(__file__).resolve().parents[1] / "assets" / "models" / "default" / "target"
+TEST_DRAFT = TEST_MODEL.parent / "draft"
 
 
 def make_hf_model(kind: str, path, seed: int = 0, max_shard_size: str | None = None, **overrides):

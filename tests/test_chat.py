@@ -10,11 +10,11 @@ import shutil
 from pathlib import Path
 
 import pytest
+from conftest import TEST_MODEL
 from transformers import AutoTokenizer
 
 from jaxserve.engine.chat import Conversation, is_conversation, render
 from jaxserve.engine.tokenizer import load_tokenizer
-from jaxserve.models.registry import DEFAULT_MODEL
 
 DATA = Path(__file__).parent / "data" / "chat"
 FAMILIES = ("llama-3.1", "qwen2.5", "mistral-v0.3")
@@ -138,10 +138,10 @@ def test_is_conversation():
     assert not is_conversation("x") and not is_conversation([]) and not is_conversation([1, 2])
 
 
-def test_default_model_template():
+def test_small_test_model_template():
     """The shipped model's plain template (assets/models/default/target/chat_template.jinja):
     a conversation as a Python file of docstrings, answered by code after a blank line."""
-    tok = load_tokenizer(DEFAULT_MODEL)
+    tok = load_tokenizer(TEST_MODEL)
     conv = [
         {"role": "system", "content": "You write Python."},
         {"role": "user", "content": "Add two numbers.\nReturn the sum."},

@@ -8,7 +8,7 @@ import logging
 
 import numpy as np
 import pytest
-from conftest import hf_greedy
+from conftest import TEST_MODEL, hf_greedy
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.runner import executable_cache as xc
@@ -134,6 +134,8 @@ def test_cli_restart_loads_every_step(tmp_path):
         "-m",
         "jaxserve.cli",
         "generate",
+        "--model",
+        str(TEST_MODEL),
         "--max-tokens",
         "6",
         "--max-slots",

@@ -17,11 +17,10 @@ import openai
 import pytest
 import torch
 import transformers
-from conftest import pool_whole
+from conftest import TEST_MODEL, pool_whole
 from test_http_server import ServerThread
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.models.registry import DEFAULT_MODEL
 
 # max_prefill_chunk is the largest bucket (32): LONG is prefilled in 4 chunks.
 OPTS = dict(max_slots=4, page_size=8, max_model_len=256, num_pages=160, prefill_buckets=(16, 32))
@@ -31,10 +30,10 @@ LONG = "Once upon a time, in a land far away, there lived a small robot who like
 
 @pytest.fixture(scope="module")
 def served():
-    llm = LLM(DEFAULT_MODEL, **OPTS)
+    llm = LLM(TEST_MODEL, **OPTS)
     ids = [llm.tokenizer.encode(t) for t in TEXTS + [LONG]]
     assert len(ids[-1]) > 2 * OPTS["prefill_buckets"][-1]
-    hf = transformers.AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL, dtype=torch.float32)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(TEST_MODEL, dtype=torch.float32)
     with torch.no_grad():  # the oracle: log-softmax of transformers' logits, position i predicting i + 1
         oracle = [torch.log_softmax(hf(torch.tensor([p])).logits[0].double(), -1).numpy() for p in ids]
     # the offline references, before the server's loop thread takes over stepping the engine

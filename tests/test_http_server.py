@@ -20,10 +20,10 @@ import urllib.request
 import grpc
 import openai
 import pytest
+from conftest import TEST_MODEL
 from conftest import pool_whole as _pool_whole
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.models.registry import DEFAULT_MODEL
 from jaxserve.serving.client import Client
 from jaxserve.serving.server import Server
 
@@ -67,7 +67,7 @@ def served(tok_model, tmp_path_factory):
     d = tmp_path_factory.mktemp("llama_chat")
     for f in tok_model[0].iterdir():
         shutil.copy(f, d)
-    shutil.copy(DEFAULT_MODEL / "chat_template.jinja", d)
+    shutil.copy(TEST_MODEL / "chat_template.jinja", d)
     llm = LLM(d, **OPTS)
     ref = {
         "text": llm.generate(TEXTS, SamplingParams(**GREEDY)),
@@ -452,12 +452,13 @@ def test_a_huge_prompt_does_not_delay_a_running_stream(served):
     _pool_whole(llm)
 
 
-def test_cli_serves_the_default_model_over_both_and_sigterm_drains(capsys):
+def test_cli_serves_the_small_model_over_both_and_sigterm_drains(capsys):
     """`jaxserve serve --http-port`: the shipped model and its plain chat template end to end,
     over HTTP and gRPC (`jaxserve client --chat`), then SIGTERM ends a running HTTP stream with
     a final chunk and [DONE], and the process exits 0."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--port", "0", "--http-port", "0", "--grace", "0.5"]
+    cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--model", str(TEST_MODEL), "--port", "0", "--http-port", "0"]
+    cmd += ["--grace", "0.5"]
     cmd += ["--max-slots", "2", "--max-model-len", "256", "--prefill-buckets", "32,64", "--no-compilation-cache"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
@@ -476,7 +477,7 @@ def test_cli_serves_the_default_model_over_both_and_sigterm_drains(capsys):
         r = c.chat.completions.create(model="target", messages=conv, max_tokens=24, temperature=0)
         from jaxserve.engine.tokenizer import load_tokenizer
 
-        tok = load_tokenizer(DEFAULT_MODEL)
+        tok = load_tokenizer(TEST_MODEL)
         assert r.usage.prompt_tokens == len(
             tok.apply_chat_template(conv, add_generation_prompt=True, return_dict=False)
         )

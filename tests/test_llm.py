@@ -253,13 +253,13 @@ def test_direct_tokenizer_is_the_one_autotokenizer_builds(tok_model, tmp_path):
     build the same tokenizer, and any model-specific class must still go through AutoTokenizer."""
     import shutil
 
+    from conftest import TEST_MODEL
     from transformers import AutoTokenizer
 
     from jaxserve.engine.tokenizer import load_tokenizer
-    from jaxserve.models.registry import DEFAULT_MODEL
 
     texts = ["def f(x):\n    return x + 1\n", "héllo wörld ☃ 日本語 <s> </s>", "", "  spaces\ttabs\n\n"]
-    for path in (tok_model[0], DEFAULT_MODEL):
+    for path in (tok_model[0], TEST_MODEL):
         ours, auto = load_tokenizer(Path(path)), AutoTokenizer.from_pretrained(str(path))
         assert type(ours) is type(auto)
         assert (ours.bos_token_id, ours.eos_token_id, ours.pad_token_id, ours.all_special_ids) == (
@@ -273,7 +273,7 @@ def test_direct_tokenizer_is_the_one_autotokenizer_builds(tok_model, tmp_path):
             assert ids == auto.encode(t, add_special_tokens=True)
             assert ours.decode(ids, skip_special_tokens=True) == auto.decode(ids, skip_special_tokens=True)
     other = tmp_path / "gpt2-tok"
-    shutil.copytree(DEFAULT_MODEL, other)
+    shutil.copytree(TEST_MODEL, other)
     cfg = json.loads((other / "tokenizer_config.json").read_text())
     (other / "tokenizer_config.json").write_text(json.dumps({**cfg, "tokenizer_class": "GPT2Tokenizer"}))
     assert type(load_tokenizer(other)).__name__ == "GPT2Tokenizer"

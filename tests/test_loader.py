@@ -9,7 +9,7 @@ import time
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import make_hf_model
+from conftest import TEST_MODEL, make_hf_model
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
@@ -176,14 +176,14 @@ def test_warm_start_imports_neither_torch_nor_transformers_auto_classes(tmp_path
     import sys
 
     code = (
-        "import sys; from pathlib import Path; from jaxserve.models.registry import DEFAULT_MODEL; from jaxserve.engine.tokenizer import load_tokenizer; "
-        "from jaxserve.models.loader import load_model; load_model(DEFAULT_MODEL); load_tokenizer(Path(DEFAULT_MODEL)); "
+        "import sys; from pathlib import Path; from jaxserve.engine.tokenizer import load_tokenizer; "
+        "from jaxserve.models.loader import load_model; load_model(sys.argv[1]); load_tokenizer(Path(sys.argv[1])); "
         "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('transformers.models.auto')))"
     )
     env = dict(os.environ, JAXSERVE_CACHE_DIR=str(tmp_path / "cache"), JAX_PLATFORMS="cpu")
     run = lambda: (
         subprocess.run(
-            [sys.executable, "-c", code],
+            [sys.executable, "-c", code, str(TEST_MODEL)],
             env=env,
             capture_output=True,
             text=True,  # noqa: E731

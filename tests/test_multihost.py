@@ -12,7 +12,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from conftest import make_hf_model, suite_xla_flags
+from conftest import TEST_MODEL, make_hf_model, suite_xla_flags
 
 # The pieces of Gloo's "[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected
 # peer ranks is : 1" lines, in any order.
@@ -99,6 +99,8 @@ def test_the_cli_joins_processes_from_the_environment(tmp_path):
         "-m",
         "jaxserve.cli",
         "generate",
+        "--model",
+        str(TEST_MODEL),
         "--max-tokens",
         "12",
         "--max-slots",

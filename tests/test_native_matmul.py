@@ -365,8 +365,9 @@ def test_engine_bf16_greedy_mostly_agrees_with_float32(amx):
     prompts x 24 greedy tokens. This 6.5M model's top two logits are often close, so a rounding
     difference can flip a token and the rest of the completion with it: the bound is loose
     (measured 2026-12-02: see docs/quantization.md), the exact figures are in the docs."""
+    from conftest import TEST_MODEL
+
     from jaxserve import LLM, SamplingParams
-    from jaxserve.models.registry import DEFAULT_MODEL
 
     rng = np.random.default_rng(0)
     prompts = [[int(t) for t in rng.integers(3, 4000, 16)] for _ in range(8)]
@@ -374,7 +375,7 @@ def test_engine_bf16_greedy_mostly_agrees_with_float32(amx):
     outs = {}
     for md in ("float32", "bfloat16"):
         # no warm-up: only the steps this test runs are compiled (test_llm covers warm-up)
-        llm = LLM(DEFAULT_MODEL, matmul_dtype=md, warmup=False, max_slots=8, max_model_len=48, prefill_buckets=(16,))
+        llm = LLM(TEST_MODEL, matmul_dtype=md, warmup=False, max_slots=8, max_model_len=48, prefill_buckets=(16,))
         assert f"matmul:native:{md}" in llm.core.model_info().features
         outs[md] = [o.token_ids for o in llm.generate(prompts, [params] * len(prompts))]
         del llm

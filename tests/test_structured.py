@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import TEST_MODEL
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.engine.client import split_logprobs
@@ -30,7 +31,7 @@ PROMPT = "def parse(data):\n    return "
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(max_slots=8, max_model_len=256, prefill_buckets=(16, 32, 64), page_size=16)
+    return LLM(TEST_MODEL, max_slots=8, max_model_len=256, prefill_buckets=(16, 32, 64), page_size=16)
 
 
 def _pool_whole(llm):

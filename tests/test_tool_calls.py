@@ -12,6 +12,7 @@ from pathlib import Path
 
 import jsonschema
 import pytest
+from conftest import TEST_MODEL
 from conftest import pool_whole as _pool_whole
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -29,7 +30,6 @@ from jaxserve.engine.tool_calls import (
     detect_family,
     parse,
 )
-from jaxserve.models.registry import DEFAULT_MODEL
 
 DATA = Path(__file__).parent / "data" / "chat"
 WEATHER = {
@@ -339,7 +339,7 @@ def test_tool_results_and_past_calls_render_as_transformers_renders_them(name):
 def test_a_template_without_tools_gets_them_in_a_system_message():
     """The shipped default's template knows neither tools nor tool_calls: the tools are described
     in the family's words, and past calls are written into the assistant's text."""
-    tok = load_tokenizer(DEFAULT_MODEL)
+    tok = load_tokenizer(TEST_MODEL)
     tc = ToolCalling.for_tokenizer(tok)
     assert (tc.family.name, tc.renders_tools, tc.renders_calls) == ("hermes", False, False)
     msgs = tc.messages(Conversation.of(HISTORY).messages, ToolRequest.of(TOOLS))

@@ -33,7 +33,7 @@ from jaxserve.engine.radix_cache import RadixCache
 from jaxserve.engine.request import MAX_LOGPROBS, RequestOutput, SamplingParams, Sequence, Status
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.engine.tokenizer import IncrementalDetokenizer, load_tokenizer
-from jaxserve.models.registry import DEFAULT_DRAFT, DEFAULT_MODEL
+from jaxserve.models import registry
 from jaxserve.runner.step_batch import Chunk, Controls
 
 log = logging.getLogger("jaxserve.engine")
@@ -73,7 +73,7 @@ class EngineCore:
         for name in ("PENALTY_TOKENS", "MAX_LOGIT_BIAS", "MAX_STOP_IDS"):
             assert getattr(step_batch, name) == getattr(request_mod, name), f"request and runner disagree on {name}"
         self._compile_count = compile_count
-        path = Path(model) if model is not None else DEFAULT_MODEL
+        path = Path(model) if model is not None else registry.default_model()
         self.cfg = EngineConfig(**engine_options)
         module, self.model_cfg = load_model(path, dtype=self.cfg.dtype, quantization=self.cfg.quantization)
         self.model_path = path
@@ -159,9 +159,12 @@ class EngineCore:
             return None, None
         from jaxserve.models.loader import load_model
 
-        draft, dcfg = load_model(
-            DEFAULT_DRAFT if spec == "default" else spec, dtype=self.cfg.dtype, quantization=self.cfg.quantization
-        )
+        if spec == "default":
+            raise ValueError(
+                "speculative_model: no draft model ships with the default model; use 'ngram' (prompt lookup) "
+                "or a draft checkpoint that shares the target's tokenizer"
+            )
+        draft, dcfg = load_model(spec, dtype=self.cfg.dtype, quantization=self.cfg.quantization)
         if dcfg.vocab_size != self.model_cfg.vocab_size:
             raise ValueError(
                 f"speculative_model: the draft's vocabulary ({dcfg.vocab_size}) differs from the "
@@ -332,7 +335,7 @@ class EngineCore:
         if self.speculative_name:
             features.append(f"speculative:{self.speculative_name}")
         return ModelInfo(
-            self.model_path.name,
+            self.model_path.stem if self.model_path.suffix == ".gguf" else self.model_path.name,
             self.max_model_len,
             self.model_cfg.vocab_size,
             tuple(features),

@@ -9,17 +9,24 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from pathlib import Path
 from typing import Any, Collection
 
 from jaxserve.engine.request import RequestOutput, Sequence, Status
 
+log = logging.getLogger("jaxserve.tokenizer")
+
 _GENERIC_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
 
 
 def load_tokenizer(path: Path) -> Any | None:
-    """The checkpoint's own tokenizer, or None: token-id prompts still work without one."""
+    """The checkpoint's own tokenizer, or None: token-id prompts still work without one. A GGUF
+    file's tokenizer and chat template come from its metadata, through transformers' GGUF
+    tokenizer conversion (the reference for what llama.cpp's vocabulary means)."""
     path = Path(path)
+    if path.suffix.lower() == ".gguf":
+        return _gguf_tokenizer(path)
     if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
         return None
     if (path / "tokenizer.json").is_file() and _tokenizer_class(path) in _GENERIC_TOKENIZERS:
@@ -31,6 +38,74 @@ def load_tokenizer(path: Path) -> Any | None:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(path))
+
+
+def _gguf_tokenizer(path: Path) -> Any:
+    """A GGUF's tokenizer, converted once (seconds: tens of thousands of tokens and merges) and
+    saved as tokenizer.json beside the converted weights' cache, keyed by the file's fingerprint;
+    a restart loads that in a fraction of a second."""
+    import hashlib
+    import os
+    import shutil
+    import tempfile
+
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+    from jaxserve.models import gguf
+    from jaxserve.models.loader import default_cache_root
+
+    h = hashlib.sha256(b"tokenizer:2")
+    gguf.fingerprint_update(h, path)
+    cache = default_cache_root().parent / "tokenizers" / f"{path.stem}-{h.hexdigest()[:16]}"
+    if (cache / "tokenizer.json").is_file():
+        try:
+            return TokenizersBackend.from_pretrained(str(cache))
+        except Exception as e:  # an unreadable cache is rebuilt, never used
+            log.warning("tokenizer cache %s is unreadable (%s); converting again", cache, e)
+    tok = _convert_gguf_tokenizer(path)
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=cache.parent))
+        tok.save_pretrained(str(tmp))
+        shutil.rmtree(cache, ignore_errors=True)
+        os.replace(tmp, cache)
+    except OSError as e:  # a read-only home: convert every time
+        log.warning("could not cache the GGUF tokenizer in %s (%s)", cache, e)
+    return tok
+
+
+def _convert_gguf_tokenizer(path: Path) -> Any:
+    """What `AutoTokenizer.from_pretrained(dir, gguf_file=name)` builds (the reference: transformers'
+    `get_gguf_tokenizer` + `convert_gguf_tokenizer`), with the metadata read by the `gguf` package
+    instead of transformers' GGUF reader, which imports torch (a test-only dependency here). As
+    that reader does, string arrays other than the vocabulary and the merges are given as counts."""
+    from gguf import GGUFReader
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+    reader = GGUFReader(str(path))
+    full = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges")
+    meta = {}
+    for key, field in reader.fields.items():
+        if key.startswith("tokenizer.") or key == "general.architecture":
+            value = field.contents()
+            if isinstance(value, list) and value and isinstance(value[0], str) and key not in full:
+                value = len(value)
+            meta[key] = value
+    grouped = {
+        group: {name: meta[f"tokenizer.{key}"] for key, name in renames.items() if f"tokenizer.{key}" in meta}
+        for group, renames in GGUF_TOKENIZER_MAPPING.items()
+    }
+    tokenizer, config = grouped["tokenizer"], grouped["tokenizer_config"]
+    if tokenizer.get("tokenizer_type") == "llama":  # as transformers: sentencepiece files add BOS unless told
+        config.setdefault("add_bos_token", True)
+    elif tokenizer.get("tokenizer_type") == "gemma4":
+        config["add_bos_token"] = False
+    for name, key in (("bos_token", "bos"), ("eos_token", "eos"), ("unk_token", "unknown"), ("pad_token", "padding")):
+        token_id = meta.get(f"tokenizer.ggml.{key}_token_id")
+        config[name] = tokenizer["tokens"][token_id] if token_id is not None else None
+    fast, extra = convert_gguf_tokenizer(meta["general.architecture"], tokenizer)
+    return TokenizersBackend(tokenizer_object=fast, **config, **extra)
 
 
 def _tokenizer_class(path: Path) -> str | None:

@@ -1,4 +1,4 @@
-"""Load a Hugging Face checkpoint directory into the nnx decoder.
+"""Load a checkpoint (a Hugging Face directory, or a GGUF file) into the nnx decoder.
 
 Conversion (rename, transpose [out,in] -> [in,out], cast; with quantization="int8" the
 projections' int8 weights and scales) is cached with orbax so that the next load skips it. The cache is keyed by a fingerprint of the checkpoint files and checked
@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxserve.models import linear, registry
+from jaxserve.models import gguf, linear, registry
 from jaxserve.models import quantization as quant
 from jaxserve.models.model_config import ModelConfig
 
@@ -73,6 +73,9 @@ def fingerprint(path: Path, dtype, quantization: str | None = None, keep: tuple[
     if quantization is not None:
         tag += f":{quantization}:{','.join(sorted(keep))}"
     h = hashlib.sha256(tag.encode())
+    if gguf.is_gguf(path):
+        gguf.fingerprint_update(h, path)
+        return h.hexdigest()
     h.update((path / "config.json").read_bytes())
     for f in _safetensors_files(path):
         size = f.stat().st_size
@@ -89,6 +92,8 @@ def fingerprint(path: Path, dtype, quantization: str | None = None, keep: tuple[
 def _read_checkpoint(
     path: Path, cfg: ModelConfig, wanted: dict[str, tuple[tuple, bool]], dtype
 ) -> dict[str, np.ndarray]:
+    if gguf.is_gguf(path):
+        return gguf.read_tensors(path, cfg, wanted, dtype)
     from safetensors import safe_open
 
     out: dict[str, np.ndarray] = {}
@@ -177,6 +182,19 @@ def _save_cache(cache: Path, fp: str, arrays: dict[str, np.ndarray], cfg: ModelC
     )
 
 
+def check_checkpoint(path: str | Path) -> None:
+    """The errors a user can fix (missing file, unsupported architecture), before any weights are read."""
+    if gguf.is_gguf(path):
+        gguf.check_file(path)
+    else:
+        ModelConfig.check_dir(path)
+
+
+def read_config(path: str | Path) -> ModelConfig:
+    """The checkpoint's ModelConfig: from config.json (through transformers), or a GGUF's metadata."""
+    return gguf.read_config(path) if gguf.is_gguf(path) else ModelConfig.from_dir(path)
+
+
 def load_model(
     path: str | Path,
     dtype=None,
@@ -185,7 +203,8 @@ def load_model(
     quantization: str | None = None,
     keep_full_precision: tuple[str, ...] = (),
 ) -> tuple[nnx.Module, ModelConfig]:
-    """Load a checkpoint directory. cache_dir: where converted weights live (default
+    """Load a checkpoint directory, or a GGUF file (models/gguf.py dequantizes it to float32,
+    then it is cast or quantized like any checkpoint). cache_dir: where converted weights live (default
     $JAXSERVE_CACHE_DIR/converted/<fingerprint>); use_cache=False converts every time.
 
     quantization="int8": every projection (attention, MLP and an untied LM head) gets int8
@@ -195,7 +214,7 @@ def load_model(
     tied LM head, stays in ``dtype``: a lookup reads one row per token, so int8 would save memory
     but no step time."""
     path = Path(path)
-    ModelConfig.check_dir(path)
+    check_checkpoint(path)
     quant.check_mode(quantization)
     keep = tuple(keep_full_precision)
     dtype = jnp.dtype(dtype or default_dtype())
@@ -205,7 +224,7 @@ def load_model(
         cache = Path(cache_dir) if cache_dir else default_cache_root() / f"{path.name}-{fp[:16]}"
         cfg = _cached_config(cache, fp)  # parsed by transformers when the cache was written
     if cfg is None:
-        cfg = ModelConfig.from_dir(path)
+        cfg = read_config(path)
     module_class = registry.model_class(cfg.architecture)
     abstract = nnx.eval_shape(lambda: module_class(cfg, dtype=dtype))
     quantized = linear.quantize_modules(abstract, quantization, keep)

