@@ -46,6 +46,9 @@ TARGET = "jaxserve_paged_attention"
 TARGET_Q8 = "jaxserve_paged_attention_q8"  # int8 pages + bfloat16 scales (kv_cache_dtype="int8")
 ABI_VERSION = 3  # must match jaxserve_cpu_abi_version() in the .cc (3: bfloat16 scales)
 ISAS = ("generic", "avx2", "avx512", "amx")  # amx: AVX-512 + the AMX bf16 tiles (the bf16 matmul)
+# The levels with vector code of their own in every kernel; amx adds only the tile matmul and runs
+# the AVX-512 attention and argmax (their variant tests cover these three).
+VECTOR_ISAS = ISAS[:3]
 
 # -O3 and a portable baseline; the kernel carries its own AVX2 and AVX-512 variants, chosen at
 # run time. JAXSERVE_CPU_MARCH_NATIVE=1 adds -march=native (not portable to other hosts).

