@@ -178,10 +178,8 @@ class EngineClient:
 
     def detokenize(self, token_ids: Seq[int]) -> str:
         """The text of token ids, special tokens included (/detokenize, echo of a token-id prompt)."""
-        tok, v = self.core.tokenizer, self.core.model_cfg.vocab_size
-        bad = [t for t in token_ids if not 0 <= t < v]
-        if bad:
-            raise ValueError(f"tokens: token id {bad[0]} is outside the vocabulary [0, {v})")
+        self.core.check_in_vocab("tokens", token_ids)
+        tok = self.core.tokenizer
         if tok is None:
             raise ValueError(f"tokens: {self.core.model_path.name} has no tokenizer")
         return tok.decode(list(token_ids))

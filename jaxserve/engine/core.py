@@ -211,12 +211,15 @@ class EngineCore:
         ids = [int(t) for t in prompt]
         if not ids:
             raise ValueError("prompt: must not be empty")
-        bad = [t for t in ids if not 0 <= t < self.model_cfg.vocab_size]
-        if bad:
-            raise ValueError(
-                f"prompt_token_ids: token id {bad[0]} is outside the vocabulary [0, {self.model_cfg.vocab_size})"
-            )
+        self.check_in_vocab("prompt_token_ids", ids)
         return ids
+
+    def check_in_vocab(self, name: str, ids: Seq[int]) -> None:
+        """ValueError naming `name` when a token id lies outside the vocabulary."""
+        v = self.model_cfg.vocab_size
+        bad = [t for t in ids if not 0 <= t < v]
+        if bad:
+            raise ValueError(f"{name}: token id {bad[0]} is outside the vocabulary [0, {v})")
 
     def make_sequence(
         self,
@@ -253,11 +256,8 @@ class EngineCore:
         )
 
     def _check_token_ids(self, params: SamplingParams) -> None:
-        v = self.model_cfg.vocab_size
         for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or ())):
-            bad = [t for t in ids if not 0 <= t < v]
-            if bad:
-                raise ValueError(f"{name}: token id {bad[0]} is outside the vocabulary [0, {v})")
+            self.check_in_vocab(name, ids)
         if params.min_tokens and len(self.scheduler.eos | set(params.stop_token_ids)) > request_mod.MAX_STOP_IDS:
             raise ValueError(
                 f"min_tokens: with min_tokens set, EOS and stop_token_ids may hold at most "

@@ -908,11 +908,7 @@ class HttpFrontend:
         # OpenAI's top_logprobs are the n most likely tokens at each position, the chosen one
         # included when it is among them: split_logprobs, the conversion gRPC uses too (ties too).
         steps = [split_logprobs(lp, call.logprobs) for lp in lps]
-        if call.body.return_tokens_as_token_ids:
-            name = lambda t: f"token_id:{t}"  # noqa: E731
-        else:
-            texts = await self._texts({t.token_id for c, top in steps for t in (c, *top)})
-            name = texts.__getitem__
+        name = await self._token_names(call, {t.token_id for c, top in steps for t in (c, *top)})
 
         def entry(t):
             s = name(t.token_id)
