@@ -309,3 +309,44 @@ def attention(q, k, v, kv_pages, meta: AttentionMetadata, *, scale: float, mode:
         ],
         axis=0,
     )
+
+
+# -- ragged batches: one flat token array, rows of any query length ---------------------------
+
+
+def token_rows(query_start_loc, num_tokens: int):
+    """[N] the row of each flat token (query_start_loc [R+1]); tokens at or past
+    query_start_loc[R] (padding) get R - 1 and are masked by ``ragged_valid``."""
+    r = query_start_loc.shape[0] - 1
+    rows = jnp.searchsorted(query_start_loc, jnp.arange(num_tokens, dtype=query_start_loc.dtype), side="right") - 1
+    return jnp.clip(rows, 0, r - 1)
+
+
+def ragged_valid(query_start_loc, num_tokens: int):
+    """[N] bool: the token belongs to a row (it is not padding past query_start_loc[R])."""
+    return jnp.arange(num_tokens) < query_start_loc[-1]
+
+
+def ragged_paged_attention(
+    q, k_pages, v_pages, query_start_loc, seq_lens, block_tables, positions, scale: float, k_scales=None, v_scales=None
+):
+    """The oracle of every ragged attention kernel.
+
+    q [N, H, D] is one flat array of query tokens; row r owns tokens
+    [query_start_loc[r], query_start_loc[r + 1]) (query_start_loc [R+1], nondecreasing, from 0)
+    and reads its keys through block_tables[r] [P]. Token n of row r sees key j iff
+    j < seq_lens[r] and j <= positions[n]. A token that sees nothing, and every token at or past
+    query_start_loc[R] (padding), gets zeros. Decode rows have one token, prefill chunks many,
+    speculative verification k + 1: one call serves them all.
+
+    Gathers every token's whole context (``paged_attention`` with one row per token): memory
+    N x P x page_size, an oracle, not a serving path."""
+    n = q.shape[0]
+    rows = token_rows(query_start_loc, n)
+    valid = ragged_valid(query_start_loc, n)
+    lens = jnp.where(valid, seq_lens[rows], 0)
+    out = paged_attention(
+        q[:, None], k_pages, v_pages, block_tables[rows], lens, positions[:, None], scale, k_scales, v_scales
+    )[:, 0]
+    sees = jnp.minimum(lens, positions + 1) > 0
+    return jnp.where(sees[:, None, None], out, jnp.zeros_like(out))
