@@ -344,6 +344,31 @@ def attention(q, k, v, kv_pages, meta, *, scale: float, mode: str):
     )
 
 
+def ragged_paged_attention(
+    q, k_pages, v_pages, query_start_loc, seq_lens, block_tables, positions, scale, k_scales=None, v_scales=None
+):
+    """``reference.ragged_paged_attention`` on the native kernel (interim: one row per token)."""
+    from pallas_kernels import reference
+
+    n = q.shape[0]
+    rows = reference.token_rows(query_start_loc, n)
+    lens = jnp.where(reference.ragged_valid(query_start_loc, n), seq_lens[rows], 0)
+    out = paged_attention(
+        q[:, None], k_pages, v_pages, block_tables[rows], lens, positions[:, None], scale, k_scales, v_scales
+    )
+    return out[:, 0]
+
+
+def ragged_attention(q, k, v, kv_pages, md, *, scale: float):
+    """The serving path: q [N, H, D] over a layer's cache tuple with ragged metadata ``md``."""
+    from pallas_kernels import reference
+
+    k_pages, v_pages, k_scales, v_scales = reference.split_cache(kv_pages)
+    return ragged_paged_attention(
+        q, k_pages, v_pages, md.query_start_loc, md.seq_lens, md.block_tables, md.positions, scale, k_scales, v_scales
+    )
+
+
 if __name__ == "__main__":  # python -m pallas_kernels.native [OUT.so]: build the library
     logging.basicConfig(level=logging.INFO)
     print(build_library(Path(sys.argv[1]) if len(sys.argv) > 1 else CPU_DIR / LIB_NAME))

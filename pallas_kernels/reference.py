@@ -34,6 +34,22 @@ class AttentionMetadata:
     segment_ids: jax.Array  # [B, T] which packed prompt a token belongs to (fresh prefill)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class RaggedMetadata:
+    """A ragged step's attention inputs (all int32): one flat array of N query tokens in rows of
+    any length (1 for decode, a chunk for prefill, k + 1 for speculative verification). Row r
+    owns tokens [query_start_loc[r], query_start_loc[r + 1]) and reads its keys through
+    block_tables[r]; token n of row r sees key j iff j < seq_lens[r] and j <= positions[n].
+    Tokens past query_start_loc[R] are padding: they write to the dummy page and see nothing."""
+
+    slot_mapping: jax.Array  # [N] flat page slot page*page_size+offset of each token's new K/V
+    block_tables: jax.Array  # [R, P] each row's pages in sequence order
+    seq_lens: jax.Array  # [R] valid keys of the row once this step's K/V are written
+    query_start_loc: jax.Array  # [R + 1] where each row's tokens start in the flat array
+    positions: jax.Array  # [N] each token's position in its sequence
+
+
 # -- the quantized KV cache ------------------------------------------------------------------
 
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
@@ -350,3 +366,27 @@ def ragged_paged_attention(
     )[:, 0]
     sees = jnp.minimum(lens, positions + 1) > 0
     return jnp.where(sees[:, None, None], out, jnp.zeros_like(out))
+
+
+def ragged_attention(q, k, v, kv_pages, md: RaggedMetadata, *, scale: float, pages_per_chunk: int = 2):
+    """The XLA serving path of a ragged step: ``paged_attention_chunked`` with one row per token
+    (its row's block table and length), so one compiled loop serves decode, chunks and
+    verification alike; its trip count follows the longest live context. q [..., H, D] with the
+    leading axes flattening to the N tokens of ``md``; k/v (this step's, already written into
+    ``kv_pages``) are read back from the pages. Every token re-reads its row's pages: right for
+    decode rows, N-fold work for a long chunk (the native and Pallas kernels share them)."""
+    del k, v
+    shape = q.shape
+    qf = q.reshape(-1, *shape[-2:])
+    n = qf.shape[0]
+    k_pages, v_pages, k_scales, v_scales = split_cache(kv_pages)
+    rows = token_rows(md.query_start_loc, n)
+    lens = jnp.where(ragged_valid(md.query_start_loc, n), md.seq_lens[rows], 0)
+    tables = md.block_tables[rows]
+    pad = (-tables.shape[1]) % pages_per_chunk
+    if pad:
+        tables = jnp.pad(tables, ((0, 0), (0, pad)))
+    out = paged_attention_chunked(
+        qf[:, None], k_pages, v_pages, tables, lens, md.positions[:, None], scale, pages_per_chunk, k_scales, v_scales
+    )
+    return out.reshape(shape)

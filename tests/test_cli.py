@@ -45,7 +45,7 @@ def test_top_level_help_and_no_command(capsys):
         (["serve", "--no-such-flag"], "jaxserve serve: error: unrecognized arguments: --no-such-flag"),
         (["serve", "--max-slots", "many"], "jaxserve serve: error: argument --max-slots: invalid int value: 'many'"),
         (["generate"], "jaxserve generate: error: the following arguments are required: prompt"),
-        (["serve", "--prefill-buckets", "16,x"], "expected comma-separated integers"),
+        (["serve", "--token-buckets", "16,x"], "expected comma-separated integers"),
         (["frobnicate"], "jaxserve: error: argument COMMAND: invalid choice: 'frobnicate'"),
         (["bench"], "usage: jaxserve bench NAME"),
         (["bench", "nosuch"], "jaxserve bench: error: no benchmark 'nosuch'"),
@@ -105,7 +105,7 @@ def test_precedence_defaults_files_params_flags():
             "--max-slots",
             "4",
             "--no-prefix-caching",
-            "--prefill-buckets",
+            "--token-buckets",
             "16,64",
             "--tensor-parallel-size",
             "2",
@@ -114,7 +114,7 @@ def test_precedence_defaults_files_params_flags():
         ]
     )
     assert (cfg.max_slots, cfg.port, cfg.enable_prefix_caching) == (4, 7000, False)
-    assert cfg.prefill_buckets == (16, 64) and cfg.tensor_parallel_size == 2 and cfg.model == "/data/m"
+    assert cfg.token_buckets == (16, 64) and cfg.tensor_parallel_size == 2 and cfg.model == "/data/m"
     assert cfg.dtype == "bfloat16" and cfg.metrics_port == 9090  # untouched gin values stay
     assert _cfg(["serve", "--no-compilation-cache"]).compilation_cache_dir is None
     assert _cfg(["serve", "--compilation-cache-dir", "/tmp/xla"]).compilation_cache_dir == "/tmp/xla"

@@ -18,7 +18,7 @@ GREEDY = dict(temperature=0, ignore_eos=True)
 # 6 slots: one batch bucket of 6, a shape no other test compiles. XLA:CPU cannot serialize a sort
 # it has already executed, and jax's in-process cache returns the same executable to every
 # engine in the process that compiles the same computation (the sampler's sort).
-SMALL = dict(max_slots=6, page_size=8, max_model_len=128, num_pages=80, prefill_buckets=(16, 32))
+SMALL = dict(max_slots=6, page_size=8, max_model_len=128, num_pages=80, token_buckets=(16, 32))
 
 
 def _steps(llm: LLM) -> int:
@@ -141,7 +141,7 @@ def test_cli_restart_loads_every_step(tmp_path):
         "--max-slots",
         "8",
         "--gin_param",
-        "ServeConfig.prefill_buckets = (16, 32)",
+        "ServeConfig.token_buckets = (16, 32)",
         "--max-model-len",
         "256",
         "--compilation-cache-dir",
@@ -187,7 +187,7 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 from jaxserve import LLM, SamplingParams
 llm = LLM(model, compilation_cache_dir=root + "/" + store, max_slots=8, page_size=8, max_model_len=128,
-          num_pages=80, prefill_buckets=(16, 32))
+          num_pages=80, token_buckets=(16, 32))
 out = llm.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=8, temperature=0.7, seed=1))[0].token_ids
 print("RESULT", llm.runner.store.loaded, llm.runner.store.saved, out)
 """

@@ -21,7 +21,7 @@ from jaxserve.serving.client import Client
 from jaxserve.serving.server import Server
 from jaxserve.v1 import jaxserve_pb2 as pb
 
-OPTS = dict(max_slots=8, page_size=8, max_model_len=160, num_pages=160, prefill_buckets=(16, 32, 64))
+OPTS = dict(max_slots=8, page_size=8, max_model_len=160, num_pages=160, token_buckets=(16, 32, 64))
 
 
 class ServerThread:

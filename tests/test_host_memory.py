@@ -69,7 +69,7 @@ def test_small_arrays_and_the_switch_leave_memory_alone(monkeypatch):
 def test_the_engine_pool_stays_on_huge_pages_while_serving(tok_model, monkeypatch):
     """The pool is donated to every step and written in place: after serving it is still at the
     same address, still on huge pages, and outputs equal an engine without them."""
-    opts = dict(max_slots=4, page_size=16, max_model_len=256, num_pages=4096, prefill_buckets=(16, 64), warmup=False)
+    opts = dict(max_slots=4, page_size=16, max_model_len=256, num_pages=4096, token_buckets=(16, 64), warmup=False)
     prompts = [[5, 6, 7, 8] * 5, [9, 10, 11]]
     p = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     llm = LLM(tok_model[0], **opts)

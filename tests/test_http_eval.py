@@ -23,7 +23,7 @@ from test_http_server import ServerThread
 from jaxserve import LLM, SamplingParams
 
 # max_prefill_chunk is the largest bucket (32): LONG is prefilled in 4 chunks.
-OPTS = dict(max_slots=4, page_size=8, max_model_len=256, num_pages=160, prefill_buckets=(16, 32))
+OPTS = dict(max_slots=4, page_size=8, max_model_len=256, num_pages=160, token_buckets=(16, 32))
 TEXTS = ["The quick brown fox jumps over the lazy dog.", "def f(x):\n    return x + 1", "hello"]
 LONG = "Once upon a time, in a land far away, there lived a small robot who liked to count. " * 5
 
@@ -32,7 +32,7 @@ LONG = "Once upon a time, in a land far away, there lived a small robot who like
 def served():
     llm = LLM(TEST_MODEL, **OPTS)
     ids = [llm.tokenizer.encode(t) for t in TEXTS + [LONG]]
-    assert len(ids[-1]) > 2 * OPTS["prefill_buckets"][-1]
+    assert len(ids[-1]) > 2 * OPTS["token_buckets"][-1]
     hf = transformers.AutoModelForCausalLM.from_pretrained(TEST_MODEL, dtype=torch.float32)
     with torch.no_grad():  # the oracle: log-softmax of transformers' logits, position i predicting i + 1
         oracle = [torch.log_softmax(hf(torch.tensor([p])).logits[0].double(), -1).numpy() for p in ids]

@@ -18,7 +18,7 @@ from test_grpc_server import ServerThread
 from jaxserve import LLM
 
 # A short context bounds each valid request's work (max_tokens fills at most 96 tokens).
-OPTS = dict(max_slots=4, page_size=8, max_model_len=96, num_pages=64, prefill_buckets=(16, 32))
+OPTS = dict(max_slots=4, page_size=8, max_model_len=96, num_pages=64, token_buckets=(16, 32))
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,7 @@ from jaxserve import LLM, SamplingParams
 from jaxserve.serving.client import Client
 from jaxserve.serving.server import Server
 
-OPTS = dict(max_slots=8, page_size=8, max_model_len=192, num_pages=400, prefill_buckets=(16, 32, 64))
+OPTS = dict(max_slots=8, page_size=8, max_model_len=192, num_pages=400, token_buckets=(16, 32, 64))
 TOKEN = "s3cret"
 TEXTS = ["def f(x):", "hello world", "the quick brown"]
 CHATS = [
@@ -459,7 +459,7 @@ def test_cli_serves_the_small_model_over_both_and_sigterm_drains(capsys):
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
     cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--model", str(TEST_MODEL), "--port", "0", "--http-port", "0"]
     cmd += ["--grace", "0.5"]
-    cmd += ["--max-slots", "2", "--max-model-len", "256", "--prefill-buckets", "32,64", "--no-compilation-cache"]
+    cmd += ["--max-slots", "2", "--max-model-len", "256", "--token-buckets", "32,64", "--no-compilation-cache"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
         grpc_port = http_port = None

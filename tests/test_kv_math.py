@@ -362,7 +362,7 @@ def test_overlapped_steps_feed_each_row_the_token_it_sampled():
     for _ in range(4):
         toks = ref.decode(step_rows, 0).tokens
         step_rows = [dataclasses.replace(r, tokens=[int(t)]) for r, t in zip(rows, toks)]
-    fifth = runner.decode_async(rows, 0, [0, 1, 2]).result().tokens
+    fifth = runner.step_async(rows, False, [0, 1, 2]).result().tokens
     assert np.array_equal(fifth, ref.decode(step_rows, 0).tokens)
 
 

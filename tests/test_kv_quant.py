@@ -459,7 +459,7 @@ def qllm(tok_model):
         page_size=8,
         max_model_len=160,
         num_pages=40,
-        prefill_buckets=(32, 64),
+        token_buckets=(32, 64),
         kv_cache_dtype="int8",
     )
 
@@ -514,7 +514,7 @@ params = [SamplingParams(max_tokens=int(m), temperature=0, ignore_eos=True) for 
 out = {}
 for tp in (1, 2, 4):
     llm = LLM(sys.argv[1], tensor_parallel_size=tp, kv_cache_dtype="int8", max_slots=1, page_size=8,
-              max_model_len=64, num_pages=40, prefill_buckets=(64,))
+              max_model_len=64, num_pages=40, token_buckets=(64,))
     toks = [o.token_ids for o in llm.generate(prompts, params)]
     kv = llm.runner.target.kv[0]  # after the run: each step donates the pool and returns a new one
     out[tp] = {"tokens": toks, "shards": [list(x.addressable_shards[0].data.shape) for x in kv],

@@ -33,11 +33,11 @@ def _assert_pool_whole(llm: LLM):
 
 @pytest.fixture(scope="module")
 def llm(tok_model):
-    return LLM(tok_model[0], max_slots=8, page_size=8, max_model_len=160, num_pages=160, prefill_buckets=(16, 32, 64))
+    return LLM(tok_model[0], max_slots=8, page_size=8, max_model_len=160, num_pages=160, token_buckets=(16, 32, 64))
 
 
 # 8 slots but only 24 pages of 8 tokens: requests growing to ~100 tokens must preempt.
-SMALL_POOL = dict(max_slots=8, page_size=8, max_model_len=160, num_pages=24, prefill_buckets=(16, 32, 64))
+SMALL_POOL = dict(max_slots=8, page_size=8, max_model_len=160, num_pages=24, token_buckets=(16, 32, 64))
 INT8 = dict(quantization="int8", kv_cache_dtype="int8")  # int8 weights and int8 KV pages (issue #19)
 
 

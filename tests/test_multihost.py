@@ -36,7 +36,7 @@ WORKER = textwrap.dedent(r"""
     # No warm-up: every process compiles the shapes this workload runs, in the leader's order
     # (the CLI test below starts warmed-up engines).
     llm = LLM(path, tensor_parallel_size=4 if nproc > 1 else 1, max_slots=4, page_size=8, max_model_len=96,
-              num_pages=64, prefill_buckets=(16, 32, 64), warmup=False)
+              num_pages=64, token_buckets=(16, 32, 64), warmup=False)
     if jax.process_index() == 0:
         outs = [o.token_ids for o in llm.generate(prompts, params)]
         llm.shutdown()
@@ -108,7 +108,7 @@ def test_the_cli_joins_processes_from_the_environment(tmp_path):
         "--max-model-len",
         "128",
         "--gin_param",
-        "ServeConfig.prefill_buckets = (16, 32)",
+        "ServeConfig.token_buckets = (16, 32)",
         "--compilation-cache-dir",
         str(tmp_path / "xla"),
         "def fibonacci(n):",

@@ -375,7 +375,7 @@ def test_engine_bf16_greedy_mostly_agrees_with_float32(amx):
     outs = {}
     for md in ("float32", "bfloat16"):
         # no warm-up: only the steps this test runs are compiled (test_llm covers warm-up)
-        llm = LLM(TEST_MODEL, matmul_dtype=md, warmup=False, max_slots=8, max_model_len=48, prefill_buckets=(16,))
+        llm = LLM(TEST_MODEL, matmul_dtype=md, warmup=False, max_slots=8, max_model_len=48, token_buckets=(16,))
         assert f"matmul:native:{md}" in llm.core.model_info().features
         outs[md] = [o.token_ids for o in llm.generate(prompts, [params] * len(prompts))]
         del llm

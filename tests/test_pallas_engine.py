@@ -13,7 +13,7 @@ from jaxserve import LLM, SamplingParams
 
 GREEDY = dict(temperature=0, ignore_eos=True)
 # Small on purpose: warm-up compiles every bucket with the interpreted kernels inlined.
-ENGINE = dict(max_slots=4, page_size=8, max_model_len=64, num_pages=64, prefill_buckets=(16, 32))
+ENGINE = dict(max_slots=4, page_size=8, max_model_len=64, num_pages=64, token_buckets=(16, 32))
 # Engines whose compiles nobody counts (the XLA references, the speculative one) skip warm-up:
 # they compile only the shapes their workload runs.
 COLD = dict(warmup=False)

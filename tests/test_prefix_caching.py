@@ -10,7 +10,7 @@ import pytest
 from jaxserve import LLM, SamplingParams
 
 # Nothing here counts compiles: the engines skip warm-up and compile only the shapes they run.
-OPTS = dict(max_slots=6, page_size=8, max_model_len=256, num_pages=200, prefill_buckets=(16, 32, 64), warmup=False)
+OPTS = dict(max_slots=6, page_size=8, max_model_len=256, num_pages=200, token_buckets=(16, 32, 64), warmup=False)
 
 
 QUANT = {"float32": {}, "int8": dict(quantization="int8", kv_cache_dtype="int8")}

@@ -232,7 +232,7 @@ def test_engine_batched_greedy_equals_alone_no_compiles(tiny):
     from jaxserve import LLM, SamplingParams
     from jaxserve.runner.executable_cache import compile_count
 
-    opts = dict(max_slots=8, page_size=8, max_model_len=96, num_pages=96, prefill_buckets=(16, 64))
+    opts = dict(max_slots=8, page_size=8, max_model_len=96, num_pages=96, token_buckets=(16, 64))
     llm = LLM(tiny["llama"], quantization="int8", **opts)
     rng = np.random.default_rng(5)
     prompts = [[int(x) for x in rng.integers(3, 512, int(rng.integers(1, 60)))] for _ in range(10)]
@@ -255,7 +255,7 @@ TP_SCRIPT = textwrap.dedent(r"""
     rng = np.random.default_rng(0)
     prompts = [[int(x) for x in rng.integers(3, 512, int(rng.integers(2, 40)))] for _ in range(6)]
     params = [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True) for _ in prompts]
-    opts = dict(max_slots=4, page_size=8, max_model_len=96, num_pages=64, prefill_buckets=(64,))
+    opts = dict(max_slots=4, page_size=8, max_model_len=96, num_pages=64, token_buckets=(64,))
     out = {}
     for tp in (1, 2):
         llm = LLM(sys.argv[1], tensor_parallel_size=tp, quantization="int8", **opts)

@@ -41,8 +41,8 @@ def _fake_step(s: Scheduler, rng: random.Random) -> None:
         assert seq.status is Status.RUNNING
     for c in plan.prefills:
         assert c.seq.num_computed == c.start < c.end <= c.seq.length - 1
-        assert c.end - c.start <= s.max_prefill_chunk
-    assert sum(c.end - c.start for c in plan.prefills) <= s.max_prefill_tokens
+    # One token budget for the whole step: a decode token per sampling row, then prompt chunks.
+    assert sum(plan.num_scheduled_tokens.values()) <= s.max_num_batched_tokens
     s.update(
         plan,
         {
@@ -69,9 +69,7 @@ def test_random_workloads_keep_invariants_and_finish(seed, num_pages, slots, ops
     page_size, max_len = 4, 40
     alloc = PageAllocator(num_pages, page_size)
     kv = KVManager(alloc, RadixCache(alloc) if prefix_caching else None)
-    s = Scheduler(
-        kv, slots, max_len, max_prefill_tokens=24, max_prefill_chunk=16, eos_token_ids=[1], lookahead=lookahead
-    )
+    s = Scheduler(kv, slots, max_len, max_num_batched_tokens=24, eos_token_ids=[1], lookahead=lookahead)
     seqs: list[Sequence] = []
     for op in ops:
         if op == "add":
@@ -106,7 +104,7 @@ def test_random_workloads_keep_invariants_and_finish(seed, num_pages, slots, ops
 
 
 def test_preempts_newest_and_requeues_it_first():
-    s = Scheduler(KVManager(PageAllocator(7, 4)), 3, 24, max_prefill_tokens=64, max_prefill_chunk=16)
+    s = Scheduler(KVManager(PageAllocator(7, 4)), 3, 24, max_num_batched_tokens=64)
     a = Sequence("a", [5] * 7, SamplingParams(max_tokens=10, ignore_eos=True), 0, 0)
     b = Sequence("b", [5] * 7, SamplingParams(max_tokens=10, ignore_eos=True), 0, 1)
     c = Sequence("c", [5] * 7, SamplingParams(max_tokens=10, ignore_eos=True), 0, 2)

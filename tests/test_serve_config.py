@@ -51,7 +51,7 @@ def test_presets(name):
     assert cfg.speculative_model == "ngram" and cfg.enable_prefix_caching
     assert cfg.host == "0.0.0.0" and cfg.port == 50051 and cfg.metrics_port == 9090  # from base/server.gin
     assert cfg.compilation_cache_dir == str(Path("~/.cache/jaxserve/xla").expanduser())
-    assert cfg.max_model_len == 8192 and cfg.prefill_buckets[-1] == 2048
+    assert cfg.max_model_len == 8192 and cfg.token_buckets[-1] == 2048
     tpu = load_config([name, "base/tpu.gin"])  # retarget to TPU: later files override
     assert tpu.page_size == 64 and cfg.page_size == 16 and tpu.model == model
 
@@ -84,13 +84,13 @@ def test_gin_params_override_files_in_order_and_overrides_win():
         [
             "ServeConfig.max_slots = 8",
             "ServeConfig.max_slots = 12",
-            "ServeConfig.prefill_buckets = [8, 16]",
+            "ServeConfig.token_buckets = [8, 16]",
             "ServeConfig.speculative_model = None",
             "ServeConfig.model = '/data/llama'",
         ],
     )
-    assert cfg.max_slots == 12 and cfg.prefill_buckets == (8, 16) and cfg.speculative_model is None
-    assert cfg.model == "/data/llama" and cfg.engine_config().prefill_buckets == (8, 16)
+    assert cfg.max_slots == 12 and cfg.token_buckets == (8, 16) and cfg.speculative_model is None
+    assert cfg.model == "/data/llama" and cfg.engine_config().token_buckets == (8, 16)
     cfg = load_config(["llama-3.1-8b-instruct.gin"], ["ServeConfig.max_slots = 8"], {"max_slots": 3, "port": 0})
     assert cfg.max_slots == 3 and cfg.port == 0
     assert "ServeConfig.max_slots = 3" in operative_config_str()  # the log shows the effective value
@@ -136,9 +136,9 @@ def test_to_gin_round_trips(tmp_path):
         (["ServeConfig.max_slots = 0"], [], r"ServeConfig.max_slots = 0: max_slots must be >= 1.*--gin_param"),
         (["ServeConfig.attention_impl = 'cuda'"], [], r"ServeConfig.attention_impl = 'cuda': attention_impl must be"),
         (
-            ["ServeConfig.prefill_buckets = (64, 16)"],
+            ["ServeConfig.token_buckets = (64, 16)"],
             [],
-            r"ServeConfig.prefill_buckets = \(64, 16\): prefill_buckets must",
+            r"ServeConfig.token_buckets = \(64, 16\): token_buckets must",
         ),
         (["ServeConfig.max_slots = '4'"], [], r"ServeConfig.max_slots must be int, got '4' \(str\)"),
         (["ServeConfig.enable_prefix_caching = 1"], [], r"ServeConfig.enable_prefix_caching must be bool"),
@@ -147,7 +147,7 @@ def test_to_gin_round_trips(tmp_path):
             [],
             r"gin binding 'ServeConfig.dtype = bfloat16'.*string values need quotes",
         ),
-        (["ServeConfig.prefill_buckets = [16, 32"], [], r"gin binding 'ServeConfig.prefill_buckets = \[16, 32'"),
+        (["ServeConfig.token_buckets = [16, 32"], [], r"gin binding 'ServeConfig.token_buckets = \[16, 32'"),
         (["ServeConfig.port = 70000"], [], r"ServeConfig.port must be in \[0, 65535\], got 70000"),
         (["ServeConfig.tls_cert = '/c.pem'"], [], r"tls_cert and ServeConfig.tls_key must be set together"),
         (["ServeConfig.kv_math_preset = 'gpt-5'"], [], r"kv_math_preset must be one of"),

@@ -24,7 +24,7 @@ from jaxserve import LLM
 from jaxserve.serve_config import ServeConfig
 from jaxserve.serving.client import Client
 
-OPTS = dict(max_slots=1, page_size=8, max_model_len=160, num_pages=64, prefill_buckets=(16, 32))
+OPTS = dict(max_slots=1, page_size=8, max_model_len=160, num_pages=64, token_buckets=(16, 32))
 
 
 PROMPT = [5, 6, 7]

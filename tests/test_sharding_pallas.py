@@ -22,7 +22,7 @@ SCRIPT = textwrap.dedent(r"""
     # cache, so it resumes from them (the "context" step kind; a partial page is copied on write).
     more = np.random.default_rng(1)
     again = [p + [int(x) for x in more.integers(3, 512, 5)] for p in prompts]
-    opts = dict(max_slots=4, page_size=8, max_model_len=128, num_pages=96, prefill_buckets=(16, 32, 64))
+    opts = dict(max_slots=4, page_size=8, max_model_len=128, num_pages=96, token_buckets=(16, 32, 64))
     out = {}
     # Pallas kernels (interpreted here) run per chip under shard_map: same tokens as tp=1 (the
     # CPU's default attention), and no step gathers the page pool (XLA cannot split a kernel's

@@ -37,7 +37,7 @@ PROMPTS = [
     "class Stack:\n    def __init__(self):",
     "In 1969, the first person to walk on the moon was",
 ]
-ENGINE = dict(max_slots=4, max_model_len=256, prefill_buckets=(64,), page_size=16, num_pages=72)
+ENGINE = dict(max_slots=4, max_model_len=256, token_buckets=(64,), page_size=16, num_pages=72)
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from jaxserve import LLM, SamplingParams
 from jaxserve.runner import speculative
 from jaxserve.runner.executable_cache import compile_count
 
-OPTS = dict(max_slots=6, page_size=8, max_model_len=160, prefill_buckets=(16, 32, 64))
+OPTS = dict(max_slots=6, page_size=8, max_model_len=160, token_buckets=(16, 32, 64))
 # Only test_greedy_equals_plain_decoding counts compiles (its speculative engine is warmed up);
 # every other engine here skips warm-up and compiles just the shapes its workload runs (most of
 # a warm-up is sampling and batch-size variants these tests never use).
@@ -188,7 +188,7 @@ def test_sampling_is_lossless(tiny, spec):
         page_size=8,
         max_model_len=32,
         num_pages=300,
-        prefill_buckets=(16,),
+        token_buckets=(64,),  # one step holds a row for each of the 64 slots
         enable_prefix_caching=False,
         **COLD,
     )
@@ -213,7 +213,7 @@ def test_chi_square_rejects_a_wrong_acceptance_rule(tiny, monkeypatch):
         page_size=8,
         max_model_len=32,
         num_pages=300,
-        prefill_buckets=(16,),
+        token_buckets=(64,),  # one step holds a row for each of the 64 slots
         enable_prefix_caching=False,
         **COLD,
     )

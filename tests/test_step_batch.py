@@ -1,4 +1,4 @@
-"""step_batch.build: the device inputs of a step, against a plain NumPy recomputation."""
+"""step_batch.build: the device inputs of a ragged step, against a plain NumPy recomputation."""
 
 from __future__ import annotations
 
@@ -13,43 +13,55 @@ PS = 4
 
 @st.composite
 def _rows(draw):
-    """Rows of one or more chunks: decode rows (one token), continuation and packed prompt rows,
-    some with positions past their block table (those write to the dummy page)."""
+    """Rows of any length (decode rows of one token, prompt chunks), sampling or not, some with
+    positions past their block table (those write to the dummy page)."""
     rows = []
     for _ in range(draw(st.integers(1, 6))):
-        chunks = []
-        for _ in range(draw(st.integers(1, 3))):
-            pages = draw(st.lists(st.integers(1, 50), min_size=0, max_size=5))
-            start = draw(st.integers(0, 4 * PS * 2))
-            tokens = draw(st.lists(st.integers(0, 99), min_size=1, max_size=4))
-            chunks.append(Chunk(tokens, start, pages, (0.5, 3, 0.9, 7, start)))
-        rows.append(chunks)
+        pages = draw(st.lists(st.integers(1, 50), min_size=0, max_size=5))
+        start = draw(st.integers(0, 4 * PS * 2))
+        tokens = draw(st.lists(st.integers(0, 99), min_size=1, max_size=6))
+        sampling = (0.5, 3, 0.9, 7, start) if draw(st.booleans()) else None
+        rows.append(Chunk(tokens, start, pages, sampling))
     return rows
 
 
 @settings(max_examples=200, deadline=None)
-@given(rows=_rows())
-def test_build_places_every_token(rows):
-    num_tokens = max(sum(len(c.tokens) for c in chunks) for chunks in rows) + 1
-    b = build(rows, num_rows=len(rows) + 1, num_tokens=num_tokens, table_width=3, page_size=PS, vocab_size=64)
+@given(rows=_rows(), extra=st.integers(0, 5))
+def test_build_places_every_token(rows, extra):
+    num_tokens = sum(len(c.tokens) for c in rows) + extra
+    feed = [i - 1 for i in range(len(rows))]  # row 0 not fed, row i from the previous step's row i - 1
+    b = build(
+        rows, num_rows=len(rows) + 1, num_tokens=num_tokens, table_width=3, page_size=PS, vocab_size=64, feed=feed
+    )
     meta = b.attn
     dummy = DUMMY_PAGE * PS
-    for r, chunks in enumerate(rows):
-        off = 0
-        for seg, c in enumerate(chunks):
-            for j, tok in enumerate(c.tokens):
-                p = c.start + j
-                i = p // PS
-                want_slot = c.pages[i] * PS + p % PS if i < len(c.pages) else dummy
-                assert (b.tokens[r, off], meta.positions[r, off], meta.segment_ids[r, off]) == (tok, p, seg)
-                assert meta.slot_mapping[r, off] == want_slot
-                off += 1
-        assert np.all(meta.slot_mapping[r, off:] == dummy) and np.all(meta.segment_ids[r, off:] == -1)
-        first = chunks[0]
-        table = list(first.pages[:3]) + [DUMMY_PAGE] * (3 - min(3, len(first.pages)))
+    off = 0
+    for r, c in enumerate(rows):
+        assert meta.query_start_loc[r] == off
+        for j, tok in enumerate(c.tokens):
+            p = c.start + j
+            i = p // PS
+            want_slot = c.pages[i] * PS + p % PS if i < len(c.pages) else dummy
+            assert (b.tokens[off + j], meta.positions[off + j], meta.slot_mapping[off + j]) == (tok, p, want_slot)
+            assert b.feed[off + j] == (feed[r] if j == 0 else -1)
+        off += len(c.tokens)
+        assert meta.query_start_loc[r + 1] == off and b.logits_indices[r] == off - 1
+        table = list(c.pages[:3]) + [DUMMY_PAGE] * (3 - min(3, len(c.pages)))
         assert meta.block_tables[r].tolist() == table
-        assert meta.context_lens[r] == first.start + len(first.tokens) and b.active[r]
-    assert not b.active[len(rows)] and np.all(meta.slot_mapping[len(rows)] == dummy)
+        assert meta.seq_lens[r] == c.start + len(c.tokens)
+        assert b.active[r] == (c.sampling is not None)
+    # padding: an empty row past the last, tokens past the rows write to the dummy page
+    assert meta.query_start_loc[-1] == off and meta.seq_lens[len(rows)] == 0 and not b.active[len(rows)]
+    assert np.all(meta.slot_mapping[off:] == dummy) and np.all(b.feed[off:] == -1)
+
+
+def test_uniform_rows_for_speculative_steps():
+    """row_len: every row, padding rows too, spans k + 1 tokens, so the verifier can reshape."""
+    rows = [Chunk([5, 6, 7], 10, [3, 4, 5, 6], (0.0, 0, 1.0, 1, 0)), Chunk([8, 9, 1], 4, [7, 8], (0.0, 0, 1.0, 1, 0))]
+    b = build(rows, num_rows=4, num_tokens=12, table_width=4, page_size=PS, vocab_size=64, row_len=3)
+    assert b.attn.query_start_loc.tolist() == [0, 3, 6, 9, 12]
+    assert b.tokens.reshape(4, 3)[:2].tolist() == [[5, 6, 7], [8, 9, 1]]
+    assert b.attn.seq_lens.tolist() == [13, 7, 0, 0]
 
 
 def test_decode_rows_match_slot_mapping():
@@ -59,8 +71,8 @@ def test_decode_rows_match_slot_mapping():
     rows = []
     for _ in range(40):
         pages = rng.integers(1, 100, rng.integers(0, 6)).tolist()
-        rows.append([Chunk([int(rng.integers(0, 50))], int(rng.integers(0, 7 * PS)), pages)])
-    b = build(rows, num_rows=40, num_tokens=1, table_width=5, page_size=PS, vocab_size=64)
-    for r, (c,) in enumerate(rows):
+        rows.append(Chunk([int(rng.integers(0, 50))], int(rng.integers(0, 7 * PS)), pages))
+    b = build(rows, num_rows=40, num_tokens=40, table_width=5, page_size=PS, vocab_size=64)
+    for r, c in enumerate(rows):
         want = slot_mapping(c.pages, np.array([c.start]), PS)[0]
-        assert b.attn.slot_mapping[r, 0] == want
+        assert b.attn.slot_mapping[r] == want

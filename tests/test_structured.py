@@ -31,7 +31,7 @@ PROMPT = "def parse(data):\n    return "
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(TEST_MODEL, max_slots=8, max_model_len=256, prefill_buckets=(16, 32, 64), page_size=16)
+    return LLM(TEST_MODEL, max_slots=8, max_model_len=256, token_buckets=(16, 32, 64), page_size=16)
 
 
 def _pool_whole(llm):

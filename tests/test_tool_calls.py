@@ -386,7 +386,7 @@ SERVER_TOOLS = [
     # open to any key, as clients write it: the grammar closes it (else a random model's keys run to max_tokens)
     {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}},
 ]
-SERVE_OPTS = dict(max_slots=4, page_size=8, max_model_len=384, num_pages=200, prefill_buckets=(32, 128))
+SERVE_OPTS = dict(max_slots=4, page_size=8, max_model_len=384, num_pages=200, token_buckets=(32, 128))
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
 CALL_KW = dict(max_tokens=100, temperature=0.0)

@@ -55,10 +55,12 @@ class ModelInfo:
 
 @dataclasses.dataclass
 class _PendingStep:
-    """A decode step on the device: its result handle and its sequences, in row order."""
+    """A step on the device: its result handle, the sequences that sample (rows 0.. of the
+    step, in order) and the prompt chunks it scores (row, chunk)."""
 
-    handle: object  # model_runner.PendingDecode
+    handle: object  # model_runner.PendingStep
     seqs: list[Sequence]
+    scored: list = dataclasses.field(default_factory=list)
 
 
 class EngineCore:
@@ -115,8 +117,7 @@ class EngineCore:
             self.kv,
             self.cfg.max_slots,
             self.max_model_len,
-            max_prefill_tokens=self.cfg.max_prefill_tokens,
-            max_prefill_chunk=rc.prefill_buckets[-1],
+            max_num_batched_tokens=rc.token_buckets[-1],
             eos_token_ids=self._eos_ids(),
             lookahead=self.spec_k,
         )
@@ -367,53 +368,64 @@ class EngineCore:
         plan = self.scheduler.schedule()
         if plan.copies:
             self.runner.copy_pages(plan.copies)
-        if plan.prefills:
-            self._prefill(plan.prefills)
         touched: list[Sequence] = []
         if plan.decodes and self.spec_k and not any(s.params.plain_decode_only for s in plan.decodes):
+            if plan.prefills:
+                self._prefill(plan.prefills)
             touched = self.scheduler.update(plan, self._speculate(plan.decodes))
-        else:  # logprobs, grammars, penalties, biases and min_p/min_tokens run in the plain decode step
+        else:  # logprobs, grammars, penalties, biases and min_p/min_tokens run in the ragged step
             # Async scheduling: dispatch this step, then read the previous one's tokens while
             # the device runs it. A step whose rows need their tokens on the host before the
             # next (grammar, penalties) is read at once, as is every step without overlap.
-            pending = self._dispatch_decode(plan.decodes) if plan.decodes else None
+            pending = self._dispatch(plan) if not plan.empty else None
             self.scheduler.dispatched(plan, decodes_pending=True)
             if self._pending is not None:
                 self.overlapped_steps += pending is not None
                 touched += self._resolve(self._pending)
             self._pending = pending
-            if pending is not None and (not self.overlap or any(s.needs_host_tokens for s in pending.seqs)):
+            if pending is not None and (
+                not self.overlap or pending.scored or any(s.needs_host_tokens for s in pending.seqs)
+            ):
                 touched += self._resolve(pending)
                 self._pending = None
-        return [self._output(seq) for seq in touched + finished_now] + rejected
+        # a sequence can get tokens from two steps in one call (the previous step's, then this
+        # one's read at once): one output each
+        once = list({id(s): s for s in touched + finished_now}.values())
+        return [self._output(seq) for seq in once] + rejected
+
+    @staticmethod
+    def _next_tokens(c) -> list[int]:
+        """A prompt chunk's scoring targets: each position's next token, padded past the known
+        tokens (those positions are not kept)."""
+        ids = c.seq.all_ids[c.start + 1 : c.end + 1]
+        return ids + [0] * (c.end - c.start - len(ids))
+
+    def _score(self, c, r) -> None:
+        """Fill a sequence's prompt_logprobs for the positions chunk c covers from its scores r."""
+        seq, n = c.seq, c.seq.params.prompt_logprobs
+        for j in range(min(c.end, len(seq.prompt_ids) - 1) - c.start):  # a recomputed output is not scored
+            lp = {seq.all_ids[c.start + 1 + j]: float(r.logprobs[j])}
+            for k in range(n):
+                lp.setdefault(int(r.top_ids[j, k]), float(r.top_logprobs[j, k]))
+            seq.prompt_logprobs[c.start + 1 + j] = lp
+            seq.prompt_ranks[c.start + 1 + j] = int(r.ranks[j])
 
     def _prefill(self, chunks) -> None:
-        """Run the plan's prefill chunks; a sequence that asks for prompt logprobs has its chunk
-        scored in the same device call (each position against the next prompt token), and the
-        positions it covers filled in its `prompt_logprobs`."""
-
-        def next_tokens(c) -> list[int]:  # padded past the known tokens: those positions are not kept
-            ids = c.seq.all_ids[c.start + 1 : c.end + 1]
-            return ids + [0] * (c.end - c.start - len(ids))
-
-        targets = [next_tokens(c) if c.seq.wants_prompt_logprobs else None for c in chunks]
+        """Fill KV for the plan's prompt chunks ahead of a speculative step (which verifies the
+        decodes in a call of its own); chunks of sequences that ask for prompt logprobs are
+        scored in the same device call."""
+        targets = [self._next_tokens(c) if c.seq.wants_prompt_logprobs else None for c in chunks]
         results = self.runner.prefill(
             [Chunk(c.seq.all_ids[c.start : c.end], c.start, c.seq.pages) for c in chunks], targets
         )
         for c, r in zip(chunks, results):
-            if r is None:
-                continue
-            seq, n = c.seq, c.seq.params.prompt_logprobs
-            for j in range(min(c.end, len(seq.prompt_ids) - 1) - c.start):  # a recomputed output is not scored
-                lp = {seq.all_ids[c.start + 1 + j]: float(r.logprobs[j])}
-                for k in range(n):
-                    lp.setdefault(int(r.top_ids[j, k]), float(r.top_logprobs[j, k]))
-                seq.prompt_logprobs[c.start + 1 + j] = lp
-                seq.prompt_ranks[c.start + 1 + j] = int(r.ranks[j])
+            if r is not None:
+                self._score(c, r)
 
-    def _chunk(self, seq: Sequence, tokens: list[int], bitmask: np.ndarray | None = None):
-        """A decoding sequence as the runner sees it: tokens fed from its last position, its
-        sampling controls and (constrained) its grammar's bitmask row for this step."""
+    def _chunk(self, seq: Sequence, tokens: list[int], bitmask: np.ndarray | None = None, start: int | None = None):
+        """A sampling row as the runner sees it: `tokens` from position `start` (default its last
+        position: a decode row) through to its last token, where it samples, with its sampling
+        controls and (constrained) its grammar's bitmask row for this step."""
         p = seq.params
         controls = None
         if p.controlled:
@@ -434,15 +446,18 @@ class EngineCore:
             )
         return Chunk(
             tokens,
-            seq.length - 1,
+            seq.length - 1 if start is None else start,
             seq.pages,
             (p.temperature, p.top_k, p.top_p, seq.seed, seq.num_generated),
             controls=controls,
         )
 
-    def _dispatch_decode(self, seqs: list[Sequence]) -> "_PendingStep":
-        """Hand one decode step to the device without waiting for it. A sequence whose last
-        token is still on the device (decoded by the previous step) is fed it there."""
+    def _dispatch(self, plan) -> "_PendingStep":
+        """Hand one ragged step to the device without waiting for it: rows 0.. are the sequences
+        that sample (a decode token, or a prompt's last chunk and its last token in one row),
+        then the chunks of prompts still being filled. A sequence whose last token is still on
+        the device (sampled by the previous step) is fed it there."""
+        seqs = plan.decodes
         want_lp = any(s.params.logprobs is not None for s in seqs)
         constrained = [i for i, s in enumerate(seqs) if s.grammar is not None]
         masks = None
@@ -454,14 +469,38 @@ class EngineCore:
             self.mask_steps += 1
         row_mask = dict(zip(constrained, masks if masks is not None else ()))
         prev_row = {id(s): i for i, s in enumerate(self._pending.seqs)} if self._pending is not None else {}
-        feed = [prev_row[id(s)] if s.num_pending else -1 for s in seqs]
-        rows = [self._chunk(s, [0 if s.num_pending else s.all_ids[-1]], row_mask.get(i)) for i, s in enumerate(seqs)]
-        handle = self.runner.decode_async(rows, self.runner.cfg.max_logprobs if want_lp else 0, feed)
-        return _PendingStep(handle, list(seqs))
+        chunk_of = {id(c.seq): c for c in plan.prefills}
+        rows, feed, targets, scored = [], [], [], []
+        for i, s in enumerate(seqs):
+            c = chunk_of.pop(id(s), None)
+            last = 0 if s.num_pending else s.all_ids[-1]
+            if c is None:
+                rows.append(self._chunk(s, [last], row_mask.get(i)))
+            else:  # the prompt's last chunk and its last token: one row that samples
+                rows.append(self._chunk(s, s.all_ids[c.start : c.end] + [last], row_mask.get(i), c.start))
+            feed.append(prev_row[id(s)] if s.num_pending else -1)
+            if c is not None and s.wants_prompt_logprobs:
+                targets.append(self._next_tokens(c) + [0])
+                scored.append((i, c))
+            else:
+                targets.append(None)
+        for c in chunk_of.values():  # prompts still being filled: their rows sample nothing
+            if c.seq.wants_prompt_logprobs:
+                targets.append(self._next_tokens(c))
+                scored.append((len(rows), c))
+            else:
+                targets.append(None)
+            rows.append(Chunk(c.seq.all_ids[c.start : c.end], c.start, c.seq.pages))
+        if not scored:
+            targets = []
+        handle = self.runner.step_async(rows, want_lp, feed, targets)
+        return _PendingStep(handle, list(seqs), scored)
 
     def _resolve(self, step: "_PendingStep") -> list[Sequence]:
-        """Wait for a dispatched decode step's tokens and apply them."""
+        """Wait for a dispatched step's tokens (and scores) and apply them."""
         r = step.handle.result()
+        for i, c in step.scored:
+            self._score(c, r.prompt[i])
         out = {}
         for i, seq in enumerate(step.seqs):
             n = seq.params.logprobs

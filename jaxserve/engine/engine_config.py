@@ -14,8 +14,11 @@ class EngineConfig:
     num_pages: int | None = None  # default: sized from kv_cache_memory_bytes
     kv_cache_memory_bytes: int | None = None  # default: accelerator memory left, or 2 GiB on CPU
     memory_fraction: float = 0.9
-    prefill_buckets: tuple[int, ...] = (16, 32, 64, 128, 256, 512)
-    max_prefill_tokens: int = 512  # per scheduler step, across sequences
+    # The token budget of one step (decode rows first, then prompt chunks): default 256 on the
+    # CPU, 512 elsewhere. The step is padded to a token bucket: powers of two from 16 up to the
+    # budget (on the CPU 1 and 8 too), or `token_buckets` as given (the last is the budget).
+    max_num_batched_tokens: int | None = None
+    token_buckets: tuple[int, ...] | None = None
     dtype: str | None = None  # "float32" | "bfloat16"; default by backend
     quantization: str | None = None  # None | "int8": weight-only int8, per-output-channel scales
     kv_cache_dtype: str = "auto"  # "auto" (pages in dtype) | "int8" | "fp8" (8-bit pages, per-token-per-head scales)
@@ -45,8 +48,8 @@ class EngineConfig:
     tool_call_parser: str | None = None
 
     def __post_init__(self):
-        for name in ("max_slots", "page_size", "max_prefill_tokens"):
-            if getattr(self, name) < 1:
+        for name in ("max_slots", "page_size", "max_num_batched_tokens"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.kv_cache_dtype not in ("auto", "int8", "fp8"):
             raise ValueError(f"kv_cache_dtype must be 'auto', 'int8' or 'fp8', got {self.kv_cache_dtype!r}")
@@ -58,8 +61,9 @@ class EngineConfig:
             raise ValueError(f"matmul_impl must be 'xla' or 'native', got {self.matmul_impl!r}")
         if self.matmul_dtype not in (None, "float32", "bfloat16"):
             raise ValueError(f"matmul_dtype must be 'float32' or 'bfloat16', got {self.matmul_dtype!r}")
-        if list(self.prefill_buckets) != sorted(set(self.prefill_buckets)) or self.prefill_buckets[0] < 1:
-            raise ValueError(f"prefill_buckets must be increasing positive sizes, got {self.prefill_buckets}")
+        tb = self.token_buckets
+        if tb is not None and (not tb or list(tb) != sorted(set(tb)) or tb[0] < 1):
+            raise ValueError(f"token_buckets must be increasing positive sizes, got {tb}")
         from jaxserve.engine.tool_calls import PARSERS
 
         if self.tool_call_parser not in (None, *PARSERS):

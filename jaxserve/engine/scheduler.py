@@ -6,8 +6,17 @@ while a long request finishes. When pages run out mid-decode, the newest running
 preempted (pages freed, requeued at the front, recomputed later): oldest-first admission
 plus newest-first preemption means the oldest request always makes progress.
 
-A prefill only fills KV for tokens [num_computed, length-1); the last token of every running
-sequence is fed by the decode step, which is the only place that samples.
+There are no prefill and decode phases: each step has a token budget
+(`max_num_batched_tokens`, vLLM v1's), spent on a decode token for every running sequence
+first, then on prompt chunks, oldest first; a prompt may be split across steps. The plan goes
+to the device as ONE ragged step (runner/step_batch.py): a decode row is one token, a chunk
+many, and a sequence whose chunk reaches its last prompt token samples its first output token
+in the same row.
+
+A prompt chunk fills KV for tokens [num_computed, length-1); the last token of every running
+sequence is fed as its decode token, the only one that samples (in the same row as a prompt's
+last chunk). That keeps one sampling path and makes a 1-token prompt and a preempted request's
+recompute the same case as any other.
 """
 
 from __future__ import annotations
@@ -29,6 +38,9 @@ class PrefillChunk:
 
 @dataclasses.dataclass
 class StepPlan:
+    """One step's work (vLLM's SchedulerOutput): prompt chunks, the sequences that feed (and
+    sample) their last token, page copies to run first, and who was preempted."""
+
     prefills: list[PrefillChunk]
     decodes: list[Sequence]
     copies: list[tuple[int, int]]  # (src, dst) page copies (copy-on-write) to run first
@@ -37,6 +49,14 @@ class StepPlan:
     @property
     def empty(self) -> bool:
         return not self.prefills and not self.decodes
+
+    @property
+    def num_scheduled_tokens(self) -> dict[str, int]:
+        """Tokens each request computes this step (its row of the ragged step)."""
+        out = {c.seq.request_id: c.end - c.start for c in self.prefills}
+        for seq in self.decodes:
+            out[seq.request_id] = out.get(seq.request_id, 0) + 1
+        return out
 
 
 class Scheduler:
@@ -48,16 +68,14 @@ class Scheduler:
         kv: KVManager,
         max_slots: int,
         max_model_len: int,
-        max_prefill_tokens: int,
-        max_prefill_chunk: int,
+        max_num_batched_tokens: int,
         eos_token_ids: Iterable[int] = (),
         lookahead: int = 0,
     ):
         self.kv = kv
         self.max_slots = max_slots
         self.max_model_len = max_model_len
-        self.max_prefill_tokens = max_prefill_tokens
-        self.max_prefill_chunk = max_prefill_chunk
+        self.max_num_batched_tokens = max_num_batched_tokens
         self.eos = frozenset(eos_token_ids)
         self.lookahead = lookahead  # speculative decoding writes k positions past the last token
         self.waiting: deque[Sequence] = deque()
@@ -96,13 +114,14 @@ class Scheduler:
                 preempted.append(victim)
                 if victim is seq:
                     break
-        # 2. Continue chunked prefills, oldest first, under the step's token budget.
-        prefills, decodes, budget = [], [], self.max_prefill_tokens
-        for seq in sorted(self.running, key=lambda s: s.arrival):
+        # 2. The token budget: a decode token for every running sequence first, then running
+        #    prompts' next chunks, oldest first.
+        running = sorted(self.running, key=lambda s: s.arrival)
+        decodes = [s for s in running if not s.prefilling and not self._last_token_pending(s)]
+        prefills, budget = [], self.max_num_batched_tokens - len(decodes)
+        for seq in running:
             if seq.prefilling:
                 budget = self._plan_chunk(seq, budget, prefills, decodes, copies)
-            elif not self._last_token_pending(seq):
-                decodes.append(seq)
         # 3. Admit from the waiting queue, oldest first, while a slot, its pages and prefill
         #    budget are free. Admitting no more than the budget can prefill means a request
         #    sharing a prefix with one still prefilling waits a step and then hits the cache.
@@ -122,6 +141,7 @@ class Scheduler:
                 budget = self._plan_chunk(seq, budget, prefills, decodes, copies)
             elif self._reserve_lookahead(seq, copies):  # the prefix cache held all of it
                 decodes.append(seq)
+                budget -= 1
         return StepPlan(prefills, decodes, copies, preempted)
 
     def _last_token_pending(self, seq: Sequence) -> bool:
@@ -130,12 +150,18 @@ class Scheduler:
         return seq.num_pending > 0 and (seq.num_generated >= seq.params.max_tokens or seq.length >= self.max_model_len)
 
     def _plan_chunk(self, seq: Sequence, budget: int, prefills: list, decodes: list, copies: list) -> int:
-        if budget <= 0:
+        """The next chunk of a prompt within the budget; the chunk that reaches the last prompt
+        token also spends one token on it (the sequence joins this step's decodes)."""
+        left = seq.length - 1 - seq.num_computed
+        n = min(left, budget)
+        if n == left and budget == left:  # no room for the last token too: stop one short
+            n -= 1
+        if n <= 0:
             return budget
-        n = min(seq.length - 1 - seq.num_computed, self.max_prefill_chunk, budget)
         prefills.append(PrefillChunk(seq, seq.num_computed, seq.num_computed + n))
-        if seq.num_computed + n == seq.length - 1 and self._reserve_lookahead(seq, copies):
-            decodes.append(seq)  # its last token is fed by this very step's decode
+        if n == left and self._reserve_lookahead(seq, copies):
+            decodes.append(seq)  # its last token rides in the same row and samples
+            return budget - n - 1
         return budget - n
 
     def _reserve_lookahead(self, seq: Sequence, copies: list) -> bool:

@@ -18,14 +18,15 @@ from jaxserve.models import linear
 from jaxserve.models.linear import Linear
 from jaxserve.models.model_config import ModelConfig
 from pallas_kernels import reference
-from pallas_kernels.reference import AttentionMetadata
+from pallas_kernels.reference import RaggedMetadata
 
 # per layer (k_pages, v_pages), or quantized (k_pages, v_pages, k_scales, v_scales)
 KVCache = tuple[tuple[jax.Array, ...], ...]
 
 
-# (q, k, v, cache tuple, meta, *, scale) -> out, where k/v are this step's new keys and
-# values, already written into the pages (as the pages hold them: reference.write_kv).
+# An attention backend's forward (runner/attention.py): (q, k, v, cache tuple, meta, *, scale)
+# -> out, where k/v are this step's new keys and values, already written into the pages (as
+# the pages hold them: reference.write_kv).
 PagedAttentionFn = Callable[..., jax.Array]
 
 
@@ -179,13 +180,17 @@ class LlamaForCausalLM(nnx.Module):
         tokens,
         positions,
         kv_cache: KVCache | None = None,
-        meta: AttentionMetadata | None = None,
+        meta: RaggedMetadata | None = None,
         attn_fn: PagedAttentionFn | None = None,
         logits_index=None,
+        token_index=None,
     ):
         """tokens/positions [B, T]. Without a cache: dense causal attention over the batch
-        (right padding is harmless under a causal mask). logits_index [B] selects one position
-        per row before the vocabulary projection, which is most of a prefill's FLOPs otherwise."""
+        (right padding is harmless under a causal mask). With one, `meta` describes the B*T
+        tokens as a ragged batch (flattened row-major) for `attn_fn`. Only the selected
+        positions reach the vocabulary projection, which is most of a chunk's FLOPs otherwise:
+        logits_index [B], one position per row (-> [B, V]), or token_index [M], flat indices
+        over the B*T tokens (-> [M, V])."""
         x = self.embed_tokens(tokens)
         rope_cs = rope_tables(positions, jnp.asarray(self.cfg.inv_freq()), x.dtype)
         new_cache = []
@@ -193,7 +198,9 @@ class LlamaForCausalLM(nnx.Module):
             x, c = layer(x, rope_cs, None if kv_cache is None else kv_cache[i], meta, attn_fn)
             new_cache.append(c)
         x = self.norm(x)
-        if logits_index is not None:
+        if token_index is not None:
+            x = x.reshape(-1, x.shape[-1])[token_index]
+        elif logits_index is not None:
             x = jnp.take_along_axis(x, logits_index[:, None, None], axis=1)[:, 0]
         if self.cfg.tie_word_embeddings:
             logits = self.embed_tokens.attend(x)

@@ -1,10 +1,12 @@
-"""The device side: jitted prefill, decode, speculative and page-copy steps over fixed shapes.
+"""The device side: one jitted ragged step, plus speculative verification and page copies.
 
 Pure functions of arrays, jitted with the model graph and config static and the KV cache
-donated. The runner never sees a request: it takes `step_batch.Chunk`s (token ids, a start
-position, a block table, sampling controls), turns them into one padded `StepBatch` and
-runs it. Every dynamic size is padded to a bucket, so warm-up compiles everything serving
-will ever run.
+donated. The runner never sees a request: it takes rows (`step_batch.Chunk`: token ids, a
+start position, a block table, sampling controls), lays them out as one flat `StepBatch`
+padded to a token bucket and runs ONE step over it: decode rows, prompt chunks and rows that
+finish their prompt and sample their first token, all in one forward pass that reads every
+weight once (vLLM v1's and tpu-inference's shape). Every dynamic size is padded to a bucket,
+so warm-up compiles everything serving will ever run.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from flax import nnx
 from jaxserve import kv_math
 from jaxserve.models.model_config import ModelConfig
 from jaxserve.parallel.multihost import to_host
-from jaxserve.runner import host_memory, sampling, step_batch
+from jaxserve.runner import attention, host_memory, sampling, step_batch
+from jaxserve.runner.attention import AttentionBackend
 from jaxserve.runner.executable_cache import ExecutableStore, Step
 from jaxserve.runner.sampling import sample
 from jaxserve.runner.step_batch import DUMMY_PAGE, Chunk, StepBatch
@@ -49,20 +52,6 @@ def bucket_for(buckets: tuple[int, ...], n: int) -> int:
     return buckets[i]
 
 
-def _attention_fn(impl: str, interpret: bool, mode: str) -> Callable:
-    """The attention of one step kind: "prefill" (fresh prompt), "context" (a chunk that
-    continues a sequence) or "decode"."""
-    if impl == "xla":
-        return functools.partial(reference.attention, mode=mode)
-    if impl == "native":
-        from pallas_kernels import native
-
-        return functools.partial(native.attention, mode=mode)
-    from pallas_kernels import paged_attention as pk
-
-    return functools.partial(pk.attention, mode=mode, interpret=interpret)
-
-
 def default_attention(backend: str) -> str:
     """Pallas on TPU/GPU; on the CPU the native FFI kernel where it is built, else XLA."""
     if backend != "cpu":
@@ -84,62 +73,100 @@ def default_argmax(mesh) -> Callable:
     return sampling.argmax
 
 
-def _prefill_step(graphdef, attn_fn, params, kv, batch: StepBatch):
+def _forward(graphdef, backend: AttentionBackend, params, kv, batch: StepBatch, tokens, token_index):
+    """The model over the batch's flat tokens (one row of N), KV written into the pages inside;
+    logits [M, V] at the flat `token_index` only."""
     model = nnx.merge(graphdef, params)
-    _, kv = model(
-        batch.tokens, batch.positions, kv, batch.attn, attn_fn, logits_index=jnp.zeros((batch.num_rows,), jnp.int32)
-    )
-    return kv  # logits unused: XLA drops the vocabulary projection
+    md = backend.metadata(batch.attn)
+    return model(tokens[None], batch.positions[None], kv, md, backend.forward, token_index=token_index)
 
 
-def _prefill_logprobs_step(graphdef, attn_fn, params, kv, batch: StepBatch, targets, *, num_top: int):
-    """A prefill that also scores the chunk (prompt logprobs, lm-eval's loglikelihood): the
-    log-softmax of every position's logits, gathered at `targets` [S, T] (each position's next
-    prompt token), its rank in the vocabulary (1: the most likely) and the top `num_top`.
-    A step of its own so the plain prefill keeps dropping the vocabulary projection. Returns
-    (kv, (logprob [S, T], rank [S, T], top ids [S, T, n], top logprobs [S, T, n]))."""
-    model = nnx.merge(graphdef, params)
-    logits, kv = model(batch.tokens, batch.positions, kv, batch.attn, attn_fn)
-    logp = jax.nn.log_softmax(logits, axis=-1)  # float32, as the decode step's logprobs
-    chosen = jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
-    rank = 1 + jnp.sum(logp > chosen[..., None], axis=-1, dtype=jnp.int32)
-    top_lp, top_ids = jax.lax.top_k(logp, num_top)
-    return kv, (chosen, rank, top_ids.astype(jnp.int32), top_lp)
+def _sample_rows(logits, batch: StepBatch, want_logprobs, *, num_logprobs: int, argmax_fn: Callable):
+    """Each row's token from its logits [R, V] with every sampling control and the grammar
+    bitmask, and (want_logprobs, a traced bool) the chosen token's logprob and the top
+    `num_logprobs`. Which work runs is decided on the device (lax.cond): a greedy step skips the
+    top-k/top-p filters, a step without logprobs the log-softmax, so neither is a separate
+    executable. Returns (tokens [R], chosen [R], top ids [R, n], top logprobs [R, n])."""
+    n = max(1, num_logprobs)
+    r = logits.shape[0]
+
+    def run(do_sample: bool, lp: bool):
+        def f(x):
+            out = sample(
+                x, batch.sampling, batch.bitmask, do_sample=do_sample, num_logprobs=n if lp else 0, argmax_fn=argmax_fn
+            )
+            if lp:
+                return out
+            return out[0], jnp.zeros((r,), jnp.float32), jnp.zeros((r, n), jnp.int32), jnp.zeros((r, n), jnp.float32)
+
+        return f
+
+    def with_lp(lp: bool):
+        if jax.default_backend() != "cpu":  # a GPU cond's predicate goes through the host
+            return run(True, lp)
+        do_sample = jnp.any(batch.active & (batch.sampling.temperature > 0))
+        return lambda x: jax.lax.cond(do_sample, run(True, lp), run(False, lp), x)
+
+    if num_logprobs == 0:
+        return with_lp(False)(logits)
+    return jax.lax.cond(want_logprobs, with_lp(True), with_lp(False), logits)
 
 
-def _decode_step(graphdef, attn_fn, params, kv, batch: StepBatch):
-    """One token per row: (logits [S, V], kv). Serving runs `_decode_sample_step`."""
-    model = nnx.merge(graphdef, params)
-    return model(
-        batch.tokens, batch.positions, kv, batch.attn, attn_fn, logits_index=jnp.zeros((batch.num_rows,), jnp.int32)
-    )
-
-
-def _decode_sample_step(
+def _ragged_step(
     graphdef,
-    attn_fn,
+    backend: AttentionBackend,
     params,
     kv,
     batch: StepBatch,
     prev_tokens,
+    want_logprobs,
     *,
-    do_sample: bool,
     num_logprobs: int,
     argmax_fn: Callable = sampling.argmax,
 ):
-    """The decode step serving runs: one token per row, sampled in the same jitted call (every
-    sampling control and the grammar bitmask are batch fields), so only the sampled ids and
-    logprobs leave the device. A row with batch.feed >= 0 takes its input token from the
-    previous step's sampled ids (`prev_tokens`, one fixed-size buffer), so the host can
-    dispatch this step before it has read them. Returns (kv, (tokens, chosen logprob, top
-    ids, top logprobs), this step's sampled ids padded to prev_tokens' size)."""
-    fed = jnp.where(batch.feed >= 0, prev_tokens[jnp.maximum(batch.feed, 0)], batch.tokens[:, 0])
-    batch = dataclasses.replace(batch, tokens=fed[:, None])
-    logits, kv = _decode_step(graphdef, attn_fn, params, kv, batch)
-    out = sample(
-        logits, batch.sampling, batch.bitmask, do_sample=do_sample, num_logprobs=num_logprobs, argmax_fn=argmax_fn
-    )
+    """The step serving runs: every row of the batch (decodes, prompt chunks, a prompt's last
+    chunk with its first sampled token) in one forward pass, each sampling row sampled at its
+    last token in the same call, so only the sampled ids and logprobs leave the device. A token
+    with batch.feed >= 0 is the previous step's sampled id of that row (`prev_tokens`, one
+    fixed-size buffer), so the host can dispatch this step before it has read them. Returns
+    (kv, (tokens, chosen logprob, top ids, top logprobs), this step's ids padded to
+    prev_tokens' size)."""
+    tokens = jnp.where(batch.feed >= 0, prev_tokens[jnp.maximum(batch.feed, 0)], batch.tokens)
+    logits, kv = _forward(graphdef, backend, params, kv, batch, tokens, batch.logits_indices)
+    out = _sample_rows(logits, batch, want_logprobs, num_logprobs=num_logprobs, argmax_fn=argmax_fn)
     return kv, out, jnp.zeros_like(prev_tokens).at[: batch.num_rows].set(out[0])
+
+
+def _scoring_step(
+    graphdef,
+    backend: AttentionBackend,
+    params,
+    kv,
+    batch: StepBatch,
+    prev_tokens,
+    want_logprobs,
+    targets,
+    *,
+    num_logprobs: int,
+    num_top: int,
+    argmax_fn: Callable = sampling.argmax,
+):
+    """`_ragged_step` that also scores every token (prompt logprobs, lm-eval's loglikelihood):
+    the log-softmax of each position's logits gathered at `targets` [N] (each token's next
+    prompt token), its rank in the vocabulary (1: the most likely) and the top `num_top`. Its
+    own executables, so the plain step keeps the vocabulary projection to sampled rows.
+    Returns `_ragged_step`'s outputs and (logprob [N], rank [N], top ids [N, n], top lps [N, n])."""
+    tokens = jnp.where(batch.feed >= 0, prev_tokens[jnp.maximum(batch.feed, 0)], batch.tokens)
+    every, kv = _forward(graphdef, backend, params, kv, batch, tokens, jnp.arange(batch.num_tokens))
+    out = _sample_rows(
+        every[batch.logits_indices], batch, want_logprobs, num_logprobs=num_logprobs, argmax_fn=argmax_fn
+    )
+    logp = jax.nn.log_softmax(every, axis=-1)  # float32, as the sampled rows' logprobs
+    chosen = jnp.take_along_axis(logp, targets[:, None], axis=-1)[:, 0]
+    rank = 1 + jnp.sum(logp > chosen[:, None], axis=-1, dtype=jnp.int32)
+    top_lp, top_ids = jax.lax.top_k(logp, num_top)
+    scores = (chosen, rank, top_ids.astype(jnp.int32), top_lp)
+    return kv, out, jnp.zeros_like(prev_tokens).at[: batch.num_rows].set(out[0]), scores
 
 
 def _copy_pages(kv, src, dst):
@@ -149,8 +176,8 @@ def _copy_pages(kv, src, dst):
 
 @dataclasses.dataclass
 class PromptLogprobs:
-    """One prefill chunk's scores: position j's next token (the chunk's target j) has
-    `logprobs[j]` and vocabulary rank `ranks[j]`; top_ids/top_logprobs [m, n] the n most likely."""
+    """One row's scores: its token j's next token (the row's target j) has `logprobs[j]` and
+    vocabulary rank `ranks[j]`; top_ids/top_logprobs [m, n] the n most likely."""
 
     logprobs: np.ndarray  # [m]
     ranks: np.ndarray  # [m]
@@ -159,23 +186,40 @@ class PromptLogprobs:
 
 
 @dataclasses.dataclass
-class DecodeResult:
-    tokens: np.ndarray  # [S]
-    logprobs: np.ndarray | None  # [S]
-    top_ids: np.ndarray | None  # [S, n]
+class StepResult:
+    """Row i of a step: its sampled token (rows that sample), logprobs when asked, and
+    prompt[i] its scores when it was scored (else None)."""
+
+    tokens: np.ndarray  # [rows]
+    logprobs: np.ndarray | None  # [rows]
+    top_ids: np.ndarray | None  # [rows, n]
     top_logprobs: np.ndarray | None
+    prompt: list[PromptLogprobs | None] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
-class PendingDecode:
-    """A dispatched decode step whose results are still on the device (JAX dispatches
+class PendingStep:
+    """A dispatched step whose results are still on the device (JAX dispatches
     asynchronously): `result()` waits for them and copies them to the host."""
 
-    outputs: tuple  # device arrays in batch-row order
-    inverse: np.ndarray  # caller's row i is batch row inverse[i]
+    outputs: tuple  # device arrays, rows in the caller's order
+    num_rows: int
+    want_logprobs: bool
+    scores: tuple | None = None  # the scoring step's per-token arrays
+    scored: tuple = ()  # (row, first flat token, length) of each scored row
 
-    def result(self) -> DecodeResult:
-        return DecodeResult(*(None if x is None else to_host(x)[self.inverse] for x in self.outputs))
+    def result(self) -> StepResult:
+        n = self.num_rows
+        host = [to_host(x)[:n] for x in self.outputs]
+        prompt: list[PromptLogprobs | None] = [None] * n
+        if self.scores is not None:
+            lp, rank, top_ids, top_lp = (to_host(x) for x in self.scores)
+            for row, start, m in self.scored:
+                sl = slice(start, start + m)
+                prompt[row] = PromptLogprobs(lp[sl], rank[sl], top_ids[sl], top_lp[sl])
+        if not self.want_logprobs:
+            return StepResult(host[0], None, None, None, prompt)
+        return StepResult(*host, prompt)
 
 
 def replicated(method: Callable) -> Callable:
@@ -253,55 +297,39 @@ class _Weights:
         zeros = jax.jit(lambda: tuple(layer() for _ in range(cfg.num_layers)), out_shardings=self.kv_sharding)
         self.kv = zeros()
         self.huge_pages = host_memory.advise_huge_pages_in_background((self.params, self.kv))  # CPU buffers only
-        self.attn = {m: _attention_fn(attention_impl, interpret, m) for m in ("prefill", "context", "decode")}
+        self.backend = attention.make(attention_impl, interpret)
         self.argmax = default_argmax(mesh)
-        if mesh is not None and attention_impl in ("pallas", "native"):  # custom calls XLA cannot split
-            from jaxserve.parallel import sharding as shd
-
-            self.attn = {m: shd.shard_attention(fn, cfg, mesh) for m, fn in self.attn.items()}
-        step = lambda fn, mode, kv_out: Step(
-            f"{name}-{fn.__name__.strip('_')}-{mode}",
-            jax.jit(  # noqa: E731
-                pin_kv(functools.partial(fn, self.graphdef, self.attn[mode]), self.kv_sharding, kv_out),
-                donate_argnums=(1,),
-            ),
-            store,
-            fixed=2,
-        )
-        self.prefill = step(_prefill_step, "prefill", None)
-        self.prefill_ctx = step(_prefill_step, "context", None)
-        self.prefill_logprobs = Step(  # the target's only: the draft fills KV with prefill_ctx
-            f"{name}-prefill-logprobs",
-            jax.jit(
-                pin_kv(
-                    functools.partial(_prefill_logprobs_step, self.graphdef, self.attn["context"]),
-                    self.kv_sharding,
-                    0,
-                    None,
-                ),
-                donate_argnums=(1,),
-                static_argnames=("num_top",),
-            ),
-            store,
-            fixed=2,
-        )
-        self.decode = step(_decode_step, "decode", 1)  # logits only (tests, tools): not warmed up
         replicate = None
         if mesh is not None:
             from jax.sharding import NamedSharding, PartitionSpec
 
+            from jaxserve.parallel import sharding as shd
+
             replicate = NamedSharding(mesh, PartitionSpec())
-        self.decode_sample = Step(
-            f"{name}-decode-sample",
-            jax.jit(
-                pin_kv(
-                    functools.partial(_decode_sample_step, self.graphdef, self.attn["decode"], argmax_fn=self.argmax),
-                    self.kv_sharding,
-                    0,
-                    replicate,
-                ),
+            if attention_impl in ("pallas", "native"):  # custom calls XLA cannot split
+                self.backend = self.backend.wrap(lambda fn: shd.shard_attention(fn, cfg, mesh))
+
+        def jitted(fn, static=()):
+            return jax.jit(
+                pin_kv(fn, self.kv_sharding, 0, replicate),
                 donate_argnums=(1,),
-                static_argnames=("do_sample", "num_logprobs"),
+                static_argnames=static,
+            )
+
+        # The one step serving runs, and its twin that also scores every token (prompt logprobs).
+        self.step = Step(
+            f"{name}-step",
+            jitted(
+                functools.partial(_ragged_step, self.graphdef, self.backend, argmax_fn=self.argmax), ("num_logprobs",)
+            ),
+            store,
+            fixed=2,
+        )
+        self.score = Step(
+            f"{name}-score",
+            jitted(
+                functools.partial(_scoring_step, self.graphdef, self.backend, argmax_fn=self.argmax),
+                ("num_logprobs", "num_top"),
             ),
             store,
             fixed=2,
@@ -319,7 +347,9 @@ class RunnerConfig:
     page_size: int
     max_model_len: int
     num_pages: int
-    prefill_buckets: tuple[int, ...]
+    # The ragged step's padded token counts (the last one is the step's token budget,
+    # max_num_batched_tokens); a step of T tokens has min(T, max_slots) rows.
+    token_buckets: tuple[int, ...]
     dtype: str
     attention_impl: str
     interpret: bool
@@ -331,10 +361,9 @@ class RunnerConfig:
     prompt_logprobs: bool = True  # warm up the scoring prefill (prompt logprobs)
     num_speculative_tokens: int = 0  # k of a speculative step; 0 = no speculation
     tensor_parallel_size: int = 1
-    # Decode batch buckets are powers of two from 8 rows (on TPU/GPU a sublane tile: fewer rows
-    # cost the same). On the CPU every padded row costs its share of the matmuls, so a lone
-    # request (the latency case, and speculative verification at batch 1) gets a bucket of one
-    # row; 2-7 rows still pad to 8 (each bucket is 4 more executables to compile at start).
+    # Speculative batch buckets are powers of two from 8 rows (on TPU/GPU a sublane tile: fewer
+    # rows cost the same). On the CPU every padded row costs its share of the matmuls, so a lone
+    # request gets a bucket of one row.
     single_row_bucket: bool = False
     store_context: str | None = None  # with compilation_cache_dir: the key of the executable store
     compilation_cache_dir: str | None = None
@@ -361,7 +390,7 @@ class ModelRunner:
         # Block tables have one fixed width: the attention loop's trip count follows the
         # longest live context, so no per-length buckets (and compiles) are needed.
         self.table_width = -(-self.max_pages_per_seq // 2) * 2
-        self.prefill_buckets = cfg.prefill_buckets
+        self.token_buckets = cfg.token_buckets
         self.num_pages = cfg.num_pages
         self.mesh = None
         if cfg.tensor_parallel_size > 1:
@@ -400,19 +429,19 @@ class ModelRunner:
         self.draft = build("draft", draft, draft_cfg) if draft is not None else None
         self.models = [w for w in (self.target, self.draft) if w is not None]
         self.copy_batch = max(8, cfg.max_slots)
-        # Decode runs over the live sequences only, padded to a power-of-two batch: the slot
-        # a request holds is host bookkeeping, the device addresses KV through pages.
+        # Speculative steps run over the live sequences only, padded to a power-of-two batch of
+        # k + 1 tokens each: the slot a request holds is host bookkeeping, the device
+        # addresses KV through pages.
         self.batch_buckets = pow2_buckets(min(8, cfg.max_slots), cfg.max_slots)
         if cfg.single_row_bucket and self.batch_buckets[0] > 1:
             self.batch_buckets = (1, *self.batch_buckets)
-        # The previous decode step's sampled ids, on the device, and where each of its rows
-        # sits in them: the next step reads its input tokens from here (decode_async's feed).
-        self._prev_tokens = jnp.zeros((self.batch_buckets[-1],), jnp.int32)
+        # The previous step's sampled ids, on the device (row i at index i): the next step reads
+        # its fed tokens from here (step_async's feed).
+        self._prev_tokens = jnp.zeros((max(cfg.max_slots, self.rows_for(self.token_buckets[-1])),), jnp.int32)
         if self.mesh is not None:
             from jax.sharding import NamedSharding, PartitionSpec
 
             self._prev_tokens = jax.device_put(self._prev_tokens, NamedSharding(self.mesh, PartitionSpec()))
-        self._prev_row: list[int] = []
         self.spec_k = cfg.num_speculative_tokens
         if self.spec_k:
             from jaxserve.runner import speculative
@@ -422,7 +451,7 @@ class ModelRunner:
                 "verify",
                 jax.jit(
                     pin_kv(
-                        functools.partial(speculative.verify, t.graphdef, t.attn["context"], argmax_fn=t.argmax),
+                        functools.partial(speculative.verify, t.graphdef, t.backend, argmax_fn=t.argmax),
                         t.kv_sharding,
                         0,
                     ),
@@ -438,9 +467,7 @@ class ModelRunner:
                     "propose",
                     jax.jit(
                         pin_kv(
-                            functools.partial(
-                                speculative.draft_propose, d.graphdef, d.attn["decode"], argmax_fn=d.argmax
-                            ),
+                            functools.partial(speculative.draft_propose, d.graphdef, d.backend, argmax_fn=d.argmax),
                             d.kv_sharding,
                             0,
                         ),
@@ -469,100 +496,93 @@ class ModelRunner:
         if self.broadcaster is not None and self.broadcaster.leader:
             self.broadcaster.send("stop", ())
 
-    def batch(self, rows: Sequence[Sequence[Chunk]], num_rows: int, num_tokens: int, table_width: int) -> StepBatch:
+    def rows_for(self, num_tokens: int) -> int:
+        """The row bucket of a token bucket: every running sequence has at most one row."""
+        return min(num_tokens, self.cfg.max_slots)
+
+    def batch(self, rows: Sequence[Chunk], num_rows: int, num_tokens: int, **kw) -> StepBatch:
         return step_batch.build(
             rows,
             num_rows=num_rows,
             num_tokens=num_tokens,
-            table_width=table_width,
+            table_width=self.table_width,
             page_size=self.cfg.page_size,
             vocab_size=self.model_cfg.vocab_size,
+            **kw,
         )
 
     # -- steps -------------------------------------------------------------------------
     @replicated
-    def prefill(self, chunks: list[Chunk], targets: Sequence[Sequence[int] | None] = ()) -> list[PromptLogprobs | None]:
-        """Fill KV (of the target and the draft) for chunks of a sequence's tokens.
+    def step_async(
+        self,
+        rows: list[Chunk],
+        want_logprobs: bool = False,
+        feed: Sequence[int] = (),
+        targets: Sequence[Sequence[int] | None] = (),
+    ) -> PendingStep:
+        """Dispatch one ragged step over `rows` (decodes, prompt chunks, a prompt's last chunk
+        with its first token; a row samples at its last token when its `sampling` is set) and
+        return without waiting for the device. Row i of the result is rows[i].
 
-        Fresh prompts (start 0) are packed into one row of a bucket, each its own segment,
-        so short prompts share one call and padding stays below one bucket step. A chunk that
-        continues a sequence runs alone and attends to the pages already written.
-
-        targets[i] (optional): the token after each of chunk i's tokens. Such a chunk runs
-        alone through the scoring prefill (`_prefill_logprobs_step`, the continuation
-        attention: it also serves a chunk at start 0), and result i is its PromptLogprobs;
-        the others' results are None."""
-        targets = list(targets) + [None] * (len(chunks) - len(targets))
-        results: list[PromptLogprobs | None] = [None] * len(chunks)
-        for i, c in enumerate(chunks):
-            if targets[i] is not None:
-                results[i] = self._run_prefill_logprobs(c, targets[i])
-        chunks = [c for c, t in zip(chunks, targets) if t is None]
-        for c in chunks:
-            if c.start:
-                self._run_prefill([c], "prefill_ctx", self.table_width)
-        cap = self.prefill_buckets[-1]
-        pack, used = [], 0
-        for c in (c for c in chunks if c.start == 0):
-            if used + len(c.tokens) > cap:
-                self._run_prefill(pack, "prefill", 1)
-                pack, used = [], 0
-            pack.append(c)
-            used += len(c.tokens)
-        if pack:
-            self._run_prefill(pack, "prefill", 1)
-        return results
-
-    def _run_prefill_logprobs(self, chunk: Chunk, targets: Sequence[int]) -> PromptLogprobs:
-        m = len(chunk.tokens)
-        if len(targets) != m:
-            raise ValueError(f"targets: {len(targets)} for a chunk of {m} tokens")
-        t = bucket_for(self.prefill_buckets, m)
-        batch = self.batch([[chunk]], 1, t, self.table_width)
-        padded = np.zeros((1, t), np.int32)
-        padded[0, :m] = targets
+        feed[i] >= 0: row i's first token is the one the previous step sampled for its row
+        feed[i] (rows[i].tokens[0] is ignored), read on the device, so this step can be
+        dispatched before the host knows that token. targets[i] (optional): the token after
+        each of row i's tokens: the step then runs as the scoring step and result.prompt[i] is
+        the row's PromptLogprobs."""
+        n_tok = sum(len(c.tokens) for c in rows)
+        t = bucket_for(self.token_buckets, max(1, n_tok))
+        batch = self.batch(rows, self.rows_for(t), t, feed=feed)
+        want = np.bool_(want_logprobs and self.cfg.max_logprobs > 0)
+        nlp = self.cfg.max_logprobs
+        for d in self.models[1:]:  # a speculative draft fills its KV over the same rows
+            d.kv, _, _ = d.step(
+                d.params, d.kv, batch, jnp.zeros_like(self._prev_tokens), np.bool_(False), num_logprobs=0
+            )
         w = self.target
-        w.kv, out = w.prefill_logprobs(w.params, w.kv, batch, padded, num_top=max(1, self.cfg.max_logprobs))
-        if self.draft is not None:
-            self.draft.kv = self.draft.prefill_ctx(self.draft.params, self.draft.kv, batch)
-        lp, rank, top_ids, top_lp = (to_host(x)[0, :m] for x in out)
-        return PromptLogprobs(lp, rank, top_ids, top_lp)
+        scored = []
+        if any(x is not None for x in targets):
+            padded = np.zeros((t,), np.int32)
+            qsl = batch.attn.query_start_loc
+            for i, x in enumerate(targets):
+                if x is not None:
+                    if len(x) != len(rows[i].tokens):
+                        raise ValueError(f"targets: {len(x)} for a row of {len(rows[i].tokens)} tokens")
+                    padded[qsl[i] : qsl[i] + len(x)] = x
+                    scored.append((i, int(qsl[i]), len(x)))
+            w.kv, out, self._prev_tokens, scores = w.score(
+                w.params, w.kv, batch, self._prev_tokens, want, padded, num_logprobs=nlp, num_top=max(1, nlp)
+            )
+            return PendingStep(out, len(rows), bool(want), scores, tuple(scored))
+        w.kv, out, self._prev_tokens = w.step(w.params, w.kv, batch, self._prev_tokens, want, num_logprobs=nlp)
+        return PendingStep(out, len(rows), bool(want))
 
-    def _run_prefill(self, chunks: list[Chunk], fn_name: str, table_width: int) -> None:
-        t = bucket_for(self.prefill_buckets, sum(len(c.tokens) for c in chunks))
-        batch = self.batch([chunks], 1, t, table_width)
-        for w in self.models:
-            w.kv = getattr(w, fn_name)(w.params, w.kv, batch)
+    def step(self, rows: list[Chunk], want_logprobs: bool = False, targets=()) -> StepResult:
+        """`step_async` and wait for its result."""
+        return self.step_async(rows, want_logprobs, (), targets).result()
 
-    def _decode_batch(self, rows: list[Chunk], num_tokens: int) -> tuple[list[int], StepBatch]:
-        """Rows sorted by context length, longest first (the attention groups rows by length),
-        padded to a batch bucket. Returns (row order, batch): batch row i is rows[order[i]]."""
-        order = sorted(range(len(rows)), key=lambda i: -(rows[i].start + 1))
-        s = bucket_for(self.batch_buckets, len(rows))
-        return order, self.batch([[rows[i]] for i in order], s, num_tokens, self.table_width)
+    def decode(self, rows: list[Chunk], num_logprobs: int = 0) -> StepResult:
+        """One step over one token per row (tools, benchmarks): `step` by another name."""
+        return self.step(rows, num_logprobs > 0)
 
-    def decode(self, rows: list[Chunk], num_logprobs: int) -> DecodeResult:
-        """One step of the target over one token per row, sampled in the same device call; row
-        i of the result is rows[i]. num_logprobs: 0, or cfg.max_logprobs (the one static top-n
-        the sampler compiles)."""
-        return self.decode_async(rows, num_logprobs).result()
+    def prefill(self, chunks: list[Chunk], targets: Sequence[Sequence[int] | None] = ()) -> list[PromptLogprobs | None]:
+        """Fill KV for chunks of sequences, sampling nothing, in steps of at most the largest
+        token bucket; with targets, each scored chunk's PromptLogprobs."""
+        chunks = [dataclasses.replace(c, sampling=None, controls=None) for c in chunks]
+        targets = list(targets) + [None] * (len(chunks) - len(targets))
+        out: list[PromptLogprobs | None] = []
+        cap, group = self.token_buckets[-1], []
 
-    @replicated
-    def decode_async(self, rows: list[Chunk], num_logprobs: int, feed: Sequence[int] = ()) -> PendingDecode:
-        """`decode` without waiting for the device. feed[i] >= 0: row i's input token is the one
-        the previous decode_async call sampled for its row feed[i] (rows[i].tokens is ignored),
-        read on the device, so this step can be dispatched before the host knows that token."""
-        order, batch = self._decode_batch(rows, 1)
-        if any(f >= 0 for f in feed):
-            batch.feed[: len(rows)] = [self._prev_row[feed[i]] if feed[i] >= 0 else -1 for i in order]
-        t = self.target
-        do_sample = bool(np.any(batch.active & (batch.sampling.temperature > 0)))
-        t.kv, out, self._prev_tokens = t.decode_sample(
-            t.params, t.kv, batch, self._prev_tokens, do_sample=do_sample, num_logprobs=num_logprobs
-        )
-        inverse = np.argsort(order)
-        self._prev_row = inverse.tolist()
-        return PendingDecode(out, inverse)
+        def flush():
+            if group:
+                out.extend(self.step([c for c, _ in group], False, [x for _, x in group]).prompt)
+                group.clear()
+
+        for c, x in zip(chunks, targets):
+            if sum(len(g.tokens) for g, _ in group) + len(c.tokens) > cap or len(group) == self.rows_for(cap):
+                flush()
+            group.append((c, x))
+        flush()
+        return out
 
     @replicated
     def speculate(self, rows: list[Chunk]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -579,7 +599,8 @@ class ModelRunner:
             )
             for c in rows
         ]
-        order, batch = self._decode_batch(rows, k + 1)
+        r = bucket_for(self.batch_buckets, len(rows))
+        batch = self.batch(rows, r, r * (k + 1), row_len=k + 1)
         do_sample = bool(np.any(batch.active & (batch.sampling.temperature > 0)))
         drafts, q = None, None
         if self.draft is not None:
@@ -587,9 +608,8 @@ class ModelRunner:
             d.kv, drafts, q = self._propose(d.params, d.kv, batch, do_sample=do_sample)
         t = self.target
         t.kv, out, n_out = self._verify(t.params, t.kv, batch, drafts, q, do_sample=do_sample)
-        inverse = np.argsort(order)
         num_drafts = np.asarray([c.num_drafts for c in rows], np.int32)
-        return to_host(out)[inverse], to_host(n_out)[inverse], num_drafts
+        return to_host(out)[: len(rows)], to_host(n_out)[: len(rows)], num_drafts
 
     @replicated
     def copy_pages(self, pairs: list[tuple[int, int]]) -> None:
@@ -606,31 +626,22 @@ class ModelRunner:
     def warmup(self, progress: Callable[[str], None] | None = None) -> float:
         """Compile every shape serving can produce; all writes go to the dummy page."""
         t0 = time.perf_counter()
-        ps = self.cfg.page_size
-        jobs = [("prefill", t, start) for t in self.prefill_buckets for start in (0, ps)]
+        jobs = [("step", t) for t in self.token_buckets]
         if self.cfg.prompt_logprobs:
-            jobs += [("prefill_logprobs", t, 0) for t in self.prefill_buckets]
-        for b in self.batch_buckets:
-            jobs += [("decode", b, (do_sample, nlp)) for do_sample in (False, True) for nlp in (0, 1)]
-            if self.spec_k:
-                jobs += [("speculate", b, (do_sample, 0)) for do_sample in (False, True)]
-        for i, (kind, a, b) in enumerate(jobs):
+            jobs += [("score", t) for t in self.token_buckets]
+        if self.spec_k:
+            jobs += [("speculate", b, do_sample) for b in self.batch_buckets for do_sample in (False, True)]
+        pages = [DUMMY_PAGE] * self.max_pages_per_seq
+        for i, (kind, a, *rest) in enumerate(jobs):
             if progress:
-                progress(f"compiling {kind} {a} {b if b is not None else ''} ({i + 1}/{len(jobs)})")
-            if kind == "prefill":
-                self.prefill([Chunk([0] * a, b, [DUMMY_PAGE] * (self.max_pages_per_seq + a // ps + 2))])
+                progress(f"compiling {kind} {a} ({i + 1}/{len(jobs)})")
+            if kind == "speculate":  # a rows pick bucket a: one live row on the dummy pages, the rest empty
+                n_tok = 1 + self.spec_k
+                live = Chunk([0] * n_tok, 0, pages, (1.0 if rest[0] else 0.0, 0, 1.0, 0, 0))
+                self.speculate([live] + [Chunk([0] * n_tok, 0, [], (0.0, 0, 1.0, 0, 0))] * (a - 1))
                 continue
-            if kind == "prefill_logprobs":
-                self.prefill([Chunk([0] * a, 0, [DUMMY_PAGE] * (self.max_pages_per_seq + a // ps + 2))], [[0] * a])
-                continue
-            # a rows pick bucket a: one live row on the dummy pages, the rest empty
-            n_tok = 1 + self.spec_k if kind == "speculate" else 1
-            live = Chunk([0] * n_tok, 0, [DUMMY_PAGE] * self.max_pages_per_seq, (1.0 if b[0] else 0.0, 0, 1.0, 0, 0))
-            rows = [live] + [Chunk([0] * n_tok, 0, [], (0.0, 0, 1.0, 0, 0))] * (a - 1)
-            if kind == "decode":
-                self.decode(rows, self.cfg.max_logprobs if b[1] else 0)
-            else:
-                self.speculate(rows)
+            row = Chunk([0] * a, 0, pages, (0.0, 0, 1.0, 0, 0))  # a tokens pick bucket a
+            self.step([row], True, [[0] * a] if kind == "score" else [])
         self.copy_pages([(DUMMY_PAGE, DUMMY_PAGE)])
         jax.block_until_ready([w.kv for w in self.models])
         self.wait_for_huge_pages()
@@ -655,8 +666,7 @@ def resolve(
     max_model_len = min(cfg.max_model_len or min(model_cfg.max_context, 2048), model_cfg.max_context)
     ps = cfg.page_size
     max_pages_per_seq = -(-max_model_len // ps)
-    fits = [b for b in cfg.prefill_buckets if b < max_model_len]
-    bigger = [b for b in cfg.prefill_buckets if b >= max_model_len]
+    token_buckets = _token_buckets(cfg, backend)
     kv_cache_dtype = cfg.kv_cache_dtype
     bytes_per_token = kv_bytes_per_token(dtype.name, model_cfg, draft_cfg, kv_cache_dtype=kv_cache_dtype)
     num_pages = cfg.num_pages or _pool_pages(cfg, ps * bytes_per_token, max_pages_per_seq, weight_bytes)
@@ -689,7 +699,7 @@ def resolve(
         page_size=ps,
         max_model_len=max_model_len,
         num_pages=num_pages,
-        prefill_buckets=tuple(fits + bigger[:1]),
+        token_buckets=token_buckets,
         dtype=dtype.name,
         attention_impl=attention_impl,
         interpret=cfg.interpret if cfg.interpret is not None else backend == "cpu",
@@ -707,6 +717,39 @@ def resolve(
         store_context=f"{dataclasses.replace(cfg, compilation_cache_dir=None)!r} {model_cfg!r} {draft_cfg!r} "
         f"matmul={matmul_impl}-{matmul_dtype}",
     )
+
+
+# The step's token budget by backend when max_num_batched_tokens is not given. On the CPU a step
+# is compute-bound past a few dozen tokens, so its time grows with every prompt token it
+# carries: 256 keeps the decode rows riding with a prompt chunk within a few decode steps'
+# time, and a long prompt's first token within a few hundred ms (docs/benchmarks.md).
+DEFAULT_TOKEN_BUDGET = {"cpu": 256}
+
+
+def _token_buckets(cfg, backend: str) -> tuple[int, ...]:
+    """The ragged step's token buckets: `token_buckets` as given, else powers of two from 16 to
+    the budget (`max_num_batched_tokens`), on the CPU with 1 and 8 below them (padded tokens
+    cost real matmul work there, and a lone decode is the latency case). The budget must hold a
+    decode row of every slot; ValueError naming the field otherwise."""
+    if cfg.token_buckets:
+        buckets = tuple(cfg.token_buckets)
+        if cfg.max_num_batched_tokens is not None and cfg.max_num_batched_tokens != buckets[-1]:
+            raise ValueError(
+                f"max_num_batched_tokens ({cfg.max_num_batched_tokens}) must equal the largest of token_buckets "
+                f"{buckets}"
+            )
+        name = "token_buckets"
+    else:
+        budget = cfg.max_num_batched_tokens or DEFAULT_TOKEN_BUDGET.get(backend, 512)
+        buckets = pow2_buckets(16, max(16, budget))
+        if backend == "cpu":
+            buckets = (1, 8, *buckets)
+        name = "max_num_batched_tokens"
+    if buckets[-1] < cfg.max_slots:
+        raise ValueError(
+            f"{name}: a step of {buckets[-1]} tokens cannot hold a decode row of each of {cfg.max_slots} slots"
+        )
+    return buckets
 
 
 def _resolve_matmul(cfg, backend: str) -> str:

@@ -28,7 +28,7 @@ from flax import nnx
 
 from jaxserve.runner.sampling import argmax, probs, slot_key
 from jaxserve.runner.step_batch import StepBatch
-from pallas_kernels.reference import AttentionMetadata
+from pallas_kernels.reference import RaggedMetadata
 
 TAG_DRAFT, TAG_ACCEPT, TAG_RESIDUAL = 11, 12, 13
 
@@ -54,24 +54,28 @@ def residual(p, q, rejected):
     return r / jnp.maximum(r.sum(-1, keepdims=True), 1e-30)
 
 
-def draft_propose(graphdef, attn_fn, params, kv, batch: StepBatch, *, do_sample: bool, argmax_fn=argmax):
+def _rows(batch: StepBatch, x):
+    """A speculative batch's flat [S * (k + 1)] array as [S, k + 1] (every row spans k + 1 tokens)."""
+    return x.reshape(batch.num_rows, -1)
+
+
+def draft_propose(graphdef, backend, params, kv, batch: StepBatch, *, do_sample: bool, argmax_fn=argmax):
     """k+1 draft decode steps in one scan over the batch's k+1 positions (the same positions
-    and KV slots the target verifies). Returns (kv, drafts [S, k], q [S, k, V] or None)."""
+    and KV slots the target verifies), each a ragged step of one token per row. Returns (kv,
+    drafts [S, k], q [S, k, V] or None)."""
     model = nnx.merge(graphdef, params)
-    k = batch.tokens.shape[1] - 1
+    tokens = _rows(batch, batch.tokens)
+    k = tokens.shape[1] - 1
     sp, active = batch.sampling, batch.active
+    one_per_row = jnp.arange(batch.num_rows + 1, dtype=jnp.int32)
 
     def step(carry, xs):
         kv, tok = carry
         i, pos, slots = xs
-        meta = AttentionMetadata(
-            slots[:, None],
-            batch.attn.block_tables,
-            jnp.where(active, pos + 1, 0),
-            pos[:, None],
-            jnp.zeros_like(slots)[:, None],
+        meta = RaggedMetadata(slots, batch.attn.block_tables, jnp.where(active, pos + 1, 0), one_per_row, pos)
+        logits, kv = model(
+            tok[:, None], pos[:, None], kv, backend.metadata(meta), backend.forward, logits_index=jnp.zeros_like(tok)
         )
-        logits, kv = model(tok[:, None], pos[:, None], kv, meta, attn_fn, logits_index=jnp.zeros_like(tok))
         if do_sample:
             q = probs(logits, sp.temperature, sp.top_k, sp.top_p)
             keys = jax.vmap(lambda s, c: slot_key(s, c, TAG_DRAFT))(sp.seeds, sp.counters + i)
@@ -82,31 +86,32 @@ def draft_propose(graphdef, attn_fn, params, kv, batch: StepBatch, *, do_sample:
             nxt = argmax_fn(logits)
         return (kv, nxt), (nxt, q)
 
-    xs = (jnp.arange(k + 1), batch.positions.T, batch.attn.slot_mapping.T)
-    (kv, _), (drafts, qs) = jax.lax.scan(step, (kv, batch.tokens[:, 0]), xs)
+    xs = (jnp.arange(k + 1), _rows(batch, batch.positions).T, _rows(batch, batch.attn.slot_mapping).T)
+    (kv, _), (drafts, qs) = jax.lax.scan(step, (kv, tokens[:, 0]), xs)
     q = jnp.swapaxes(qs[:k], 0, 1) if do_sample else None
     return kv, jnp.swapaxes(drafts[:k], 0, 1), q
 
 
-def verify(graphdef, attn_fn, params, kv, batch: StepBatch, drafts, draft_q, *, do_sample: bool, argmax_fn=argmax):
+def verify(graphdef, backend, params, kv, batch: StepBatch, drafts, draft_q, *, do_sample: bool, argmax_fn=argmax):
     """Score [last, d1..dk] at positions L-1..L-1+k for every slot and apply the acceptance
     rule. The drafts are `drafts` [S, k] (a draft model's, on the device) or, when None,
     the host's in batch.tokens[:, 1:], of which batch.num_drafts are real. Returns (kv,
     out_tokens [S, k+1], n_out [S]): the first n_out tokens are emitted (the accepted
     drafts, then the corrected or bonus token)."""
-    s, t = batch.tokens.shape
+    tokens = _rows(batch, batch.tokens)
+    s, t = tokens.shape
     k = t - 1
     sp = batch.sampling
     temperature, top_k, top_p, seeds, counters = sp.temperature, sp.top_k, sp.top_p, sp.seeds, sp.counters
     if drafts is None:
-        drafts, num_drafts = batch.tokens[:, 1:], batch.num_drafts
-        tokens = batch.tokens
+        drafts, num_drafts = tokens[:, 1:], batch.num_drafts
     else:
         num_drafts = jnp.where(batch.active, k, 0).astype(jnp.int32)
-        tokens = jnp.concatenate([batch.tokens[:, :1], drafts], axis=1)
+        tokens = jnp.concatenate([tokens[:, :1], drafts], axis=1)
     model = nnx.merge(graphdef, params)
     idx = jnp.broadcast_to(jnp.arange(t), (s, t))
-    logits, kv = model(tokens, batch.positions, kv, batch.attn, attn_fn)  # [S, T, V]
+    md = backend.metadata(batch.attn)  # rows of k + 1 tokens, flattened row-major as the model does
+    logits, kv = model(tokens, _rows(batch, batch.positions), kv, md, backend.forward)  # [S, T, V]
     has_draft = jnp.arange(k)[None, :] < num_drafts[:, None]
     target_argmax = argmax_fn(logits.reshape(s * t, -1)).reshape(s, t)
     greedy_ok = drafts == target_argmax[:, :k]

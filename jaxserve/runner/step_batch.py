@@ -1,11 +1,12 @@
 """The step batch: everything one jitted step reads, as one pytree, built in one place.
 
-The scheduler's plan is host data (sequences, token ids, page ids). `build` turns rows of it
-into fixed-shape numpy arrays padded to a bucket: tokens, positions, the flat KV slot of
-every new token, block tables, context lengths, segment ids and the per-row sampling
-arrays (sampling controls, the grammar bitmask). Every jitted step (prefill, decode, speculative verify), the warm-up and the
-kv-math timer take a `StepBatch` whole, so a new per-row input (a grammar bitmask, a
-quantization scale) is one field here, not six signatures.
+The scheduler's plan is host data (sequences, token ids, page ids). `build` turns its rows
+into fixed-shape numpy arrays padded to a token bucket and a row bucket: one flat token array
+(rows of any length one after another, vLLM v1's and tpu-inference's layout), positions, the
+flat KV slot of every token, query_start_loc, seq_lens, block tables, the index of each row's
+sampled token and the per-row sampling arrays (sampling controls, the grammar bitmask). The
+ragged step, speculative verification, the warm-up and the kv-math timer all take a
+`StepBatch` whole, so a new per-row input is one field here, not six signatures.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Sequence
 import jax
 import numpy as np
 
-from pallas_kernels.reference import AttentionMetadata
+from pallas_kernels.reference import RaggedMetadata
 
 DUMMY_PAGE = 0  # padding writes here and block tables are padded with it; never handed out
 
@@ -82,14 +83,20 @@ class SamplingMetadata:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class StepBatch:
-    tokens: jax.Array  # [S, T] int32
-    attn: AttentionMetadata
-    active: jax.Array  # [S] bool: the row holds a sequence
+    """One ragged step: N flat tokens (a token bucket) in R rows (a row bucket). Row r is one
+    sequence's tokens this step, any number of them: a decode row has one, a prompt chunk many,
+    a speculative row k + 1. Rows that sample (active) are sampled at their last token
+    (`logits_indices`)."""
+
+    tokens: jax.Array  # [N] int32
+    attn: RaggedMetadata
+    logits_indices: jax.Array  # [R] int32: the flat index of each row's last token
+    active: jax.Array  # [R] bool: the row holds a sequence that samples this step
     sampling: SamplingMetadata
-    num_drafts: jax.Array  # [S] int32: host-proposed draft tokens in tokens[:, 1:] (speculative steps)
-    bitmask: jax.Array  # [S, ceil(V/32)] int32: bit t of a row = token t allowed (grammar); all ones otherwise
-    # [S] int32: -1, or the row of the previous decode step whose sampled token this row
-    # feeds instead of tokens[:, 0] (async scheduling: the host has not read that token yet)
+    num_drafts: jax.Array  # [R] int32: host-proposed draft tokens after a speculative row's first
+    bitmask: jax.Array  # [R, ceil(V/32)] int32: bit t of a row = token t allowed (grammar); all ones otherwise
+    # [N] int32: -1, or the row of the previous step whose sampled token this token takes
+    # instead of tokens[n] (async scheduling: the host has not read that token yet)
     feed: jax.Array
 
     @property
@@ -98,6 +105,10 @@ class StepBatch:
 
     @property
     def num_rows(self) -> int:
+        return self.logits_indices.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
         return self.tokens.shape[0]
 
 
@@ -122,10 +133,10 @@ class Controls:
 
 @dataclasses.dataclass(frozen=True)
 class Chunk:
-    """Host input of one sequence in a step: feed `tokens` at positions start.. through the
-    sequence's block table `pages`. `sampling` (temperature, top_k, top_p, seed, counter) is
-    set for rows that sample, `controls` for rows with more; `num_drafts` counts the
-    host-proposed drafts after tokens[0]."""
+    """Host input of one row of a step: one sequence's `tokens` at positions start.. through its
+    block table `pages`. `sampling` (temperature, top_k, top_p, seed, counter) is set for rows
+    that sample (at their last token), `controls` for rows with more; None: the row only
+    fills KV. `num_drafts` counts the host-proposed drafts after tokens[0]."""
 
     tokens: Sequence[int]
     start: int
@@ -156,62 +167,71 @@ def _fill(r: int, ids: np.ndarray, row_ids, values: np.ndarray | None = None, ro
 
 
 def build(
-    rows: Sequence[Sequence[Chunk]],
+    rows: Sequence[Chunk],
     *,
     num_rows: int,
     num_tokens: int,
     table_width: int,
     page_size: int,
     vocab_size: int,
+    row_len: int | None = None,
+    feed: Sequence[int] = (),
 ) -> StepBatch:
-    """The one place a step's device inputs are made. Each row packs one or more chunks, each
-    its own segment (fresh prompts share a row; decode and continuation rows hold one);
-    rows past len(rows) and tokens past a row's chunks are padding that writes to the dummy
-    page. A row's block table is its first chunk's pages (cut to table_width), its context
-    length that chunk's start + length."""
+    """The one place a step's device inputs are made: row i is rows[i], its tokens laid out
+    one row after another in the flat token array. Rows past len(rows) are empty and tokens
+    past the last row are padding: both write to the dummy page and see nothing. row_len:
+    every row (padding too) spans exactly that many tokens (speculative steps, which the
+    verifier reshapes to [R, k + 1]). feed[i] >= 0: row i's first token is the previous step's
+    sampled token of row feed[i], read on the device."""
     if len(rows) > num_rows:
-        raise ValueError(f"{len(rows)} rows exceed the batch bucket {num_rows}")
-    tokens = np.zeros((num_rows, num_tokens), np.int32)
-    positions = np.zeros((num_rows, num_tokens), np.int32)
-    slots = np.full((num_rows, num_tokens), DUMMY_PAGE * page_size, np.int32)
-    segments = np.full((num_rows, num_tokens), -1, np.int32)
+        raise ValueError(f"{len(rows)} rows exceed the row bucket {num_rows}")
+    tokens = np.zeros((num_tokens,), np.int32)
+    positions = np.zeros((num_tokens,), np.int32)
+    slots = np.full((num_tokens,), DUMMY_PAGE * page_size, np.int32)
     tables = np.full((num_rows, table_width), DUMMY_PAGE, np.int32)
-    context = np.zeros((num_rows,), np.int32)
+    seq_lens = np.zeros((num_rows,), np.int32)
+    qsl = np.zeros((num_rows + 1,), np.int32)
+    logits_indices = np.zeros((num_rows,), np.int32)
     active = np.zeros((num_rows,), bool)
     sm = SamplingMetadata.make(num_rows, vocab_size)
     bitmask = np.full((num_rows, (vocab_size + 31) // 32), -1, np.int32)
     num_drafts = np.zeros((num_rows,), np.int32)
-    feed = np.full((num_rows,), -1, np.int32)
-    for r, chunks in enumerate(rows):
-        off = 0
-        for seg, c in enumerate(chunks):
-            m = len(c.tokens)
-            if off + m > num_tokens:
-                raise ValueError(f"row {r}: {off + m} tokens exceed the bucket of {num_tokens}")
-            if m == 1:  # a decode row, the common case: scalars, no per-row numpy calls
-                p, i = c.start, c.start // page_size
-                tokens[r, off] = c.tokens[0]
-                positions[r, off] = p
-                slots[r, off] = c.pages[i] * page_size + p % page_size if i < len(c.pages) else DUMMY_PAGE * page_size
-                segments[r, off] = seg
-            else:
-                pos = np.arange(c.start, c.start + m)
-                tokens[r, off : off + m] = c.tokens
-                positions[r, off : off + m] = pos
-                slots[r, off : off + m] = slot_mapping(c.pages, pos, page_size)
-                segments[r, off : off + m] = seg
-            off += m
-        first = chunks[0]
-        n = min(table_width, len(first.pages))
-        tables[r, :n] = first.pages[:n]
-        context[r] = first.start + len(first.tokens)
-        active[r] = True
-        num_drafts[r] = first.num_drafts
-        if first.sampling is not None:
-            t, k, p, seed, counter = first.sampling
+    fed = np.full((num_tokens,), -1, np.int32)
+    off = 0
+    for r, c in enumerate(rows):
+        m = len(c.tokens)
+        if row_len is not None:
+            if m != row_len:
+                raise ValueError(f"row {r}: {m} tokens, every row of this step has {row_len}")
+            off = r * row_len
+        if off + m > num_tokens:
+            raise ValueError(f"row {r}: {off + m} tokens exceed the bucket of {num_tokens}")
+        if m == 1:  # a decode row, the common case: scalars, no per-row numpy calls
+            p, i = c.start, c.start // page_size
+            tokens[off] = c.tokens[0]
+            positions[off] = p
+            slots[off] = c.pages[i] * page_size + p % page_size if i < len(c.pages) else DUMMY_PAGE * page_size
+        else:
+            pos = np.arange(c.start, c.start + m)
+            tokens[off : off + m] = c.tokens
+            positions[off : off + m] = pos
+            slots[off : off + m] = slot_mapping(c.pages, pos, page_size)
+        if r < len(feed) and feed[r] >= 0:
+            fed[off] = feed[r]
+        n = min(table_width, len(c.pages))
+        tables[r, :n] = c.pages[:n]
+        seq_lens[r] = c.start + m
+        qsl[r] = off
+        off += m
+        qsl[r + 1] = off
+        logits_indices[r] = off - 1
+        num_drafts[r] = c.num_drafts
+        if c.sampling is not None:
+            active[r] = True
+            t, k, p, seed, counter = c.sampling
             sm.temperature[r], sm.top_k[r], sm.top_p[r], sm.counters[r] = t, k, p, counter
             sm.seeds[r] = (seed & 0xFFFFFFFF, seed >> 32)
-        ctl = first.controls
+        ctl = c.controls
         if ctl is not None:
             sm.min_p[r], sm.min_tokens[r] = ctl.min_p, ctl.min_tokens
             sm.repetition_penalty[r], sm.presence_penalty[r] = ctl.repetition_penalty, ctl.presence_penalty
@@ -221,6 +241,16 @@ def build(
             _fill(r, sm.stop_ids, ctl.stop_ids)
             if ctl.bitmask is not None:
                 bitmask[r] = ctl.bitmask
+    for r in range(len(rows), num_rows):  # padding rows: empty (uniform rows: row_len padding tokens each)
+        qsl[r + 1] = (r + 1) * row_len if row_len is not None else off
+        qsl[r] = qsl[r + 1] - (row_len or 0)
     return StepBatch(
-        tokens, AttentionMetadata(slots, tables, context, positions, segments), active, sm, num_drafts, bitmask, feed
+        tokens,
+        RaggedMetadata(slots, tables, seq_lens, qsl, positions),
+        logits_indices,
+        active,
+        sm,
+        num_drafts,
+        bitmask,
+        fed,
     )

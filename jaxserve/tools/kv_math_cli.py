@@ -220,11 +220,11 @@ def time_overlapped_steps(runner, rows, repeats: int) -> float:
     tokens are read back, so the host's work for one step overlaps the device's for the other.
     A step's time is the interval between consecutive read-backs, in steady state."""
     feed = list(range(len(rows)))  # row i reads the token the previous step sampled for row i
-    pending = runner.decode_async(rows, 0)
+    pending = runner.step_async(rows)
     times = []
     last = None
     for _ in range(repeats + 1):  # the first interval starts from a step dispatched alone
-        nxt = runner.decode_async(rows, 0, feed)
+        nxt = runner.step_async(rows, False, feed)
         pending.result()
         now = time.perf_counter()
         if last is not None:
