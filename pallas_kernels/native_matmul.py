@@ -37,7 +37,7 @@ TARGET_Q8 = "jaxserve_matmul_q8"
 TARGET_BF16 = "jaxserve_matmul_bf16"
 K_BLOCK = 32  # k per AMX tile step (kKBlock in cpu/matmul.cc)
 TILE_COLS = 16  # columns per AMX weight tile
-ABI_VERSION = 2  # must match jaxserve_matmul_abi_version() in cpu/matmul.cc
+ABI_VERSION = 3  # must match jaxserve_matmul_abi_version() in cpu/matmul.cc
 
 _kernels = native.MoreKernels(
     "matmul",
@@ -141,10 +141,12 @@ def reference(x, w, scale=None, *, n: int) -> jax.Array:
     return y
 
 
-def matmul(x, w, scale=None, *, n: int) -> jax.Array:
+def matmul(x, w, scale=None, *, n: int, live_rows=None) -> jax.Array:
     """x [..., K] @ panels w -> float32 [..., n] in the native kernel (``reference`` where it is
     unavailable; for bfloat16 panels, where the AMX tiles are off). Float32 and bfloat16 panels
-    take no scale; int8 panels need theirs ([P * 64])."""
+    take no scale; int8 panels need theirs ([P * 64]). live_rows (an int32 scalar, may be
+    traced): only the first live_rows rows of x (flattened) are multiplied, the rest of y is
+    zero: a ragged step's padding tokens cost nothing (the reference computes every row)."""
     x = jnp.asarray(x)
     if x.dtype != jnp.float32:
         x = x.astype(jnp.float32)
@@ -170,10 +172,11 @@ def matmul(x, w, scale=None, *, n: int) -> jax.Array:
     lead, k = x.shape[:-1], x.shape[-1]
     rows = int(np.prod(lead, dtype=np.int64))
     out = jax.ShapeDtypeStruct((rows, n), jnp.float32)
+    live = jnp.zeros((0,), jnp.int32) if live_rows is None else jnp.reshape(jnp.asarray(live_rows, jnp.int32), (1,))
     if q8:
-        y = jax.ffi.ffi_call(TARGET_Q8, out)(x.reshape(rows, k), w, jnp.asarray(scale, jnp.float32))
+        y = jax.ffi.ffi_call(TARGET_Q8, out)(x.reshape(rows, k), w, jnp.asarray(scale, jnp.float32), live)
     elif bf16:
-        y = jax.ffi.ffi_call(TARGET_BF16, out)(x.reshape(rows, k), w)
+        y = jax.ffi.ffi_call(TARGET_BF16, out)(x.reshape(rows, k), w, live)
     else:
-        y = jax.ffi.ffi_call(TARGET_F32, out)(x.reshape(rows, k), w)
+        y = jax.ffi.ffi_call(TARGET_F32, out)(x.reshape(rows, k), w, live)
     return y.reshape(*lead, n)

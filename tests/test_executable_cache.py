@@ -23,9 +23,7 @@ SMALL = dict(max_slots=6, page_size=8, max_model_len=128, num_pages=80, token_bu
 
 def _steps(llm: LLM) -> int:
     e = llm.runner
-    steps = [
-        getattr(w, n) for w in e.models for n in ("prefill", "prefill_ctx", "prefill_logprobs", "decode_sample", "copy")
-    ]
+    steps = [getattr(w, n) for w in e.models for n in ("step", "score", "copy")]
     return sum(len(s) for s in steps)
 
 
@@ -82,13 +80,17 @@ def test_unreadable_files_are_recompiled_and_replaced(tok_model, tmp_path, first
     store_dir = _copy_of(first, tmp_path)
     files = sorted((tmp_path / "xla" / xc.SUBDIR).glob("*.jxe"))
     assert len(files) == first[0].runner.store.saved
-    files = sorted(files, key=lambda f: not f.name.startswith("target-prefill"))  # no sort inside
-    files[0].write_bytes(files[0].read_bytes()[:100])  # truncated
-    files[1].write_bytes(b"not a pickle")
+    # The page copy has no sort inside (every step samples, and XLA:CPU cannot serialize a sort
+    # this process has run): recompiled, it can be written again.
+    (copy,) = [f for f in files if f.name.startswith("target-copy")]
+    copy.write_bytes(copy.read_bytes()[:100])  # truncated
     with caplog.at_level(logging.WARNING, logger="jaxserve.executable_cache"):
         second = LLM(tok_model[0], compilation_cache_dir=store_dir, **SMALL)
-    assert (second.runner.store.loaded, second.runner.store.saved) == (len(files) - 2, 2)
-    assert sum("ignoring unreadable compiled step" in r.message for r in caplog.records) == 2
+    assert (second.runner.store.loaded, second.runner.store.saved) == (len(files) - 1, 1)
+    assert sum("ignoring unreadable compiled step" in r.message for r in caplog.records) == 1
+    copy.write_bytes(b"not a pickle")
+    second = LLM(tok_model[0], compilation_cache_dir=store_dir, **SMALL)
+    assert (second.runner.store.loaded, second.runner.store.saved) == (len(files) - 1, 1)
     third = LLM(tok_model[0], compilation_cache_dir=store_dir, **SMALL)
     assert (third.runner.store.loaded, third.runner.store.saved) == (len(files), 0)
     prompt = _prompts(1, seed=5)[0]

@@ -99,6 +99,19 @@ def test_rows_are_independent(int8):
     np.testing.assert_array_equal(np.asarray(f(x[3:17], w, scale, n=300)), full[3:17])
 
 
+@pytest.mark.parametrize("int8", [False, True])
+def test_live_rows_skip_the_padding(int8):
+    """live_rows (traced): the first rows equal the full product bit for bit, the padding rows are
+    zeros (a ragged step's padded tokens cost nothing and carry no garbage into the KV pool)."""
+    x, w, scale, _ = _case(40, 130, 300, 3, int8)
+    full = np.asarray(native_matmul.matmul(x, w, scale, n=300))
+    f = jax.jit(lambda x, live: native_matmul.matmul(x, w, scale, n=300, live_rows=live))
+    for live in (0, 1, 17, 40, 99):
+        got = np.asarray(f(x, jnp.int32(live)))
+        np.testing.assert_array_equal(got[: min(live, 40)], full[: min(live, 40)])
+        assert not got[min(live, 40) :].any()
+
+
 def test_pack_round_trips():
     rng = np.random.default_rng(0)
     w = rng.standard_normal((33, 130)).astype(np.float32)
@@ -263,6 +276,15 @@ def test_bf16_rows_are_independent(amx):
     for r in (0, 16, 31, 99):
         np.testing.assert_array_equal(np.asarray(f(x[r : r + 1], p, n=300))[0], full[r])
     np.testing.assert_array_equal(np.asarray(f(x[3:40], p, n=300)), full[3:40])
+
+
+def test_bf16_live_rows(amx):
+    x, w = _bf16_case(20, 70, 130, 4)
+    packed = jnp.asarray(native_matmul.pack_bf16(w))
+    full = np.asarray(native_matmul.matmul(x, packed, n=130))
+    got = np.asarray(jax.jit(lambda x: native_matmul.matmul(x, packed, n=130, live_rows=jnp.int32(9)))(x))
+    np.testing.assert_array_equal(got[:9], full[:9])
+    assert not got[9:].any()
 
 
 def test_bf16_pack_layout():

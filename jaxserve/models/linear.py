@@ -25,6 +25,9 @@ instead of off string matching scattered through the loader and the sharding rul
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -32,6 +35,23 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxserve.models import quantization as quant
+
+# How many leading rows of the activations are real tokens while a model traces a ragged step
+# (`live_rows`); None: all of them.
+_LIVE_ROWS: contextvars.ContextVar = contextvars.ContextVar("live_rows", default=None)
+
+
+@contextlib.contextmanager
+def live_rows(n):
+    """Within this block, the native CPU matmul multiplies only the first `n` rows (a traced
+    int32 scalar: the step's real tokens) and zeroes the rest: a token bucket's padding costs
+    no arithmetic. Set by the model around its decoder layers while tracing; XLA's dot and the
+    accelerators ignore it (their padded rows cost what they cost)."""
+    token = _LIVE_ROWS.set(n)
+    try:
+        yield
+    finally:
+        _LIVE_ROWS.reset(token)
 
 COLUMN, ROW, REPLICATED = "column", "row", "replicated"
 LEAVES = ("kernel", "bias", "weight", "weight_scale")  # a Linear's parameters, quantized or not (unpacked)
@@ -115,7 +135,8 @@ class Linear(nnx.Module):
             from pallas_kernels import native_matmul
 
             scale = self.weight_scale[...] if self.quantization == "int8" else None
-            y = native_matmul.matmul(x, self.packed[...], scale, n=self.out_features).astype(self.dtype)
+            y = native_matmul.matmul(x, self.packed[...], scale, n=self.out_features, live_rows=_LIVE_ROWS.get())
+            y = y.astype(self.dtype)
         elif self.quantization == "int8":
             y = quant.int8_matmul(x, self.weight[...], self.weight_scale[...])
         else:

@@ -184,19 +184,23 @@ class LlamaForCausalLM(nnx.Module):
         attn_fn: PagedAttentionFn | None = None,
         logits_index=None,
         token_index=None,
+        num_live_tokens=None,
     ):
         """tokens/positions [B, T]. Without a cache: dense causal attention over the batch
         (right padding is harmless under a causal mask). With one, `meta` describes the B*T
         tokens as a ragged batch (flattened row-major) for `attn_fn`. Only the selected
         positions reach the vocabulary projection, which is most of a chunk's FLOPs otherwise:
         logits_index [B], one position per row (-> [B, V]), or token_index [M], flat indices
-        over the B*T tokens (-> [M, V])."""
+        over the B*T tokens (-> [M, V]). num_live_tokens (traced int32): only the first that many
+        of the B*T tokens are real (a ragged step's padding follows them); the native CPU matmul
+        skips the rest (`linear.live_rows`)."""
         x = self.embed_tokens(tokens)
         rope_cs = rope_tables(positions, jnp.asarray(self.cfg.inv_freq()), x.dtype)
         new_cache = []
-        for i, layer in enumerate(self.layers):
-            x, c = layer(x, rope_cs, None if kv_cache is None else kv_cache[i], meta, attn_fn)
-            new_cache.append(c)
+        with linear.live_rows(num_live_tokens):
+            for i, layer in enumerate(self.layers):
+                x, c = layer(x, rope_cs, None if kv_cache is None else kv_cache[i], meta, attn_fn)
+                new_cache.append(c)
         x = self.norm(x)
         if token_index is not None:
             x = x.reshape(-1, x.shape[-1])[token_index]

@@ -78,7 +78,10 @@ def _forward(graphdef, backend: AttentionBackend, params, kv, batch: StepBatch, 
     logits [M, V] at the flat `token_index` only."""
     model = nnx.merge(graphdef, params)
     md = backend.metadata(batch.attn)
-    return model(tokens[None], batch.positions[None], kv, md, backend.forward, token_index=token_index)
+    live = batch.attn.query_start_loc[-1]  # the real tokens; the bucket's padding follows them
+    return model(
+        tokens[None], batch.positions[None], kv, md, backend.forward, token_index=token_index, num_live_tokens=live
+    )
 
 
 def _sample_rows(logits, batch: StepBatch, want_logprobs, *, num_logprobs: int, argmax_fn: Callable):

@@ -334,22 +334,34 @@ Problem Make(const float* x, const void* w, const float* scale, float* y, ffi::A
   return pr;
 }
 
+// Rows at and past live[0] (a ragged step's padding tokens) are not multiplied: they are
+// zeroed, so a padded token bucket costs no arithmetic and no extra weight reads.
+int64_t LiveRows(ffi::BufferR1<ffi::S32> live, int64_t m, float* y, int64_t n) {
+  const int64_t rows = live.dimensions()[0] > 0 ? std::clamp<int64_t>(live.typed_data()[0], 0, m) : m;
+  if (rows < m) std::memset(y + rows * n, 0, sizeof(float) * (m - rows) * n);
+  return rows;
+}
+
 ffi::Error MatmulF32Impl(ffi::ThreadPool pool, ffi::BufferR2<ffi::F32> x, ffi::BufferR3<ffi::F32> w,
-                         ffi::ResultBufferR2<ffi::F32> y) {
+                         ffi::BufferR1<ffi::S32> live, ffi::ResultBufferR2<ffi::F32> y) {
   if (auto e = Check(x.dimensions(), w.dimensions(), y->dimensions(), -1, "matmul"); e.failure()) return e;
-  return Run(pool, Make(x.typed_data(), w.typed_data(), nullptr, y->typed_data(), x.dimensions(), w.dimensions(),
-                        y->dimensions()),
-             false);
+  Problem pr = Make(x.typed_data(), w.typed_data(), nullptr, y->typed_data(), x.dimensions(), w.dimensions(),
+                    y->dimensions());
+  pr.M = LiveRows(live, pr.M, pr.y, pr.N);
+  if (pr.M == 0) return ffi::Error::Success();
+  return Run(pool, pr, false);
 }
 
 ffi::Error MatmulQ8Impl(ffi::ThreadPool pool, ffi::BufferR2<ffi::F32> x, ffi::BufferR3<ffi::S8> w,
-                        ffi::BufferR1<ffi::F32> scale, ffi::ResultBufferR2<ffi::F32> y) {
+                        ffi::BufferR1<ffi::F32> scale, ffi::BufferR1<ffi::S32> live, ffi::ResultBufferR2<ffi::F32> y) {
   if (auto e = Check(x.dimensions(), w.dimensions(), y->dimensions(), scale.dimensions()[0], "int8 matmul");
       e.failure())
     return e;
-  return Run(pool, Make(x.typed_data(), w.typed_data(), scale.typed_data(), y->typed_data(), x.dimensions(),
-                        w.dimensions(), y->dimensions()),
-             true);
+  Problem pr = Make(x.typed_data(), w.typed_data(), scale.typed_data(), y->typed_data(), x.dimensions(),
+                    w.dimensions(), y->dimensions());
+  pr.M = LiveRows(live, pr.M, pr.y, pr.N);
+  if (pr.M == 0) return ffi::Error::Success();
+  return Run(pool, pr, true);
 }
 
 // ---- bfloat16 weights on the AMX tiles ------------------------------------------------------
@@ -562,7 +574,7 @@ ffi::Error RunBf16(ffi::ThreadPool pool, BfProblem pr) {
 }
 
 ffi::Error MatmulBf16Impl(ffi::ThreadPool pool, ffi::BufferR2<ffi::F32> x, ffi::BufferR3<ffi::BF16> w,
-                          ffi::ResultBufferR2<ffi::F32> y) {
+                          ffi::BufferR1<ffi::S32> live, ffi::ResultBufferR2<ffi::F32> y) {
   const auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
   if (wd[1] != (xd[1] + kKBlock - 1) / kKBlock || wd[2] != kBlockElems || yd[0] != xd[0] || yd[1] > wd[0] * kPanel ||
       yd[1] <= (wd[0] - 1) * kPanel)
@@ -582,6 +594,8 @@ ffi::Error MatmulBf16Impl(ffi::ThreadPool pool, ffi::BufferR2<ffi::F32> x, ffi::
     std::memset(pr.y, 0, sizeof(float) * pr.M * pr.N);
     return ffi::Error::Success();
   }
+  pr.M = LiveRows(live, pr.M, pr.y, pr.N);
+  if (pr.M == 0) return ffi::Error::Success();
   return RunBf16(pool, pr);
 }
 
@@ -596,6 +610,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMatmulF32, MatmulF32Impl,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::BufferR2<ffi::F32>>()   // x [M, K]
                                   .Arg<ffi::BufferR3<ffi::F32>>()   // w [P, K, 64]
+                                  .Arg<ffi::BufferR1<ffi::S32>>()   // live rows: [1], or [0] for all
                                   .Ret<ffi::BufferR2<ffi::F32>>());  // y [M, N]
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMatmulQ8, MatmulQ8Impl,
@@ -604,6 +619,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMatmulQ8, MatmulQ8Impl,
                                   .Arg<ffi::BufferR2<ffi::F32>>()   // x [M, K]
                                   .Arg<ffi::BufferR3<ffi::S8>>()    // w [P, K, 64], interleaved
                                   .Arg<ffi::BufferR1<ffi::F32>>()   // scale [P * 64]
+                                  .Arg<ffi::BufferR1<ffi::S32>>()   // live rows: [1], or [0] for all
                                   .Ret<ffi::BufferR2<ffi::F32>>());  // y [M, N]
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMatmulBF16, MatmulBf16Impl,
@@ -611,8 +627,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMatmulBF16, MatmulBf16Impl,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::BufferR2<ffi::F32>>()    // x [M, K]
                                   .Arg<ffi::BufferR3<ffi::BF16>>()   // w [P, ceil(K / 32), 2048]
+                                  .Arg<ffi::BufferR1<ffi::S32>>()    // live rows: [1], or [0] for all
                                   .Ret<ffi::BufferR2<ffi::F32>>());  // y [M, N]
 
 // Bumped whenever these kernels' FFI signatures or the packed layout change, so that a stale
 // library is not used.
-JM_EXPORT int jaxserve_matmul_abi_version() { return 2; }  // 2: the bfloat16 (AMX) target
+JM_EXPORT int jaxserve_matmul_abi_version() { return 3; }  // 2: the bfloat16 (AMX) target; 3: live rows
