@@ -44,7 +44,9 @@ SOURCES = (SOURCE, CPU_DIR / "matmul.cc", CPU_DIR / "argmax.cc")  # compiled tog
 LIB_NAME = "_jaxserve_cpu.so"
 TARGET = "jaxserve_paged_attention"
 TARGET_Q8 = "jaxserve_paged_attention_q8"  # int8 pages + bfloat16 scales (kv_cache_dtype="int8")
-ABI_VERSION = 3  # must match jaxserve_cpu_abi_version() in the .cc (3: bfloat16 scales)
+RAGGED_TARGET = "jaxserve_ragged_paged_attention"  # one flat token array, rows of any length
+RAGGED_TARGET_Q8 = "jaxserve_ragged_paged_attention_q8"
+ABI_VERSION = 4  # must match jaxserve_cpu_abi_version() in the .cc (3: bfloat16 scales; 4: ragged)
 ISAS = ("generic", "avx2", "avx512", "amx")  # amx: AVX-512 + the AMX bf16 tiles (the bf16 matmul)
 # The levels with vector code of their own in every kernel; amx adds only the tile matmul and runs
 # the AVX-512 attention and argmax (their variant tests cover these three).
@@ -189,6 +191,12 @@ def _load():
             lib.jaxserve_cpu_set_isa.argtypes = [ctypes.c_int]
             jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxservePagedAttention), platform="cpu")
             jax.ffi.register_ffi_target(TARGET_Q8, jax.ffi.pycapsule(lib.JaxservePagedAttentionQ8), platform="cpu")
+            jax.ffi.register_ffi_target(
+                RAGGED_TARGET, jax.ffi.pycapsule(lib.JaxserveRaggedPagedAttention), platform="cpu"
+            )
+            jax.ffi.register_ffi_target(
+                RAGGED_TARGET_Q8, jax.ffi.pycapsule(lib.JaxserveRaggedPagedAttentionQ8), platform="cpu"
+            )
             log.debug("native CPU kernels: loaded %s (%s)", path, ISAS[lib.jaxserve_cpu_isa()])
         except Exception as e:  # never raise from here: report once and fall back
             lib = None
@@ -290,6 +298,64 @@ def paged_attention(
     pages are not supported here (ValueError). ``kv_heads_per_item`` (0 = automatic) sets how
     many KV heads one work item covers. Raises RuntimeError where ``available()`` is False.
     """
+    return _call(
+        (TARGET, TARGET_Q8),
+        q,
+        k_pages,
+        v_pages,
+        k_scales,
+        v_scales,
+        scale,
+        kv_heads_per_item,
+        block_tables,
+        context_lens,
+        positions,
+    )
+
+
+def ragged_paged_attention(
+    q,
+    k_pages,
+    v_pages,
+    query_start_loc,
+    seq_lens,
+    block_tables,
+    positions,
+    scale,
+    k_scales=None,
+    v_scales=None,
+    *,
+    kv_heads_per_item: int = 0,
+):
+    """Same arguments and result as ``reference.ragged_paged_attention``; runs the native CPU kernel.
+
+    q [N, H, D] is one flat array of query tokens; row r owns tokens
+    [query_start_loc[r], query_start_loc[r + 1]) (query_start_loc [R+1] int32, nondecreasing
+    from 0) and reads its keys through block_tables[r]; token n of row r sees key j iff
+    j < seq_lens[r] and j <= positions[n]. A token that sees nothing, and every padding token
+    (n >= query_start_loc[R]), gets zeros. Decode rows (1 token), prefill chunks and speculative
+    verification (k + 1 tokens) go in one call. Pages, scales, ``kv_heads_per_item`` and errors
+    as ``paged_attention``.
+    """
+    return _call(
+        (RAGGED_TARGET, RAGGED_TARGET_Q8),
+        q,
+        k_pages,
+        v_pages,
+        k_scales,
+        v_scales,
+        scale,
+        kv_heads_per_item,
+        query_start_loc,
+        seq_lens,
+        block_tables,
+        positions,
+    )
+
+
+def _call(targets, q, k_pages, v_pages, k_scales, v_scales, scale, kv_heads_per_item, *index_arrays):
+    """One FFI call of the float (targets[0]) or int8 (targets[1]) handler: q cast to a float type
+    the kernel reads, pages and scales checked, the int32 index arrays after the pages."""
     if _load() is None:
         raise RuntimeError(f"native CPU kernels unavailable: {_state.get('error')}")
     q = jnp.asarray(q)
@@ -311,16 +377,14 @@ def paged_attention(
         s = np.float32(float(scale))  # an F32 attribute (a Python float would arrive as F64)
     except (TypeError, jax.errors.ConcretizationTypeError):  # a traced scale: fold it into q
         q, s = q.astype(jnp.float32) * scale, np.float32(1.0)
-    target = TARGET_Q8 if scales else TARGET
+    target = targets[1] if scales else targets[0]
     call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, q.dtype), vmap_method="sequential")
     out = call(
         q,
         k_pages,
         v_pages,
         *scales,
-        jnp.asarray(block_tables, jnp.int32),
-        jnp.asarray(context_lens, jnp.int32),
-        jnp.asarray(positions, jnp.int32),
+        *(jnp.asarray(a, jnp.int32) for a in index_arrays),
         scale=s,
         kv_heads_per_item=np.int64(kv_heads_per_item),
     )
@@ -341,6 +405,30 @@ def attention(q, k, v, kv_pages, meta, *, scale: float, mode: str):
     k_pages, v_pages, k_scales, v_scales = reference.split_cache(kv_pages)
     return paged_attention(
         q, k_pages, v_pages, meta.block_tables, meta.context_lens, meta.positions, scale, k_scales, v_scales
+    )
+
+
+def ragged_attention(q, k, v, kv_pages, md, *, scale: float):
+    """The ragged serving path: q [N, H, D] flat tokens of every row of the step (decode, prefill
+    chunks and verify chunks alike) over the layer's cache tuple ``kv_pages`` (this step's k/v
+    already written, so k and v are not read again; int8 pages with their scales too). ``md`` is
+    any object with the fields query_start_loc [R+1], seq_lens [R], block_tables [R, P] and
+    positions [N] (int32), as ``reference.ragged_paged_attention`` takes them."""
+    from pallas_kernels import reference
+
+    del k, v  # in kv_pages already
+    k_pages, v_pages, k_scales, v_scales = reference.split_cache(kv_pages)
+    return ragged_paged_attention(
+        q,
+        k_pages,
+        v_pages,
+        md.query_start_loc,
+        md.seq_lens,
+        md.block_tables,
+        md.positions,
+        scale,
+        k_scales,
+        v_scales,
     )
 
 
