@@ -6,6 +6,9 @@ outside ``jax.jit``: q [B, T, H, D] (float32 or bfloat16), pages [num_pages, pag
 kv_cache_dtype="int8" pool), block_tables [B, P], context_lens [B], positions [B, T]; key j of row b
 is visible to query t iff j < context_lens[b] and j <= positions[b, t]; a query that sees
 nothing gets zeros (the reference would average every key there; no live query is like that).
+``ragged_paged_attention`` is the same kernel over one flat token array (q [N, H, D], rows of any
+query length delimited by query_start_loc [R+1]; ``reference.ragged_paged_attention``'s
+contract), ``ragged_attention`` its serving-path wrapper over a layer's cache tuple.
 Arithmetic is float32; the result has q's dtype. The C++ kernel is
 ``cpu/paged_attention.cc``: one work item per (row, KV head block), each K/V vector read once
 for all the query heads sharing it, online softmax per page, the next page prefetched, work
