@@ -338,8 +338,10 @@ def ragged_paged_attention(
     j < seq_lens[r] and j <= positions[n]. A token that sees nothing, and every padding token
     (n >= query_start_loc[R]), gets zeros. Decode rows (1 token), prefill chunks and speculative
     verification (k + 1 tokens) go in one call. Pages, scales, ``kv_heads_per_item`` and errors
-    as ``paged_attention``.
+    as ``paged_attention``; index arrays whose shapes do not fit q and each other raise
+    ValueError naming the field.
     """
+    _check_ragged_shapes(q, query_start_loc, seq_lens, block_tables, positions)
     return _call(
         (RAGGED_TARGET, RAGGED_TARGET_Q8),
         q,
@@ -354,6 +356,26 @@ def ragged_paged_attention(
         block_tables,
         positions,
     )
+
+
+def _check_ragged_shapes(q, query_start_loc, seq_lens, block_tables, positions) -> None:
+    """q [N, H, D], query_start_loc [R+1], seq_lens [R], block_tables [R, P], positions [N]."""
+    shape = lambda a: tuple(jnp.shape(a))  # noqa: E731
+    if len(shape(q)) != 3:
+        raise ValueError(f"q: expected [N, H, D], got shape {shape(q)}")
+    n = shape(q)[0]
+    if len(shape(seq_lens)) != 1:
+        raise ValueError(f"seq_lens: expected [R], got shape {shape(seq_lens)}")
+    r = shape(seq_lens)[0]
+    want = {
+        "query_start_loc": ((r + 1,), "[R+1]"),
+        "positions": ((n,), "[N]"),
+    }
+    for name, a in (("query_start_loc", query_start_loc), ("positions", positions)):
+        if shape(a) != want[name][0]:
+            raise ValueError(f"{name}: expected {want[name][1]} = {want[name][0]} (R={r}, N={n}), got {shape(a)}")
+    if len(shape(block_tables)) != 2 or shape(block_tables)[0] != r:
+        raise ValueError(f"block_tables: expected [R, P] with R={r}, got shape {shape(block_tables)}")
 
 
 def _call(targets, q, k_pages, v_pages, k_scales, v_scales, scale, kv_heads_per_item, *index_arrays):

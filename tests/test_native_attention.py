@@ -404,11 +404,22 @@ class RaggedMeta(NamedTuple):
 
 
 def test_ragged_refuses_bad_shapes():
-    """Index arrays whose shapes do not fit q and each other: an error naming them."""
+    """Index arrays whose shapes do not fit q and each other: ValueError naming the field (and
+    the FFI handler, called directly, refuses them too)."""
     rng = np.random.default_rng(1)
     k, v, _, _, idx = _ragged_batch(rng, [3, 1], [10, 5], 8, 1, 32, pad=0)
     q = randn(rng, (4, 2, 32))
+    qsl, lens, bt, pos = idx
+    for bad, field in (
+        ((qsl[:2], lens, bt, pos), "query_start_loc"),
+        ((qsl, lens, bt, pos[:3]), "positions"),
+        ((qsl, lens, bt[:1], pos), "block_tables"),
+        ((qsl, lens[:, None], bt, pos), "seq_lens"),
+    ):
+        with pytest.raises(ValueError, match=field):
+            native.ragged_paged_attention(q, k, v, *bad, 0.2)
+    with pytest.raises(ValueError, match="q:"):
+        native.ragged_paged_attention(q[None], k, v, *idx, 0.2)
+    call = jax.ffi.ffi_call(native.RAGGED_TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype))
     with pytest.raises(Exception, match="query_start_loc"):
-        np.asarray(native.ragged_paged_attention(q, k, v, idx[0][:2], *idx[1:], 0.2))
-    with pytest.raises(Exception, match="positions"):
-        np.asarray(native.ragged_paged_attention(q, k, v, *idx[:3], idx[3][:3], 0.2))
+        np.asarray(call(q, k, v, qsl[:2], lens, bt, pos, scale=np.float32(0.2), kv_heads_per_item=np.int64(0)))
