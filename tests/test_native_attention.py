@@ -310,7 +310,7 @@ def _ragged_check(rng, qlens, lens, ratio, kvh, d, ps, dtype, pad, q_dtype=None,
         close(got[sees], want[sees], coarse)
 
 
-@settings(max_examples=16, deadline=None, derandomize=True)
+@settings(max_examples=24, deadline=None, derandomize=True)
 @given(
     data=st.data(),
     dtype=st.sampled_from([jnp.float32, jnp.bfloat16, "int8"]),
