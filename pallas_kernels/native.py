@@ -6,6 +6,9 @@ outside ``jax.jit``: q [B, T, H, D] (float32 or bfloat16), pages [num_pages, pag
 kv_cache_dtype="int8" pool), block_tables [B, P], context_lens [B], positions [B, T]; key j of row b
 is visible to query t iff j < context_lens[b] and j <= positions[b, t]; a query that sees
 nothing gets zeros (the reference would average every key there; no live query is like that).
+``ragged_paged_attention`` is the same kernel over one flat token array (q [N, H, D], rows of any
+query length delimited by query_start_loc [R+1]; ``reference.ragged_paged_attention``'s
+contract), ``ragged_attention`` its serving-path wrapper over a layer's cache tuple.
 Arithmetic is float32; the result has q's dtype. The C++ kernel is
 ``cpu/paged_attention.cc``: one work item per (row, KV head block), each K/V vector read once
 for all the query heads sharing it, online softmax per page, the next page prefetched, work
@@ -44,7 +47,9 @@ SOURCES = (SOURCE, CPU_DIR / "matmul.cc", CPU_DIR / "argmax.cc")  # compiled tog
 LIB_NAME = "_jaxserve_cpu.so"
 TARGET = "jaxserve_paged_attention"
 TARGET_Q8 = "jaxserve_paged_attention_q8"  # int8 pages + bfloat16 scales (kv_cache_dtype="int8")
-ABI_VERSION = 3  # must match jaxserve_cpu_abi_version() in the .cc (3: bfloat16 scales)
+RAGGED_TARGET = "jaxserve_ragged_paged_attention"  # one flat token array, rows of any length
+RAGGED_TARGET_Q8 = "jaxserve_ragged_paged_attention_q8"
+ABI_VERSION = 4  # must match jaxserve_cpu_abi_version() in the .cc (3: bfloat16 scales; 4: ragged)
 ISAS = ("generic", "avx2", "avx512", "amx")  # amx: AVX-512 + the AMX bf16 tiles (the bf16 matmul)
 # The levels with vector code of their own in every kernel; amx adds only the tile matmul and runs
 # the AVX-512 attention and argmax (their variant tests cover these three).
@@ -189,6 +194,12 @@ def _load():
             lib.jaxserve_cpu_set_isa.argtypes = [ctypes.c_int]
             jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxservePagedAttention), platform="cpu")
             jax.ffi.register_ffi_target(TARGET_Q8, jax.ffi.pycapsule(lib.JaxservePagedAttentionQ8), platform="cpu")
+            jax.ffi.register_ffi_target(
+                RAGGED_TARGET, jax.ffi.pycapsule(lib.JaxserveRaggedPagedAttention), platform="cpu"
+            )
+            jax.ffi.register_ffi_target(
+                RAGGED_TARGET_Q8, jax.ffi.pycapsule(lib.JaxserveRaggedPagedAttentionQ8), platform="cpu"
+            )
             log.debug("native CPU kernels: loaded %s (%s)", path, ISAS[lib.jaxserve_cpu_isa()])
         except Exception as e:  # never raise from here: report once and fall back
             lib = None
@@ -290,6 +301,86 @@ def paged_attention(
     pages are not supported here (ValueError). ``kv_heads_per_item`` (0 = automatic) sets how
     many KV heads one work item covers. Raises RuntimeError where ``available()`` is False.
     """
+    return _call(
+        (TARGET, TARGET_Q8),
+        q,
+        k_pages,
+        v_pages,
+        k_scales,
+        v_scales,
+        scale,
+        kv_heads_per_item,
+        block_tables,
+        context_lens,
+        positions,
+    )
+
+
+def ragged_paged_attention(
+    q,
+    k_pages,
+    v_pages,
+    query_start_loc,
+    seq_lens,
+    block_tables,
+    positions,
+    scale,
+    k_scales=None,
+    v_scales=None,
+    *,
+    kv_heads_per_item: int = 0,
+):
+    """Same arguments and result as ``reference.ragged_paged_attention``; runs the native CPU kernel.
+
+    q [N, H, D] is one flat array of query tokens; row r owns tokens
+    [query_start_loc[r], query_start_loc[r + 1]) (query_start_loc [R+1] int32, nondecreasing
+    from 0) and reads its keys through block_tables[r]; token n of row r sees key j iff
+    j < seq_lens[r] and j <= positions[n]. A token that sees nothing, and every padding token
+    (n >= query_start_loc[R]), gets zeros. Decode rows (1 token), prefill chunks and speculative
+    verification (k + 1 tokens) go in one call. Pages, scales, ``kv_heads_per_item`` and errors
+    as ``paged_attention``; index arrays whose shapes do not fit q and each other raise
+    ValueError naming the field.
+    """
+    _check_ragged_shapes(q, query_start_loc, seq_lens, block_tables, positions)
+    return _call(
+        (RAGGED_TARGET, RAGGED_TARGET_Q8),
+        q,
+        k_pages,
+        v_pages,
+        k_scales,
+        v_scales,
+        scale,
+        kv_heads_per_item,
+        query_start_loc,
+        seq_lens,
+        block_tables,
+        positions,
+    )
+
+
+def _check_ragged_shapes(q, query_start_loc, seq_lens, block_tables, positions) -> None:
+    """q [N, H, D], query_start_loc [R+1], seq_lens [R], block_tables [R, P], positions [N]."""
+    shape = lambda a: tuple(jnp.shape(a))  # noqa: E731
+    if len(shape(q)) != 3:
+        raise ValueError(f"q: expected [N, H, D], got shape {shape(q)}")
+    n = shape(q)[0]
+    if len(shape(seq_lens)) != 1:
+        raise ValueError(f"seq_lens: expected [R], got shape {shape(seq_lens)}")
+    r = shape(seq_lens)[0]
+    want = {
+        "query_start_loc": ((r + 1,), "[R+1]"),
+        "positions": ((n,), "[N]"),
+    }
+    for name, a in (("query_start_loc", query_start_loc), ("positions", positions)):
+        if shape(a) != want[name][0]:
+            raise ValueError(f"{name}: expected {want[name][1]} = {want[name][0]} (R={r}, N={n}), got {shape(a)}")
+    if len(shape(block_tables)) != 2 or shape(block_tables)[0] != r:
+        raise ValueError(f"block_tables: expected [R, P] with R={r}, got shape {shape(block_tables)}")
+
+
+def _call(targets, q, k_pages, v_pages, k_scales, v_scales, scale, kv_heads_per_item, *index_arrays):
+    """One FFI call of the float (targets[0]) or int8 (targets[1]) handler: q cast to a float type
+    the kernel reads, pages and scales checked, the int32 index arrays after the pages."""
     if _load() is None:
         raise RuntimeError(f"native CPU kernels unavailable: {_state.get('error')}")
     q = jnp.asarray(q)
@@ -311,61 +402,41 @@ def paged_attention(
         s = np.float32(float(scale))  # an F32 attribute (a Python float would arrive as F64)
     except (TypeError, jax.errors.ConcretizationTypeError):  # a traced scale: fold it into q
         q, s = q.astype(jnp.float32) * scale, np.float32(1.0)
-    target = TARGET_Q8 if scales else TARGET
+    target = targets[1] if scales else targets[0]
     call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, q.dtype), vmap_method="sequential")
     out = call(
         q,
         k_pages,
         v_pages,
         *scales,
-        jnp.asarray(block_tables, jnp.int32),
-        jnp.asarray(context_lens, jnp.int32),
-        jnp.asarray(positions, jnp.int32),
+        *(jnp.asarray(a, jnp.int32) for a in index_arrays),
         scale=s,
         kv_heads_per_item=np.int64(kv_heads_per_item),
     )
     return out.astype(out_dtype)
 
 
-def attention(q, k, v, kv_pages, meta, *, scale: float, mode: str):
-    """The serving path on the native kernel, same contract as ``reference.attention``:
-    "prefill" (fresh packed prompts attend only to themselves) stays on XLA's dense causal
-    attention (no pages to read); "context" and "decode" read the page pool through the block
-    tables in the native kernel (int8 pages with their scales too; fp8 pages are refused)."""
-    from pallas_kernels import reference
-
-    if mode == "prefill":
-        return reference.causal_attention(q, k, v, scale, meta.segment_ids)
-    if mode not in ("context", "decode"):
-        raise ValueError(f"mode must be 'prefill', 'decode' or 'context', got {mode!r}")
-    k_pages, v_pages, k_scales, v_scales = reference.split_cache(kv_pages)
-    return paged_attention(
-        q, k_pages, v_pages, meta.block_tables, meta.context_lens, meta.positions, scale, k_scales, v_scales
-    )
-
-
-def ragged_paged_attention(
-    q, k_pages, v_pages, query_start_loc, seq_lens, block_tables, positions, scale, k_scales=None, v_scales=None
-):
-    """``reference.ragged_paged_attention`` on the native kernel (interim: one row per token)."""
-    from pallas_kernels import reference
-
-    n = q.shape[0]
-    rows = reference.token_rows(query_start_loc, n)
-    lens = jnp.where(reference.ragged_valid(query_start_loc, n), seq_lens[rows], 0)
-    out = paged_attention(
-        q[:, None], k_pages, v_pages, block_tables[rows], lens, positions[:, None], scale, k_scales, v_scales
-    )
-    return out[:, 0]
-
-
 def ragged_attention(q, k, v, kv_pages, md, *, scale: float):
-    """The serving path: q [N, H, D] over a layer's cache tuple with ragged metadata ``md``."""
+    """The ragged serving path: q [N, H, D] flat tokens of every row of the step (decode, prefill
+    chunks and verify chunks alike) over the layer's cache tuple ``kv_pages`` (this step's k/v
+    already written, so k and v are not read again; int8 pages with their scales too). ``md`` is
+    any object with the fields query_start_loc [R+1], seq_lens [R], block_tables [R, P] and
+    positions [N] (int32), as ``reference.ragged_paged_attention`` takes them."""
     from pallas_kernels import reference
 
+    del k, v  # in kv_pages already
     k_pages, v_pages, k_scales, v_scales = reference.split_cache(kv_pages)
     return ragged_paged_attention(
-        q, k_pages, v_pages, md.query_start_loc, md.seq_lens, md.block_tables, md.positions, scale, k_scales, v_scales
+        q,
+        k_pages,
+        v_pages,
+        md.query_start_loc,
+        md.seq_lens,
+        md.block_tables,
+        md.positions,
+        scale,
+        k_scales,
+        v_scales,
     )
 
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import reference
+
 TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}
 DUMMY = 0  # like the engine: padding entries of block tables point at page 0
 
@@ -45,3 +47,13 @@ def page_pool(rng, lens, ps, kvh, d, dtype, extra_pages=3, extra_cols=1, even_wi
     v = randn(rng, (num_pages, ps, kvh, d), dtype)
     dead = jnp.asarray(~live)[:, :, None, None]
     return k, v, jnp.where(dead, jnp.nan, k), jnp.where(dead, jnp.nan, v), jnp.asarray(bt)
+
+
+def quantize_pool(k, v, k_bad):
+    """page_pool's float32 pages as an int8 cache: (poisoned (k, v, k_scales, v_scales), the
+    dequantized k and v the oracle reads). int8 holds no NaN, so the scales of every slot no
+    live context reaches are NaN instead (a kernel that reads one fails)."""
+    dead = jnp.isnan(k_bad[..., 0])
+    (qk, sk), (qv, sv) = reference.quantize_kv(k, jnp.int8), reference.quantize_kv(v, jnp.int8)
+    bad = (qk, qv, jnp.where(dead, jnp.nan, sk), jnp.where(dead, jnp.nan, sv))
+    return bad, reference.dequantize(qk, sk), reference.dequantize(qv, sv)

@@ -10,6 +10,11 @@ wider than needed. Pages no live context reaches (unused pages, the dummy page 0
 entries of the block tables point at, the tail of each last page) hold NaN and must not change
 the result.
 
+The ragged entry point (``native.ragged_paged_attention``: one flat token array, rows of
+1..256 query tokens mixed in one batch, empty rows, padding tokens past query_start_loc[R];
+float32, bfloat16 and int8 pages) against ``reference.ragged_paged_attention``, equal bit for
+bit to the dense entry point and to each row alone, and the serving wrapper inside ``jax.jit``.
+
 The library is built by the install (setup.py) or on first use in a source checkout: if it is
 unavailable these tests fail, they do not skip.
 """
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +31,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from paged_pools import close, page_pool, randn
+from paged_pools import close, page_pool, quantize_pool, randn
 
 from pallas_kernels import native, reference
 
@@ -251,3 +257,169 @@ def test_unavailable_library_warns_once(monkeypatch, caplog):
         native._state.clear()
         native._state.update(saved)
     assert native.available()
+
+
+# -- the ragged layout: one flat token array, rows of any query length ------------------------
+
+_ragged = jax.jit(native.ragged_paged_attention, static_argnums=7)
+_ragged_oracle = jax.jit(reference.ragged_paged_attention, static_argnums=7)
+# The oracle gathers every token's whole context (tokens x table width x KVH x D elements): the
+# contexts of a drawn batch are capped so that this stays under ORACLE_BUDGET elements.
+ORACLE_BUDGET = 1 << 24
+
+
+def _ragged_batch(rng, qlens, lens, ps, kvh, d, pad, cols=1):
+    """Rows of qlens[r] query tokens (0: an empty row) at positions lens[r] - qlens[r] ..
+    lens[r] - 1 (a prefill chunk continuing its sequence, a fresh prompt when they are equal,
+    a decode step for one token; positions below 0 see nothing), then `pad` padding tokens
+    with NaN queries at arbitrary positions. Returns (k, v, k_bad, v_bad, index arrays)."""
+    k, v, k_bad, v_bad, bt = page_pool(rng, lens, ps, kvh, d, jnp.float32, extra_cols=cols)
+    qsl = np.concatenate([[0], np.cumsum(qlens)]).astype(np.int32)
+    pos = [np.arange(n - t, n) for n, t in zip(lens, qlens)] + [rng.integers(0, MAX_LEN, pad)]
+    idx = (jnp.asarray(qsl), jnp.asarray(lens, jnp.int32), bt, jnp.asarray(np.concatenate(pos), jnp.int32))
+    return k, v, k_bad, v_bad, idx
+
+
+def _ragged_check(rng, qlens, lens, ratio, kvh, d, ps, dtype, pad, q_dtype=None, isas=(None,)):
+    """The kernel (with every instruction set in isas; None: the current one) against the oracle
+    on the clean pages, reading pages poisoned wherever no live context reaches."""
+    q_dtype = q_dtype or (jnp.float32 if dtype == "int8" else dtype)
+    k, v, k_bad, v_bad, idx = _ragged_batch(rng, qlens, lens, ps, kvh, d, pad)
+    n_live = int(idx[0][-1])
+    q = randn(rng, (n_live + pad, kvh * ratio, d), q_dtype).at[n_live:].set(jnp.nan)
+    scale = 1 / math.sqrt(d)
+    if dtype == "int8":
+        bad, k, v = quantize_pool(k, v, k_bad)
+        pages, scales = bad[:2], bad[2:]
+    else:
+        k, v = k.astype(dtype), v.astype(dtype)
+        pages, scales = (k_bad.astype(dtype), v_bad.astype(dtype)), ()
+    want = np.asarray(_ragged_oracle(q, k, v, *idx, scale).astype(jnp.float32))
+    pos = np.asarray(idx[3])
+    rows = np.repeat(np.arange(len(qlens)), qlens)
+    sees = np.zeros(len(pos), bool)
+    sees[:n_live] = (pos[:n_live] >= 0) & (np.asarray(lens)[rows] > 0)
+    coarse = jnp.bfloat16 if jnp.bfloat16 in (dtype, q_dtype) else jnp.float32
+    for isa in isas:
+        if isa is not None:
+            assert native.set_cpu_isa(isa) == isa
+        out = _ragged(q, *pages, *idx, scale, *scales)
+        assert out.shape == q.shape and out.dtype == q.dtype
+        got = np.asarray(out.astype(jnp.float32))
+        assert (got[~sees] == 0).all(), "padding tokens and tokens that see no key must give zeros"
+        close(got[sees], want[sees], coarse)
+
+
+@settings(max_examples=24, deadline=None, derandomize=True)
+@given(
+    data=st.data(),
+    dtype=st.sampled_from([jnp.float32, jnp.bfloat16, "int8"]),
+    rows=st.integers(1, 5),
+    kvh=st.sampled_from([1, 2]),
+    ratio=st.sampled_from([1, 2, 4, 8]),
+    d=st.sampled_from([32, 64, 128]),
+    ps=st.sampled_from([8, 16, 32]),
+    pad=st.integers(0, 5),
+)
+def test_ragged_matches_reference(data, dtype, rows, kvh, ratio, d, ps, pad):
+    """One batch mixes decode rows (1 token), empty rows (0), short chunks (2..40 tokens) and at
+    most one long chunk (200..256 tokens); contexts 1..2048 continuing the chunk, or a fresh
+    prompt (context = chunk), or any length 0..2048 (shorter than the chunk: its first tokens
+    see nothing); padding tokens past query_start_loc[R]. Contexts are capped to keep the
+    oracle's gather under ORACLE_BUDGET elements."""
+    short = st.one_of(st.just(1), st.just(0), st.integers(2, 40))
+    qlens = data.draw(st.lists(short, min_size=rows, max_size=rows), label="query_lens")
+    long_chunk = data.draw(st.one_of(st.none(), st.integers(200, 256)), label="long_chunk")
+    if long_chunk is not None:
+        qlens[data.draw(st.integers(0, rows - 1), label="long_row")] = long_chunk
+    lens = []
+    for t in qlens:
+        kind = data.draw(st.sampled_from(["continue", "fresh", "any"]), label="context_kind")
+        lens.append(t if kind == "fresh" else data.draw(st.integers(t, MAX_LEN) if kind == "continue" else _lengths))
+    cap = max(ORACLE_BUDGET // (max(1, sum(qlens) + pad) * kvh * d), max(qlens))
+    lens = [min(n, cap) for n in lens]
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**16), label="seed"))
+    _ragged_check(rng, qlens, lens, ratio, kvh, d, ps, dtype, pad)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, "int8"])
+def test_ragged_every_vector_variant(dtype):
+    """The baseline, AVX2 and AVX-512 builds (those this host can run) on one mixed batch: decode
+    rows, an empty row, a fresh 256-token prompt (its query blocks cut finer to share it out), a
+    chunk continuing a long context, padding; scalar path for an odd head dim."""
+    best = native.set_cpu_isa("avx512")
+    isas = [i for i in native.VECTOR_ISAS if native.ISAS.index(i) <= native.ISAS.index(best)]
+    try:
+        qlens, lens = [1, 0, 256, 1, 37, 1], [900, 300, 256, 1, 1500, 17]
+        _ragged_check(np.random.default_rng(3), qlens, lens, 4, 2, 64, 16, dtype, 3, isas=isas)
+        _ragged_check(np.random.default_rng(4), [40], [40], 2, 1, 40, 8, dtype, 0, isas=isas)
+    finally:
+        native.set_cpu_isa("avx512")
+
+
+def test_ragged_equals_dense_and_rows_alone_bit_for_bit():
+    """The dense entry point is the ragged one with query_start_loc[b] = b * T, and a row's
+    result does not depend on the other rows of the call (nor on how its queries were cut into
+    items): one batch, the same rows as a dense [B, T] call, and each row alone agree bit for bit."""
+    rng = np.random.default_rng(6)
+    lens, t = [300, 1000, 45], 9
+    k, v, k_bad, v_bad, bt = page_pool(rng, lens, 16, 2, 64, jnp.float32)
+    q = randn(rng, (3, t, 8, 64))
+    cl = jnp.asarray(lens, jnp.int32)
+    pos = cl[:, None] - t + jnp.arange(t, dtype=jnp.int32)[None, :]
+    dense = np.asarray(_native(q, k_bad, v_bad, bt, cl, pos, 0.125))
+    qsl = jnp.arange(4, dtype=jnp.int32) * t
+    ragged = np.asarray(_ragged(q.reshape(3 * t, 8, 64), k_bad, v_bad, qsl, cl, bt, pos.reshape(-1), 0.125))
+    np.testing.assert_array_equal(ragged.reshape(dense.shape), dense)
+    for b in range(3):
+        alone = _ragged(q[b], k_bad, v_bad, jnp.asarray([0, t], jnp.int32), cl[b : b + 1], bt[b : b + 1], pos[b], 0.125)
+        np.testing.assert_array_equal(np.asarray(alone), dense[b])
+
+
+def test_ragged_attention_serving_path_in_jit():
+    """native.ragged_attention inside jax.jit over a layer's cache tuple (float and int8) with
+    duck-typed metadata: other metadata of the same shapes reuse the executable."""
+    rng = np.random.default_rng(8)
+    qlens, lens = [1, 20, 0, 1], [70, 20, 5, 33]
+    k, v, k_bad, v_bad, idx = _ragged_batch(rng, qlens, lens, 8, 2, 32, pad=2)
+    q = randn(rng, (24, 4, 32))
+    md = RaggedMeta(*idx)
+    f = jax.jit(lambda q, kv, md: native.ragged_attention(q, None, None, kv, md, scale=0.2))
+    bad8, k8, v8 = quantize_pool(k, v, k_bad)
+    for cache, kc, vc in (((k_bad, v_bad), k, v), (bad8, k8, v8)):
+        close(f(q, cache, md), _ragged_oracle(q, kc, vc, *idx, 0.2), jnp.float32)
+    # Same shapes, other rows: the first row becomes a 2-token chunk, the second 19 tokens.
+    md2 = RaggedMeta(jnp.asarray([0, 2, 21, 21, 22], jnp.int32), *idx[1:])
+    close(f(q, (k_bad, v_bad), md2), _ragged_oracle(q, k, v, *md2, 0.2), jnp.float32)
+    assert f._cache_size() == 2  # float and int8 caches: one executable each
+
+
+class RaggedMeta(NamedTuple):
+    """The fields ragged_attention reads (the engine's metadata class has more)."""
+
+    query_start_loc: jax.Array
+    seq_lens: jax.Array
+    block_tables: jax.Array
+    positions: jax.Array
+
+
+def test_ragged_refuses_bad_shapes():
+    """Index arrays whose shapes do not fit q and each other: ValueError naming the field (and
+    the FFI handler, called directly, refuses them too)."""
+    rng = np.random.default_rng(1)
+    k, v, _, _, idx = _ragged_batch(rng, [3, 1], [10, 5], 8, 1, 32, pad=0)
+    q = randn(rng, (4, 2, 32))
+    qsl, lens, bt, pos = idx
+    for bad, field in (
+        ((qsl[:2], lens, bt, pos), "query_start_loc"),
+        ((qsl, lens, bt, pos[:3]), "positions"),
+        ((qsl, lens, bt[:1], pos), "block_tables"),
+        ((qsl, lens[:, None], bt, pos), "seq_lens"),
+    ):
+        with pytest.raises(ValueError, match=field):
+            native.ragged_paged_attention(q, k, v, *bad, 0.2)
+    with pytest.raises(ValueError, match="q:"):
+        native.ragged_paged_attention(q[None], k, v, *idx, 0.2)
+    call = jax.ffi.ffi_call(native.RAGGED_TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype))
+    with pytest.raises(Exception, match="query_start_loc"):
+        np.asarray(call(q, k, v, qsl[:2], lens, bt, pos, scale=np.float32(0.2), kv_heads_per_item=np.int64(0)))

@@ -1,28 +1,37 @@
 // Paged attention on the CPU, called from jitted JAX through XLA FFI.
 //
-// Semantics are exactly those of pallas_kernels/reference.py::paged_attention:
-//   q [B, T, H, D]; k/v pages [num_pages, page_size, KVH, D]; block_tables [B, P] int32;
-//   context_lens [B] int32; positions [B, T] int32.  Key j of row b is visible to query t iff
-//   j < context_lens[b] and j <= positions[b, t].  A query that sees nothing gets zeros.
-//   Grouped-query attention: H = KVH * G; query head h uses KV head h / G.
+// Two layouts of the queries, one kernel:
+// - ragged (JaxserveRaggedPagedAttention[Q8]), the semantics of
+//   pallas_kernels/reference.py::ragged_paged_attention: q [N, H, D] one flat array of tokens;
+//   row r owns tokens [query_start_loc[r], query_start_loc[r + 1]) (query_start_loc [R+1] int32,
+//   nondecreasing from 0) and reads its keys through block_tables[r] [P]; seq_lens [R];
+//   positions [N].  Token n of row r sees key j iff j < seq_lens[r] and j <= positions[n].
+//   Decode rows have one token, prefill chunks many, speculative verification k + 1.
+// - dense (JaxservePagedAttention[Q8]), reference.py::paged_attention: q [B, T, H, D],
+//   context_lens [B], positions [B, T]: the ragged case with query_start_loc[b] = b * T.
+// A token that sees nothing, and every token outside all rows (padding past
+// query_start_loc[R]), gets zeros.  Pages are [num_pages, page_size, KVH, D]; grouped-query
+// attention: H = KVH * G; query head h uses KV head h / G.
 // Pages are float32 or bfloat16 (read and widened to float32 here), or int8 with bfloat16 scales
-// [num_pages, page_size, KVH] (JaxservePagedAttentionQ8: one scale per token per KV head, a
-// key/value vector is q * scale; see reference.quantize_kv); q is float32 or bfloat16; all
-// arithmetic and accumulation is float32; the output has q's dtype.
+// [num_pages, page_size, KVH] (the Q8 handlers: one scale per token per KV head, a key/value
+// vector is q * scale; see reference.quantize_kv); q is float32 or bfloat16; all arithmetic and
+// accumulation is float32; the output has q's dtype.
 //
-// Work split: one work item = (row b, a block of KV heads, a block of up to 32 queries).  The
-// item walks the row's pages in block-table order, a chunk of whole pages (64 tokens) at a time:
-// it reads each K and V vector of its KV heads once and uses it for all G query heads of that KV
-// head and all queries of the block, with an online softmax per chunk; while it reads a chunk it
-// prefetches the next, and during its last chunk the first chunk of the next item it will take
-// (claimed ahead: work_pool.h).  Items are taken from a shared atomic counter by the calling thread and
-// by tasks queued on XLA's own CPU thread pool; the caller returns only when every item is done,
-// and is correct even if the pool never runs a task (a late task finds no item and touches
-// nothing).
+// Work split: one work item = (row, a block of KV heads, a block of up to 32 consecutive
+// queries of the row), listed on the host side of the handler (plan()) and sorted so that the
+// costliest (long query blocks over long contexts) are taken first.  The item walks the row's
+// pages in block-table order, a chunk of whole pages (64 tokens) at a time: it reads each K and V
+// vector of its KV heads once and uses it for all G query heads of that KV head and all queries
+// of the block, with an online softmax per chunk; while it reads a chunk it prefetches the next,
+// and during its last chunk the first chunk of the next item it will take (claimed ahead:
+// work_pool.h).  Items are taken from a shared atomic counter by the calling thread and by tasks
+// queued on XLA's own CPU thread pool; the caller returns only when every item is done, and is
+// correct even if the pool never runs a task (a late task finds no item and touches nothing).
 //
-// No key at or beyond the row's last visible position (min(context_len, max position + 1)) is
+// No key at or beyond an item's last visible position (min(seq_len, max position + 1)) is
 // ever read: the tail of the last page and the pages past the end may hold anything, NaN
-// included.  Block-table entries are clamped into the pool, context lengths to the table width.
+// included.  Block-table entries are clamped into the pool, context lengths to the table width,
+// query_start_loc into [previous start, N].
 //
 // Vector code uses GCC/Clang vector extensions, written once for a vector of N float lanes and
 // compiled three times on x86-64: baseline (SSE2, N = 4), AVX2+FMA (N = 8) and AVX-512 (N = 16);
@@ -41,6 +50,7 @@
 #include <thread>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #include "xla/ffi/api/ffi.h"
 #include "work_pool.h"
@@ -216,22 +226,29 @@ JS_INLINE Vf<N> vexp(Vf<N> x) {
   return x < lo ? splat<N>(0.0f) : y;
 }
 
+// One work item: row b, its queries [n0, n0 + nt) of the flat token array, KV heads
+// [kh0, kh0 + min(khi, KVH - kh0)).
+struct WorkItem {
+  int64_t b, n0, nt, kh0;
+};
+
 struct Problem {
-  const void* q;
+  const void* q;  // [N, H, D]
   const void* k;
   const void* v;
-  void* out;
-  const int32_t* bt;
-  const int32_t* lens;
-  const int32_t* pos;
-  const uint16_t* ks;  // int8 pages: bfloat16 scales [num_pages, ps, KVH] (else null)
+  void* out;  // [N, H, D]
+  const int32_t* bt;    // [R, P]
+  const int32_t* lens;  // [R]
+  const int32_t* pos;   // [N]
+  const uint16_t* ks;   // int8 pages: bfloat16 scales [num_pages, ps, KVH] (else null)
   const uint16_t* vs;
-  int64_t B, T, H, KVH, G, D, P, num_pages, ps;
+  int64_t R, N, H, KVH, G, D, P, num_pages, ps;
   float scale;
   bool q_bf16;
   // Set by plan():
-  int64_t khi, n_khb;    // KV heads per item, KV-head blocks per row
-  int64_t tb, n_tb;      // queries per item, query blocks per row
+  int64_t khi;           // KV heads per item
+  int64_t tb;            // the most queries in one item
+  const WorkItem* items;  // n_items of them, in the order they are taken
   int64_t n_items;
   int64_t cps, cl, clp;  // pages per softmax chunk, its tokens, rounded up to kRound
 };
@@ -239,29 +256,87 @@ struct Problem {
 // Tokens per online-softmax step: whole pages, at least one.  Larger chunks spread the
 // per-step cost (max, exp of the correction, rescaling) over more tokens.
 constexpr int64_t kChunkTokens = 64;
+// Queries per item: at most kMaxQueries (the scratch and the scores of a chunk stay in L1/L2);
+// down to kMinQueries when a few long rows must be cut finer to give every thread work.
+constexpr int64_t kMaxQueries = 32, kMinQueries = 8;
 
-// Work split for `workers` threads (the caller and workers - 1 pool tasks).
-void plan(Problem& pr, int64_t workers, int64_t kv_heads_per_item) {
+// Query t of the item sees keys [0, its limit): below the row's context and at or before its
+// position.  Writes every query's limit to lim (if not null); returns the largest, past which no
+// query of the item reads.
+JS_INLINE int64_t item_limits(const Problem& pr, const WorkItem& ip, int64_t* lim) {
+  const int64_t ctx = std::clamp<int64_t>(pr.lens[ip.b], 0, pr.P * pr.ps);
+  int64_t maxlim = 0;
+  for (int64_t t = 0; t < ip.nt; ++t) {
+    const int64_t l = std::max<int64_t>(0, std::min<int64_t>(ctx, int64_t(pr.pos[ip.n0 + t]) + 1));
+    if (lim) lim[t] = l;
+    maxlim = std::max(maxlim, l);
+  }
+  return maxlim;
+}
+
+// The work items for `workers` threads (the caller and workers - 1 pool tasks); row r owns the
+// tokens [starts[r], starts[r + 1]).  Sets pr's plan fields; pr.items points into `sorted`.
+void plan(Problem& pr, const std::vector<int64_t>& starts, int64_t workers, int64_t kv_heads_per_item,
+          std::vector<WorkItem>& sorted) {
   pr.cps = std::max<int64_t>(1, kChunkTokens / pr.ps);
   pr.cl = pr.cps * pr.ps;
   pr.clp = (pr.cl + kRound - 1) / kRound * kRound;
-  pr.tb = pr.T <= 32 ? pr.T : 32;
-  pr.n_tb = (pr.T + pr.tb - 1) / pr.tb;
+  auto blocks = [&](int64_t tb) {  // query blocks of at most tb queries over all rows
+    int64_t n = 0;
+    for (int64_t r = 0; r < pr.R; ++r) n += (starts[r + 1] - starts[r] + tb - 1) / tb;
+    return n;
+  };
+  int64_t tb = kMaxQueries, nqb = blocks(tb);
+  auto n_khb = [&](int64_t khi) { return (pr.KVH + khi - 1) / khi; };
   if (kv_heads_per_item > 0) {
     pr.khi = std::min(kv_heads_per_item, pr.KVH);
   } else {
-    // Whole rows (each page read front to back) when there are enough rows to share out;
-    // otherwise split the KV heads so that every thread gets several items.
+    // Whole rows (each page read front to back) when there are enough query blocks to share
+    // out; otherwise split the KV heads (no K/V read twice), then the queries of long rows (one
+    // prefill chunk alone), so that every thread gets several items.
     const int64_t want = 4 * workers;
     pr.khi = pr.KVH;
-    while (pr.B * pr.n_tb * ((pr.KVH + pr.khi - 1) / pr.khi) < want && pr.khi > 1) {
+    while (nqb * n_khb(pr.khi) < want && pr.khi > 1) {
       int64_t d = pr.khi - 1;
       while (d > 1 && pr.KVH % d) --d;
       pr.khi = d;
     }
+    while (nqb * n_khb(pr.khi) < want && tb > kMinQueries) {
+      const int64_t n = blocks(tb / 2);
+      if (n == nqb) break;  // every row is already that short
+      tb /= 2;
+      nqb = n;
+    }
   }
-  pr.n_khb = (pr.KVH + pr.khi - 1) / pr.khi;
-  pr.n_items = pr.B * pr.n_khb * pr.n_tb;
+  pr.tb = 1;
+  std::vector<WorkItem> items;
+  items.reserve(size_t(nqb * n_khb(pr.khi)));
+  for (int64_t r = 0; r < pr.R; ++r) {
+    const int64_t len = starts[r + 1] - starts[r];
+    if (len == 0) continue;
+    // Blocks of as equal a size as fit (40 queries: 20 + 20, not 32 + 8).
+    const int64_t nb = (len + tb - 1) / tb, base = len / nb, extra = len % nb;
+    for (int64_t kh0 = 0; kh0 < pr.KVH; kh0 += pr.khi)
+      for (int64_t i = 0, n0 = starts[r]; i < nb; ++i) {
+        const int64_t nt = base + (i < extra ? 1 : 0);
+        items.push_back({r, n0, nt, kh0});
+        n0 += nt;
+        pr.tb = std::max(pr.tb, nt);
+      }
+  }
+  // Costliest first, so that no thread starts a long item when the others are nearly done: an
+  // item reads its keys' K/V (the 16 stands for that) and does nt * G rows of arithmetic on each.
+  std::vector<std::pair<int64_t, int64_t>> cost(items.size());
+  for (size_t i = 0; i < items.size(); ++i) {
+    const WorkItem& it = items[i];
+    const int64_t nkh = std::min(pr.khi, pr.KVH - it.kh0);
+    cost[i] = {-item_limits(pr, it, nullptr) * nkh * (16 + it.nt * pr.G), int64_t(i)};
+  }
+  std::sort(cost.begin(), cost.end());  // ties keep the listing order (the index breaks them)
+  sorted.resize(items.size());
+  for (size_t i = 0; i < items.size(); ++i) sorted[i] = items[size_t(cost[i].second)];
+  pr.items = sorted.data();
+  pr.n_items = int64_t(sorted.size());
 }
 
 // Per-worker scratch, 64-byte aligned: scaled queries and accumulators [khi][tb*G][D], running
@@ -347,30 +422,6 @@ JS_INLINE void by_row_pairs(int64_t R, Fn&& f) {
   for (; r < R; ++r) f(std::integral_constant<int, 1>{}, r);
 }
 
-// The row, first KV head and first query of a work item.
-struct ItemPos {
-  int64_t b, kh0, t0, nt;
-};
-JS_INLINE ItemPos item_pos(const Problem& pr, int64_t item) {
-  const int64_t per_b = pr.n_khb * pr.n_tb;
-  const int64_t b = item / per_b, rem = item % per_b;
-  const int64_t t0 = (rem % pr.n_tb) * pr.tb;
-  return {b, (rem / pr.n_tb) * pr.khi, t0, std::min(pr.tb, pr.T - t0)};
-}
-// Query t of the item sees keys [0, its limit): below the row's context and at or before its
-// position.  Writes every query's limit to lim (if not null); returns the largest, past which no
-// query of the item reads.
-JS_INLINE int64_t item_limits(const Problem& pr, const ItemPos& ip, int64_t* lim) {
-  const int64_t ctx = std::clamp<int64_t>(pr.lens[ip.b], 0, pr.P * pr.ps);
-  int64_t maxlim = 0;
-  for (int64_t t = 0; t < ip.nt; ++t) {
-    const int64_t l = std::max<int64_t>(0, std::min<int64_t>(ctx, int64_t(pr.pos[ip.b * pr.T + ip.t0 + t]) + 1));
-    if (lim) lim[t] = l;
-    maxlim = std::max(maxlim, l);
-  }
-  return maxlim;
-}
-
 // One work item.  KT: page element type (float, uint16_t holding bfloat16, or int8_t with a
 // bfloat16 scale per token per KV head, multiplied in while a chunk is widened).  N: vector lanes.
 // HD: the head dim (a multiple of N), or 0 for the scalar path (any head dim).
@@ -386,9 +437,9 @@ JS_INLINE void run_item(const Problem& pr, int64_t item, int64_t next_item, Scra
   // that.  Either way each row's arithmetic is the same, in the same order.
   constexpr bool kPairs = DV <= 4;
   static_assert(HD % N == 0, "head dim must be a multiple of the vector width");
-  const ItemPos ip = item_pos(pr, item);
-  const int64_t b = ip.b, t0 = ip.t0, nt = ip.nt, kh0 = ip.kh0;
-  const int64_t T = pr.T, H = pr.H, G = pr.G, D = HD > 0 ? HD : pr.D, ps = pr.ps, KVH = pr.KVH;
+  const WorkItem& ip = pr.items[item];
+  const int64_t b = ip.b, n0 = ip.n0, nt = ip.nt, kh0 = ip.kh0;
+  const int64_t H = pr.H, G = pr.G, D = HD > 0 ? HD : pr.D, ps = pr.ps, KVH = pr.KVH;
   const int64_t nkh = std::min(pr.khi, KVH - kh0);
   const int64_t R = nt * G;  // query rows per KV head
 
@@ -399,7 +450,7 @@ JS_INLINE void run_item(const Problem& pr, int64_t item, int64_t next_item, Scra
     for (int64_t t = 0; t < nt; ++t)
       for (int64_t g = 0; g < G; ++g) {
         const int64_t row = kh * R + t * G + g;
-        const int64_t src = ((b * T + t0 + t) * H + (kh0 + kh) * G + g) * D;
+        const int64_t src = ((n0 + t) * H + (kh0 + kh) * G + g) * D;
         float* dst = sc.q + row * D;
         if (pr.q_bf16) {
           const uint16_t* qs = static_cast<const uint16_t*>(pr.q) + src;
@@ -438,7 +489,7 @@ JS_INLINE void run_item(const Problem& pr, int64_t item, int64_t next_item, Scra
   // After the last chunk: the next item's first, if it reads the same KV heads.
   auto fill_after = [&](int64_t* dst) -> int64_t {
     if (next_item < 0) return 0;
-    const ItemPos np = item_pos(pr, next_item);
+    const WorkItem& np = pr.items[next_item];
     if (np.kh0 != kh0 || std::min(pr.khi, KVH - np.kh0) != nkh) return 0;
     return std::max<int64_t>(0, fill_row(pr.bt + np.b * pr.P, item_limits(pr, np, nullptr), 0, dst));
   };
@@ -630,7 +681,7 @@ JS_INLINE void run_item(const Problem& pr, int64_t item, int64_t next_item, Scra
         const int64_t row = kh * R + t * G + g;
         const float inv = sc.l[row] > 0.0f ? 1.0f / sc.l[row] : 0.0f;
         const float* ar = sc.acc + row * D;
-        const int64_t dst = ((b * T + t0 + t) * H + (kh0 + kh) * G + g) * D;
+        const int64_t dst = ((n0 + t) * H + (kh0 + kh) * G + g) * D;
         if (pr.q_bf16) {
           uint16_t* o = static_cast<uint16_t*>(pr.out) + dst;
           for (int64_t d = 0; d < D; ++d) o[d] = to_bf16(ar[d] * inv);
@@ -740,80 +791,81 @@ ItemFn pick(int isa, int64_t d) {
   }
 }
 
-// Both handlers: scales (k_scales, v_scales) are null for float pages.
-ffi::Error PagedAttentionCore(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                              const ffi::AnyBuffer* k_scales, const ffi::AnyBuffer* v_scales,
-                              ffi::BufferR2<ffi::S32> bt, ffi::BufferR1<ffi::S32> lens,
-                              ffi::BufferR2<ffi::S32> pos, ffi::Result<ffi::AnyBuffer> out, float scale,
-                              int64_t kv_heads_per_item) {
+// The checks and fields every handler shares: q and out [..., H, D] of rank q_rank, the pages,
+// the scales (null for float pages).  Fills pr's pool fields; `fn` gets the kernel to run.
+ffi::Error setup(const char* what, int64_t q_rank, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                 const ffi::AnyBuffer* k_scales, const ffi::AnyBuffer* v_scales, ffi::Result<ffi::AnyBuffer>& out,
+                 Problem& pr, ItemFn& fn) {
+  const std::string w(what);
   auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), od = out->dimensions();
-  if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4 || od.size() != 4)
-    return ffi::Error::InvalidArgument("paged_attention: q, pages and output must be rank 4");
-  for (int i = 0; i < 4; ++i) {
+  if (int64_t(qd.size()) != q_rank || od.size() != qd.size())
+    return ffi::Error::InvalidArgument(w + ": q and output must be rank " + std::to_string(q_rank) + ", got " +
+                                       jaxserve_cpu::dims_str(qd));
+  if (kd.size() != 4 || vd.size() != 4) return ffi::Error::InvalidArgument(w + ": pages must be rank 4");
+  for (size_t i = 0; i < qd.size(); ++i)
+    if (qd[i] != od[i]) return ffi::Error::InvalidArgument(w + ": output shape");
+  for (int i = 0; i < 4; ++i)
     if (kd[i] != vd[i])
-      return ffi::Error::InvalidArgument("paged_attention: k pages " + jaxserve_cpu::dims_str(kd) +
-                                         " and v pages " + jaxserve_cpu::dims_str(vd) + " differ");
-    if (qd[i] != od[i]) return ffi::Error::InvalidArgument("paged_attention: output shape");
-  }
+      return ffi::Error::InvalidArgument(w + ": k pages " + jaxserve_cpu::dims_str(kd) + " and v pages " +
+                                         jaxserve_cpu::dims_str(vd) + " differ");
   const auto kt = k.element_type(), qt = q.element_type();
   const bool q8 = k_scales != nullptr;
   if (q8) {
     if (kt != ffi::S8 || v.element_type() != ffi::S8)
-      return ffi::Error::InvalidArgument("paged_attention: quantized pages must both be int8");
+      return ffi::Error::InvalidArgument(w + ": quantized pages must both be int8");
     for (const ffi::AnyBuffer* sb : {k_scales, v_scales}) {
       auto sd = sb->dimensions();
       if (sb->element_type() != ffi::BF16 || sd.size() != 3 || sd[0] != kd[0] || sd[1] != kd[1] || sd[2] != kd[2])
-        return ffi::Error::InvalidArgument("paged_attention: scales must be bfloat16 [num_pages, page_size, KVH], " +
-                                           std::string("got ") + jaxserve_cpu::dims_str(sd) + " for pages " + jaxserve_cpu::dims_str(kd));
+        return ffi::Error::InvalidArgument(w + ": scales must be bfloat16 [num_pages, page_size, KVH], got " +
+                                           jaxserve_cpu::dims_str(sd) + " for pages " + jaxserve_cpu::dims_str(kd));
     }
   } else if (kt != v.element_type() || (kt != ffi::F32 && kt != ffi::BF16)) {
-    return ffi::Error::InvalidArgument("paged_attention: pages must both be float32 or bfloat16");
+    return ffi::Error::InvalidArgument(w + ": pages must both be float32 or bfloat16");
   }
   if ((qt != ffi::F32 && qt != ffi::BF16) || out->element_type() != qt)
-    return ffi::Error::InvalidArgument("paged_attention: q must be float32 or bfloat16, output the same");
-
-  Problem pr{};
-  pr.B = qd[0];
-  pr.T = qd[1];
-  pr.H = qd[2];
-  pr.D = qd[3];
+    return ffi::Error::InvalidArgument(w + ": q must be float32 or bfloat16, output the same");
+  pr.H = qd[q_rank - 2];
+  pr.D = qd[q_rank - 1];
   pr.num_pages = kd[0];
   pr.ps = kd[1];
   pr.KVH = kd[2];
   if (kd[3] != pr.D)
-    return ffi::Error::InvalidArgument("paged_attention: head dims of q " + jaxserve_cpu::dims_str(qd) +
-                                       " and pages " + jaxserve_cpu::dims_str(kd) + " differ");
+    return ffi::Error::InvalidArgument(w + ": head dims of q " + jaxserve_cpu::dims_str(qd) + " and pages " +
+                                       jaxserve_cpu::dims_str(kd) + " differ");
   if (pr.KVH <= 0 || pr.H % pr.KVH != 0)
-    return ffi::Error::InvalidArgument("paged_attention: query heads must be a multiple of KV heads");
-  auto btd = bt.dimensions(), ld = lens.dimensions(), pd = pos.dimensions();
-  if (btd[0] != pr.B || ld[0] != pr.B || pd[0] != pr.B || pd[1] != pr.T)
-    return ffi::Error::InvalidArgument("paged_attention: block_tables [B,P], context_lens [B], positions [B,T]");
-  pr.P = btd[1];
+    return ffi::Error::InvalidArgument(w + ": query heads must be a multiple of KV heads");
   pr.G = pr.H / pr.KVH;
-  pr.scale = scale;
   pr.q_bf16 = qt == ffi::BF16;
   pr.q = q.untyped_data();
   pr.k = k.untyped_data();
   pr.v = v.untyped_data();
   pr.out = out->untyped_data();
-  pr.bt = bt.typed_data();
-  pr.lens = lens.typed_data();
-  pr.pos = pos.typed_data();
   pr.ks = q8 ? static_cast<const uint16_t*>(k_scales->untyped_data()) : nullptr;
   pr.vs = q8 ? static_cast<const uint16_t*>(v_scales->untyped_data()) : nullptr;
-  if (pr.B == 0 || pr.T == 0 || pr.H == 0 || pr.D == 0) return ffi::Error::Success();
-  if (pr.num_pages == 0 || pr.ps == 0 || pr.P == 0) {  // nothing to attend to
-    std::memset(pr.out, 0, pr.B * pr.T * pr.H * pr.D * (pr.q_bf16 ? 2 : 4));
+  const int isa = current_isa().load(std::memory_order_relaxed);
+  fn = q8 ? pick<int8_t>(isa, pr.D) : kt == ffi::F32 ? pick<float>(isa, pr.D) : pick<uint16_t>(isa, pr.D);
+  return ffi::Error::Success();
+}
+
+// Runs the kernel over pr (set up, with R, N, P and the index arrays) for the rows starting at
+// starts [R + 1] (clamped: nondecreasing, within [0, N]); zeroes the tokens outside every row.
+ffi::Error run(const char* what, ffi::ThreadPool pool, Problem& pr, ItemFn fn, std::vector<int64_t>& starts,
+               int64_t kv_heads_per_item) {
+  if (pr.N == 0 || pr.H == 0 || pr.D == 0) return ffi::Error::Success();
+  const int64_t tok_bytes = pr.H * pr.D * (pr.q_bf16 ? 2 : 4);
+  char* out = static_cast<char*>(pr.out);
+  if (pr.R == 0 || pr.num_pages == 0 || pr.ps == 0 || pr.P == 0) {  // nothing to attend to
+    std::memset(out, 0, size_t(pr.N * tok_bytes));
     return ffi::Error::Success();
   }
+  for (int64_t r = 0; r <= pr.R; ++r) starts[r] = std::clamp<int64_t>(starts[r], r ? starts[r - 1] : 0, pr.N);
+  std::memset(out, 0, size_t(starts[0] * tok_bytes));  // tokens before the first row, past the last
+  std::memset(out + starts[pr.R] * tok_bytes, 0, size_t((pr.N - starts[pr.R]) * tok_bytes));
   // As many workers as XLA's pool has threads (one per core by default): the caller and one
   // pool task fewer than that, so that the workers do not outnumber the cores.
   const int64_t workers = std::max<int64_t>(1, pool.num_threads());
-  plan(pr, workers, kv_heads_per_item);
-
-  const int isa = current_isa().load(std::memory_order_relaxed);
-  ItemFn fn = q8 ? pick<int8_t>(isa, pr.D) : kt == ffi::F32 ? pick<float>(isa, pr.D) : pick<uint16_t>(isa, pr.D);
-
+  std::vector<WorkItem> items;
+  plan(pr, starts, workers, kv_heads_per_item, items);
   const bool ok = jaxserve_cpu::run_items(
       pool, pr.n_items, [pr] { return Scratch(pr); },
       [pr, fn](Scratch& sc, int64_t i, int64_t next) {
@@ -821,8 +873,34 @@ ffi::Error PagedAttentionCore(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBu
         fn(pr, i, next, sc);
         return true;
       });
-  if (!ok) return ffi::Error::Internal("paged_attention: out of memory for scratch");
+  if (!ok) return ffi::Error::Internal(std::string(what) + ": out of memory for scratch");
   return ffi::Error::Success();
+}
+
+// The dense handlers: q [B, T, H, D], block_tables [B, P], context_lens [B], positions [B, T];
+// row b owns tokens [b * T, (b + 1) * T) of the flat [B * T, H, D].  Scales null: float pages.
+ffi::Error PagedAttentionCore(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                              const ffi::AnyBuffer* k_scales, const ffi::AnyBuffer* v_scales,
+                              ffi::BufferR2<ffi::S32> bt, ffi::BufferR1<ffi::S32> lens,
+                              ffi::BufferR2<ffi::S32> pos, ffi::Result<ffi::AnyBuffer> out, float scale,
+                              int64_t kv_heads_per_item) {
+  Problem pr{};
+  ItemFn fn = nullptr;
+  if (auto e = setup("paged_attention", 4, q, k, v, k_scales, v_scales, out, pr, fn); e.failure()) return e;
+  auto qd = q.dimensions(), btd = bt.dimensions(), ld = lens.dimensions(), pd = pos.dimensions();
+  const int64_t B = qd[0], T = qd[1];
+  if (btd[0] != B || ld[0] != B || pd[0] != B || pd[1] != T)
+    return ffi::Error::InvalidArgument("paged_attention: block_tables [B,P], context_lens [B], positions [B,T]");
+  pr.R = B;
+  pr.N = B * T;
+  pr.P = btd[1];
+  pr.scale = scale;
+  pr.bt = bt.typed_data();
+  pr.lens = lens.typed_data();
+  pr.pos = pos.typed_data();
+  std::vector<int64_t> starts(size_t(B + 1));
+  for (int64_t b = 0; b <= B; ++b) starts[b] = b * T;
+  return run("paged_attention", pool, pr, fn, starts, kv_heads_per_item);
 }
 
 ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k,
@@ -839,6 +917,49 @@ ffi::Error PagedAttentionQ8Impl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::Any
                                 ffi::BufferR2<ffi::S32> pos, ffi::Result<ffi::AnyBuffer> out, float scale,
                                 int64_t kv_heads_per_item) {
   return PagedAttentionCore(pool, q, k, v, &k_scales, &v_scales, bt, lens, pos, out, scale, kv_heads_per_item);
+}
+
+// The ragged handlers: q [N, H, D], query_start_loc [R + 1], seq_lens [R], block_tables [R, P],
+// positions [N].
+ffi::Error RaggedCore(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                      const ffi::AnyBuffer* k_scales, const ffi::AnyBuffer* v_scales, ffi::BufferR1<ffi::S32> qsl,
+                      ffi::BufferR1<ffi::S32> lens, ffi::BufferR2<ffi::S32> bt, ffi::BufferR1<ffi::S32> pos,
+                      ffi::Result<ffi::AnyBuffer> out, float scale, int64_t kv_heads_per_item) {
+  Problem pr{};
+  ItemFn fn = nullptr;
+  if (auto e = setup("ragged_paged_attention", 3, q, k, v, k_scales, v_scales, out, pr, fn); e.failure()) return e;
+  const int64_t N = q.dimensions()[0], R = lens.dimensions()[0];
+  auto btd = bt.dimensions();
+  if (qsl.dimensions()[0] != R + 1 || btd[0] != R || pos.dimensions()[0] != N)
+    return ffi::Error::InvalidArgument(
+        "ragged_paged_attention: query_start_loc [R+1], seq_lens [R], block_tables [R,P], positions [N], got " +
+        jaxserve_cpu::dims_str(qsl.dimensions()) + ", " + jaxserve_cpu::dims_str(lens.dimensions()) + ", " +
+        jaxserve_cpu::dims_str(btd) + ", " + jaxserve_cpu::dims_str(pos.dimensions()) + " for q " +
+        jaxserve_cpu::dims_str(q.dimensions()));
+  pr.R = R;
+  pr.N = N;
+  pr.P = btd[1];
+  pr.scale = scale;
+  pr.bt = bt.typed_data();
+  pr.lens = lens.typed_data();
+  pr.pos = pos.typed_data();
+  const int32_t* s = qsl.typed_data();
+  std::vector<int64_t> starts(s, s + R + 1);
+  return run("ragged_paged_attention", pool, pr, fn, starts, kv_heads_per_item);
+}
+
+ffi::Error RaggedImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                      ffi::BufferR1<ffi::S32> qsl, ffi::BufferR1<ffi::S32> lens, ffi::BufferR2<ffi::S32> bt,
+                      ffi::BufferR1<ffi::S32> pos, ffi::Result<ffi::AnyBuffer> out, float scale,
+                      int64_t kv_heads_per_item) {
+  return RaggedCore(pool, q, k, v, nullptr, nullptr, qsl, lens, bt, pos, out, scale, kv_heads_per_item);
+}
+
+ffi::Error RaggedQ8Impl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                        ffi::AnyBuffer k_scales, ffi::AnyBuffer v_scales, ffi::BufferR1<ffi::S32> qsl,
+                        ffi::BufferR1<ffi::S32> lens, ffi::BufferR2<ffi::S32> bt, ffi::BufferR1<ffi::S32> pos,
+                        ffi::Result<ffi::AnyBuffer> out, float scale, int64_t kv_heads_per_item) {
+  return RaggedCore(pool, q, k, v, &k_scales, &v_scales, qsl, lens, bt, pos, out, scale, kv_heads_per_item);
 }
 
 }  // namespace
@@ -876,6 +997,42 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedAttentionQ8, PagedAttentionQ8Impl,
                                   .Attr<float>("scale")
                                   .Attr<int64_t>("kv_heads_per_item"));
 
+// The ragged layout: one flat array of query tokens, rows of any length (decode, prefill chunks,
+// speculative verification in one call).
+JS_EXPORT XLA_FFI_Error* JaxserveRaggedPagedAttention(XLA_FFI_CallFrame* call_frame);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveRaggedPagedAttention, RaggedImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()               // q [N, H, D]
+                                  .Arg<ffi::AnyBuffer>()               // k pages
+                                  .Arg<ffi::AnyBuffer>()               // v pages
+                                  .Arg<ffi::BufferR1<ffi::S32>>()      // query_start_loc [R + 1]
+                                  .Arg<ffi::BufferR1<ffi::S32>>()      // seq_lens [R]
+                                  .Arg<ffi::BufferR2<ffi::S32>>()      // block_tables [R, P]
+                                  .Arg<ffi::BufferR1<ffi::S32>>()      // positions [N]
+                                  .Ret<ffi::AnyBuffer>()               // out [N, H, D]
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("kv_heads_per_item"));
+
+JS_EXPORT XLA_FFI_Error* JaxserveRaggedPagedAttentionQ8(XLA_FFI_CallFrame* call_frame);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveRaggedPagedAttentionQ8, RaggedQ8Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()               // q [N, H, D]
+                                  .Arg<ffi::AnyBuffer>()               // k pages (int8)
+                                  .Arg<ffi::AnyBuffer>()               // v pages (int8)
+                                  .Arg<ffi::AnyBuffer>()               // k scales [num_pages, ps, KVH] bf16
+                                  .Arg<ffi::AnyBuffer>()               // v scales
+                                  .Arg<ffi::BufferR1<ffi::S32>>()      // query_start_loc [R + 1]
+                                  .Arg<ffi::BufferR1<ffi::S32>>()      // seq_lens [R]
+                                  .Arg<ffi::BufferR2<ffi::S32>>()      // block_tables [R, P]
+                                  .Arg<ffi::BufferR1<ffi::S32>>()      // positions [N]
+                                  .Ret<ffi::AnyBuffer>()               // out [N, H, D]
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("kv_heads_per_item"));
+
 // Which vector code runs: 0 baseline, 1 AVX2+FMA, 2 AVX-512, 3 AVX-512 + AMX bf16 tiles.
 JS_EXPORT int jaxserve_cpu_isa() { return current_isa().load(); }
 // The best instruction set this host supports.
@@ -886,8 +1043,8 @@ JS_EXPORT int jaxserve_cpu_set_isa(int isa) {
   return current_isa().load();
 }
 // Bumped whenever the FFI signature changes, so a stale library is not used (3: the int8 pages'
-// scales are bfloat16, float32 before).
-JS_EXPORT int jaxserve_cpu_abi_version() { return 3; }
+// scales are bfloat16, float32 before; 4: the ragged handlers).
+JS_EXPORT int jaxserve_cpu_abi_version() { return 4; }
 
 // The sha256 of the source this library was built from (native.py passes it), so that a source
 // checkout rebuilds a library made from another version of this file.
