@@ -131,6 +131,26 @@ def plan_work_items(
 # -- TPU (Mosaic) lowering ------------------------------------------------------------------
 
 
+def _item_layout(x, items, kv_heads):
+    """[N, H, ...] -> [W, KVH, G*bq, ...]: each item's tokens, the G query heads of one KV head
+    stacked along the rows (row g*bq + t), so one matmul serves the whole head group."""
+    n, h = x.shape[:2]
+    g = h // kv_heads
+    w, bq = items.token.shape
+    x = x.reshape(n, kv_heads, g, *x.shape[2:])[items.token]  # [W, bq, KVH, G, ...]
+    x = jnp.moveaxis(x, 1, 3)  # [W, KVH, G, bq, ...]
+    return x.reshape(w, kv_heads, g * bq, *x.shape[4:])
+
+
+def _token_layout(out, items, kv_heads, groups):
+    """The inverse of _item_layout: [W, KVH, G*bq, D] -> [N, H, D] (padding tokens: zeros)."""
+    w, _, _, d = out.shape
+    out = out.reshape(w, kv_heads, groups, -1, d)
+    got = out[items.token_item, :, :, items.token_slot]  # [N, KVH, G, D]
+    got = got.reshape(got.shape[0], kv_heads * groups, d)
+    return jnp.where(items.valid[:, None, None], got, jnp.zeros_like(got))
+
+
 def _tpu_kernel(
     bound_ref,
     row_ref,
@@ -140,7 +160,6 @@ def _tpu_kernel(
     *refs,
     pages_per_block: int,
     page_size: int,
-    groups: int,
     kv_heads: int,
     head_dim: int,
     scale: float,
@@ -148,11 +167,11 @@ def _tpu_kernel(
 ):
     """One (item, kv-head block, page block) step.
 
-    SMEM: bound_ref [W], row_ref [W], bt_ref [R*P]. q_ref/o_ref [bq, kv_heads*G*D] (query
-    heads as lane blocks); lim_ref [bq, 1]; pages_per_block K page refs then as many V page
-    refs, each [ps, kv_heads*D]; quantized: as many K and V scale refs, each [ps, KVH] (all
-    heads: a one-head lane block of a narrow array is not a legal Mosaic block); scratch m/l
-    [kv_heads*G, bq, 1], acc [kv_heads*G, bq, D].
+    SMEM: bound_ref [W], row_ref [W], bt_ref [R*P]. q_ref/o_ref [kv_heads, G*bq, D];
+    lim_ref [G*bq, 1]; pages_per_block K page refs then as many V page refs, each
+    [ps, kv_heads*D] (heads as lane blocks of the free reshape of the pool); quantized: as
+    many K and V scale refs, each [ps, KVH] (all heads: a one-head lane block of a narrow
+    array is not a legal Mosaic block); scratch m/l [kv_heads, G*bq, 1], acc [kv_heads, G*bq, D].
     """
     n = pages_per_block
     k_refs, v_refs = refs[:n], refs[n : 2 * n]
@@ -171,14 +190,12 @@ def _tpu_kernel(
 
     @pl.when(i * n * ps < bound)  # page blocks past the item's last visible key: no compute
     def _compute():
-        limit = lim_ref[...]  # [bq, 1]
+        limit = lim_ref[...]  # [G*bq, 1]
         for j in range(kv_heads):  # static
-            rows = [j * groups + g for g in range(groups)]
-            state = [(m_ref[r], l_ref[r], acc_ref[r]) for r in rows]
-            qs = [q_ref[:, pl.ds(r * d, d)] for r in rows]
+            m, l, acc = m_ref[j], l_ref[j], acc_ref[j]
+            q = q_ref[j]  # [G*bq, D]
             if quantized:
-                qs = [q.astype(jnp.float32) for q in qs]
-                head = hj * kv_heads + j
+                q = q.astype(jnp.float32)
             for c in range(n):  # static: the pages of this block, in sequence order
                 start = (i * n + c) * ps
                 kpos_row = start + lax.broadcasted_iota(jnp.int32, (1, ps), 1)
@@ -186,20 +203,19 @@ def _tpu_kernel(
                 k = k_refs[c][:, pl.ds(j * d, d)]
                 v = v_refs[c][:, pl.ds(j * d, d)]
                 if quantized:  # this head's per-token scale as a [ps, 1] column
+                    head = hj * kv_heads + j
                     k = k.astype(jnp.float32) * _head_column(ks_refs[c][...], head)
                     v = v.astype(jnp.float32) * _head_column(vs_refs[c][...], head)
                 v = jnp.where(kpos_col < bound, v, jnp.zeros_like(v))
-                mask = kpos_row < limit  # [bq, ps]: causal and context, per token
-                for g in range(groups):  # static: the query heads sharing this K/V page
-                    s = dot_nt(qs[g], k) * scale
-                    state[g] = online_softmax_step(*state[g], s, mask, v)
-            for r, (m, l, acc) in zip(rows, state):
-                m_ref[r], l_ref[r], acc_ref[r] = m, l, acc
+                s = dot_nt(q, k) * scale
+                mask = jnp.broadcast_to(kpos_row < limit, s.shape)  # causal and context, per token
+                m, l, acc = online_softmax_step(m, l, acc, s, mask, v)
+            m_ref[j], l_ref[j], acc_ref[j] = m, l, acc
 
     @pl.when(i == pl.num_programs(2) - 1)
     def _finish():
-        for r in range(kv_heads * groups):
-            o_ref[:, pl.ds(r * d, d)] = normalise(acc_ref[r], l_ref[r]).astype(o_ref.dtype)
+        for j in range(kv_heads):
+            o_ref[j] = normalise(acc_ref[j], l_ref[j]).astype(o_ref.dtype)
 
 
 def _head_column(scales, head):
@@ -211,18 +227,16 @@ def _head_column(scales, head):
     return jnp.sum(jnp.where(lane == head, s, 0.0), axis=1, keepdims=True)
 
 
-def _ragged_tpu(
-    q, k_pages, v_pages, k_scales, v_scales, items, block_tables, *, scale, block_q, pages_per_block, hb, interpret
-):
-    n_tok, h, d = q.shape
+def _ragged_tpu(q, k_pages, v_pages, k_scales, v_scales, items, block_tables, *, scale, pages_per_block, hb, interpret):
+    _, h, d = q.shape
     num_pages, ps, kvh, _ = k_pages.shape
-    r, p = block_tables.shape
+    p = block_tables.shape[1]
+    w, bq = items.token.shape
     g = h // kvh
     if kvh % hb:
         raise ValueError(f"kv_heads_per_block {hb} must divide kv heads {kvh}")
     n = max(1, min(pages_per_block or max(1, 128 // ps), p))
     nblk = _cdiv(p, n)
-    w = items.row.shape[0]
     quantized = k_scales is not None
 
     def page_spec(c):
@@ -238,20 +252,18 @@ def _ragged_tpu(
         page = page_spec(c).index_map
         return pl.BlockSpec((None, ps, kvh), lambda wi, hj, i, *pf: (page(wi, hj, i, *pf)[0], 0, 0))
 
-    q_spec = pl.BlockSpec((None, block_q, hb * g * d), lambda wi, hj, i, *pf: (wi, 0, hj))
-    lim_spec = pl.BlockSpec((None, block_q, 1), lambda wi, hj, i, *pf: (wi, 0, 0))
+    q_spec = pl.BlockSpec((None, hb, g * bq, d), lambda wi, hj, i, *pf: (wi, hj, 0, 0))
+    lim_spec = pl.BlockSpec((None, g * bq, 1), lambda wi, hj, i, *pf: (wi, 0, 0))
     kernel = functools.partial(
         _tpu_kernel,
         pages_per_block=n,
         page_size=ps,
-        groups=g,
         kv_heads=hb,
         head_dim=d,
         scale=scale,
         quantized=quantized,
     )
     scales = [k_scales] * n + [v_scales] * n if quantized else []
-    rows = hb * g
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -262,12 +274,12 @@ def _ragged_tpu(
             + [scale_spec(c) for c in range(n)] * (2 * quantized),
             out_specs=q_spec,
             scratch_shapes=[
-                pltpu.VMEM((rows, block_q, 1), jnp.float32),
-                pltpu.VMEM((rows, block_q, 1), jnp.float32),
-                pltpu.VMEM((rows, block_q, d), jnp.float32),
+                pltpu.VMEM((hb, g * bq, 1), jnp.float32),
+                pltpu.VMEM((hb, g * bq, 1), jnp.float32),
+                pltpu.VMEM((hb, g * bq, d), jnp.float32),
             ],
         ),
-        out_shape=jax.ShapeDtypeStruct((w, block_q, h * d), q.dtype),
+        out_shape=jax.ShapeDtypeStruct((w, kvh, g * bq, d), q.dtype),
         compiler_params=tpu_compiler_params(("parallel", "parallel", "arbitrary")),
         interpret=interpret,
         name="ragged_paged_attention_tpu",
@@ -275,13 +287,13 @@ def _ragged_tpu(
         items.bound,
         items.row,
         block_tables.astype(jnp.int32).reshape(-1),
-        q.reshape(n_tok, h * d)[items.token],  # [W, bq, H*D]: the item layout
-        items.limit[:, :, None],
+        _item_layout(q, items, kvh),
+        jnp.tile(items.limit, (1, g))[:, :, None],  # row g*bq + t: token t's limit
         *([k_pages.reshape(num_pages, ps, kvh * d)] * n),  # free: heads become lane blocks
         *([v_pages.reshape(num_pages, ps, kvh * d)] * n),
         *scales,
     )
-    return out.reshape(w, block_q, h, d)
+    return _token_layout(out, items, kvh, g)
 
 
 # -- GPU (Triton) lowering ------------------------------------------------------------------
@@ -297,15 +309,15 @@ def _gpu_kernel(
     *rest,
     page_size: int,
     pages_per_block: int,
-    groups: int,
     scale: float,
     quantized: bool,
 ):
     """One (item, kv head) program.
 
-    q_ref/o_ref [bq, G, D]; lim_ref [bq]; info_ref [2] = (page blocks to read, bound);
-    bt_ref [Pp]: the item's row of the block table; k_ref/v_ref [num_pages, ps, D]: this KV
-    head's view of the whole pool (a pointer); quantized: ks_ref/vs_ref [num_pages, ps].
+    q_ref/o_ref [G*bq, D] (the head group's rows of the item); lim_ref [G*bq]; info_ref [2] =
+    (page blocks to read, bound); bt_ref [Pp]: the item's row of the block table; k_ref/v_ref
+    [num_pages, ps, D]: this KV head's view of the whole pool (a pointer); quantized:
+    ks_ref/vs_ref [num_pages, ps].
     """
     if quantized:
         ks_ref, vs_ref, o_ref = rest
@@ -313,12 +325,12 @@ def _gpu_kernel(
         (o_ref,) = rest
     ps, n = page_size, pages_per_block
     span = n * ps
-    bq, _, d = q_ref.shape
+    rows, d = q_ref.shape
     steps, bound = info_ref[0], info_ref[1]
     limit = lim_ref[...]
-    qs = [q_ref[:, g, :] for g in range(groups)]
+    q = q_ref[...]
     if quantized:
-        qs = [q.astype(jnp.float32) for q in qs]
+        q = q.astype(jnp.float32)
 
     def body(it, carry):
         pages = bt_ref[pl.ds(it * n, n)]
@@ -330,20 +342,16 @@ def _gpu_kernel(
         kpos = it * span + lax.broadcasted_iota(jnp.int32, (span,), 0)
         v = jnp.where((kpos < bound)[:, None], v, jnp.zeros_like(v))
         mask = kpos[None, :] < limit[:, None]
-        out = []
-        for g in range(groups):  # static: one K/V tile load serves the whole head group
-            s = dot_nt(qs[g], k) * scale
-            out.append(online_softmax_step(*carry[g], s, mask, v))
-        return tuple(out)
+        s = dot_nt(q, k) * scale
+        return online_softmax_step(*carry, s, mask, v)
 
-    init = tuple(
-        (jnp.full((bq, 1), MASK_VALUE, jnp.float32), jnp.zeros((bq, 1), jnp.float32), jnp.zeros((bq, d), jnp.float32))
-        for _ in range(groups)
+    init = (
+        jnp.full((rows, 1), MASK_VALUE, jnp.float32),
+        jnp.zeros((rows, 1), jnp.float32),
+        jnp.zeros((rows, d), jnp.float32),
     )
-    final = lax.fori_loop(0, steps, body, init)  # stops at the item's last visible key
-    for g in range(groups):
-        _, l, acc = final[g]
-        o_ref[:, g, :] = normalise(acc, l).astype(o_ref.dtype)
+    _, l, acc = lax.fori_loop(0, steps, body, init)  # stops at the item's last visible key
+    o_ref[...] = normalise(acc, l).astype(o_ref.dtype)
 
 
 def _ragged_gpu(
@@ -356,17 +364,16 @@ def _ragged_gpu(
     block_tables,
     *,
     scale,
-    block_q,
     pages_per_block,
     interpret,
     num_warps,
     num_stages,
 ):
-    n_tok, h, d = q.shape
+    _, h, d = q.shape
     num_pages, ps, kvh, _ = k_pages.shape
     p = block_tables.shape[1]
+    w, bq = items.token.shape
     g = h // kvh
-    w = items.row.shape[0]
     quantized = k_scales is not None
     n = min(_next_pow2(pages_per_block or max(1, 64 // ps)), _next_pow2(p))
     pp = _next_pow2(p)  # Triton blocks are powers of two; padding entries (page 0) are never read
@@ -374,8 +381,8 @@ def _ragged_gpu(
     bt = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, pp - p)))[items.row]  # [W, Pp]
     steps = (items.bound + span - 1) // span
     info = jnp.stack([steps, items.bound], axis=-1).astype(jnp.int32)  # [W, 2]
-    kernel = functools.partial(_gpu_kernel, page_size=ps, pages_per_block=n, groups=g, scale=scale, quantized=quantized)
-    q_spec = pl.BlockSpec((None, block_q, g, d), lambda wi, hi: (wi, 0, hi, 0))
+    kernel = functools.partial(_gpu_kernel, page_size=ps, pages_per_block=n, scale=scale, quantized=quantized)
+    q_spec = pl.BlockSpec((None, None, g * bq, d), lambda wi, hi: (wi, hi, 0, 0))
     page_spec = pl.BlockSpec((num_pages, ps, None, d), lambda wi, hi: (0, 0, hi, 0))
     scale_spec = pl.BlockSpec((num_pages, ps, None), lambda wi, hi: (0, 0, hi))
     out = pl.pallas_call(
@@ -383,7 +390,7 @@ def _ragged_gpu(
         grid=(w, kvh),
         in_specs=[
             q_spec,
-            pl.BlockSpec((None, block_q), lambda wi, hi: (wi, 0)),
+            pl.BlockSpec((None, g * bq), lambda wi, hi: (wi, 0)),
             pl.BlockSpec((None, 2), lambda wi, hi: (wi, 0)),
             pl.BlockSpec((None, pp), lambda wi, hi: (wi, 0)),
             page_spec,
@@ -391,12 +398,20 @@ def _ragged_gpu(
             *([scale_spec, scale_spec] if quantized else []),
         ],
         out_specs=q_spec,
-        out_shape=jax.ShapeDtypeStruct((w, block_q, h, d), q.dtype),
+        out_shape=jax.ShapeDtypeStruct((w, kvh, g * bq, d), q.dtype),
         compiler_params=gpu_compiler_params(num_warps or (4 if d <= 64 else 8), num_stages),
         interpret=interpret,
         name="ragged_paged_attention_gpu",
-    )(q[items.token], items.limit, info, bt, k_pages, v_pages, *((k_scales, v_scales) if quantized else ()))
-    return out
+    )(
+        _item_layout(q, items, kvh),
+        jnp.tile(items.limit, (1, g)),
+        info,
+        bt,
+        k_pages,
+        v_pages,
+        *((k_scales, v_scales) if quantized else ()),
+    )
+    return _token_layout(out, items, kvh, g)
 
 
 # -- public entry points --------------------------------------------------------------------
@@ -458,8 +473,10 @@ def ragged_paged_attention(
     int8 / float8 with k_scales/v_scales bfloat16 [num_pages, page_size, KVH].
     scale defaults to 1/sqrt(D). backend "tpu" / "gpu" (default by jax.default_backend());
     interpret defaults to False only where the platform runs that lowering natively.
-    Knobs: block_q (tokens per work item; TPU default 32, a multiple of 8; GPU default 16, a
-    power of two >= 16), pages_per_block (TPU: pages per grid step, default 128 tokens'
+    Knobs: block_q (tokens per work item: every row is cut into items of block_q tokens and
+    each item computes all block_q x G rows, so small values waste less on decode rows and
+    large ones re-read K/V less for long chunks; TPU default 32, any size; GPU default 16, a
+    power of two with G * block_q >= 16), pages_per_block (TPU: pages per grid step, default 128 tokens'
     worth; GPU: pages per loop iteration, default 64 tokens' worth), kv_heads_per_block (TPU;
     default as the flash kernel), num_warps / num_stages (GPU). None are tuned on hardware.
     """
@@ -470,10 +487,11 @@ def ragged_paged_attention(
         return jnp.zeros_like(q)
     _, ps, kvh, _ = k_pages.shape
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    if backend == "tpu":
-        bq = -(-min(block_q or 32, n_tok) // 8) * 8
-    else:
-        bq = max(16, min(_next_pow2(block_q or 16), _next_pow2(n_tok)))
+    g = h // kvh
+    if backend == "tpu":  # the q block spans all G*bq rows of an item, so any bq is a legal block
+        bq = block_q or min(32, -(-n_tok // 8) * 8)
+    else:  # Triton: G*bq rows, a power of two of at least 16 (tl.dot's minimum)
+        bq = max(_cdiv(16, g), min(_next_pow2(block_q or 16), _next_pow2(n_tok)))
     items = plan_work_items(
         query_start_loc, seq_lens, positions, num_tokens=n_tok, block_q=bq, max_keys=block_tables.shape[1] * ps
     )
@@ -488,7 +506,6 @@ def ragged_paged_attention(
             items,
             block_tables,
             scale=scale,
-            block_q=bq,
             pages_per_block=pages_per_block,
             hb=hb,
             interpret=interpret,
@@ -503,14 +520,12 @@ def ragged_paged_attention(
             items,
             block_tables,
             scale=scale,
-            block_q=bq,
             pages_per_block=pages_per_block,
             interpret=interpret,
             num_warps=num_warps,
             num_stages=num_stages,
         )
-    got = out[items.token_item, items.token_slot]  # back to the flat token order
-    return jnp.where(items.valid[:, None, None], got, jnp.zeros_like(got))
+    return out
 
 
 def attention(q, k, v, kv_pages, md, *, scale: float, interpret: bool | None = None, backend: str | None = None):
