@@ -76,7 +76,7 @@ def rows(draw, max_rows=4, max_tokens=300, max_context=2048):
     return qlens, ctxs
 
 
-@settings(max_examples=6, deadline=None)
+@settings(max_examples=4, deadline=None)
 @given(
     data=st.data(),
     backend=st.sampled_from(BACKENDS),
