@@ -4,7 +4,9 @@
     python scripts/bench_kernels.py --native-cpu [--native-head-dims 32,64,128] [--json ...]
 
 On a GPU or TPU: flash attention at B=1,2,4 x seq 1024/2048/4096, 32 query heads over 8 KV
-heads, head_dim 128, bfloat16; paged decode at batch 64, context 4096, page size 16. On the
+heads, head_dim 128, bfloat16; paged decode at batch 64, context 4096, page size 16; ragged
+paged attention on a mixed step (32 decode rows at context 2048 plus one 256-token prefill
+chunk ending at 2048, one call; GB/s counts each row's live K/V once). On the
 CPU the kernels run in interpret mode at small sizes, float32, both lowerings: that only
 proves they run end to end (the timings say nothing about accelerator speed), and the table
 says so.
@@ -61,6 +63,7 @@ from jaxserve.tools.kv_math_cli import bandwidth_probe  # noqa: E402
 from pallas_kernels import reference  # noqa: E402
 from pallas_kernels.flash_attention import flash_attention  # noqa: E402
 from pallas_kernels.paged_attention import paged_decode_attention  # noqa: E402
+from pallas_kernels.ragged_paged_attention import ragged_paged_attention  # noqa: E402
 
 
 @dataclasses.dataclass
@@ -191,6 +194,48 @@ def bench_paged(cases, backends, dtype, interpret, reps) -> list[Row]:
             )
         except Exception as e:
             print(f"  dense {cfg}: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
+    return rows
+
+
+def bench_ragged(cases, backends, dtype, interpret, reps) -> list[Row]:
+    """One mixed ragged step per case: `decode` rows of one token at context `ctx`, then one
+    prefill chunk of `chunk` tokens ending at `ctx`; against the jnp oracle."""
+    rows = []
+    for decode, chunk, ctx, ps, h, kvh, d in cases:
+        r = decode + 1
+        pages_per_seq = ctx // ps
+        num_pages = r * pages_per_seq + 1
+        key = jax.random.split(jax.random.PRNGKey(ctx + chunk), 4)
+        n = decode + chunk
+        q = jax.random.normal(key[0], (n, h, d), dtype)
+        kp = jax.random.normal(key[1], (num_pages, ps, kvh, d), dtype)
+        vp = jax.random.normal(key[2], (num_pages, ps, kvh, d), dtype)
+        bt = (1 + jax.random.permutation(key[3], num_pages - 1)).reshape(r, pages_per_seq).astype(jnp.int32)
+        qsl = jnp.asarray(list(range(decode + 1)) + [n], jnp.int32)
+        lens = jnp.full((r,), ctx, jnp.int32)
+        pos = jnp.concatenate([jnp.full((decode,), ctx - 1), ctx - chunk + jnp.arange(chunk)]).astype(jnp.int32)
+        scale = 1 / math.sqrt(d)
+        nbytes = 2 * r * ctx * kvh * d * jnp.dtype(dtype).itemsize
+        cfg = f"{decode} decode + 1 chunk of {chunk}, ctx={ctx} page={ps} H={h}/{kvh} D={d} {jnp.dtype(dtype).name}"
+        args = (q, kp, vp, qsl, lens, bt, pos)
+        oracle = jax.jit(functools.partial(reference.ragged_paged_attention, scale=scale))
+        want = oracle(*args)
+        impls = {
+            f"pallas-{be}": jax.jit(
+                functools.partial(ragged_paged_attention, scale=scale, backend=be, interpret=interpret)
+            )
+            for be in backends
+        }
+        impls["reference gather (jnp)"] = oracle
+        for name, fn in impls.items():
+            try:
+                ms = median_ms(fn, *args, reps=reps)
+                diff = max_diff(fn(*args), want)
+            except Exception as e:
+                print(f"  {name} {cfg}: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
+                continue
+            rows.append(Row("ragged paged (mixed step)", cfg, name, ms, None, nbytes / ms / 1e6, diff))
+            print(f"  {rows[-1]}", file=sys.stderr)
     return rows
 
 
@@ -478,11 +523,13 @@ def main(argv=None) -> int:
         dtype, reps, interpret = jnp.float32, args.reps or 3, True
         flash_cases = [(1, 128, 4, 2, 64), (2, 256, 4, 2, 64)]
         paged_cases = [(4, 256, 16, 4, 2, 64)]
+        ragged_cases = [(4, 40, 256, 16, 4, 2, 64)]
     else:
         backends = [args.backend or ("gpu" if platform in ("gpu", "cuda", "rocm") else "tpu")]
         dtype, reps, interpret = jnp.bfloat16, args.reps or 20, False
         flash_cases = [(b, s, 32, 8, 128) for b in (1, 2, 4) for s in (1024, 2048, 4096)]
         paged_cases = [(64, 4096, 16, 32, 8, 128)]
+        ragged_cases = [(32, 256, 2048, 16, 32, 8, 128)]
     note = (
         "CPU: the kernels run in INTERPRET mode at small sizes, float32. These numbers only show that "
         "they run; they say nothing about GPU/TPU performance."
@@ -492,6 +539,7 @@ def main(argv=None) -> int:
     print(f"jax {jax.__version__}, platform {platform} ({device}). {note}", file=sys.stderr)
     rows = bench_flash(flash_cases, backends, dtype, interpret, reps)
     rows += bench_paged(paged_cases, backends, dtype, interpret, reps)
+    rows += bench_ragged(ragged_cases, backends, dtype, interpret, reps)
     print(f"\n**{note}** jax {jax.__version__}, {device}, median of {reps} calls.\n")
     print(markdown(rows))
     if args.json:
