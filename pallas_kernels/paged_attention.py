@@ -1,5 +1,6 @@
-"""Paged decode attention in Pallas, and ``attention``: the Pallas twin of
-``reference.attention`` that picks a kernel by step kind.
+"""Paged decode attention in Pallas: one query token per row over its pages (flash-decoding).
+The serving path runs ``ragged_paged_attention`` (rows of any length, decode included); this
+kernel stays as the decode-only specialisation and the base that one grew from.
 
 The page pool is [num_pages, page_size, KVH, D]; a slot's context is the pages of its row of
 ``block_tables`` in order, of which the first ``context_lens[b]`` tokens are live. Decode
@@ -35,11 +36,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels import reference
 from pallas_kernels.flash_attention import (
     MASK_VALUE,
     dot_nt,
-    flash_attention,
     gpu_compiler_params,
     normalise,
     online_softmax_step,
@@ -47,7 +46,6 @@ from pallas_kernels.flash_attention import (
     tpu_compiler_params,
     tpu_kv_heads_per_block,
 )
-from pallas_kernels.reference import AttentionMetadata
 
 
 def _next_pow2(x: int) -> int:
@@ -412,71 +410,3 @@ def paged_decode_attention(
         k_scales=k_scales,
         v_scales=v_scales,
     )
-
-
-def gather_context(pages: jax.Array, block_tables: jax.Array) -> jax.Array:
-    """[num_pages, ps, KVH, D] x [B, P] -> [B, P*ps, KVH, D], the slots' contexts in order
-    (scales [num_pages, ps, KVH] -> [B, P*ps, KVH])."""
-    return reference.gather_pages(pages, block_tables)
-
-
-def attention(
-    q,
-    k,
-    v,
-    kv_pages,
-    meta: AttentionMetadata,
-    *,
-    scale: float,
-    mode: str,
-    interpret: bool | None = None,
-    backend: str | None = None,
-):
-    """Same contract as ``reference.attention`` (q [B,T,H,D] -> [B,T,H,D]), on Pallas kernels:
-
-    - "prefill": fresh packed prompts attend causally within their segment to this step's
-      k/v (no pages): the flash kernel with segment ids;
-    - "decode": T == 1, the paged decode kernel straight from the page pool;
-    - "context": a chunk continuing a sequence: its pages are gathered into a contiguous
-      K/V (one copy of the table's width) and the flash kernel runs with each query's
-      position, so key j is visible iff j < context_lens[b] and j <= positions[b, t].
-
-    A quantized cache (k_pages, v_pages, k_scales, v_scales): decode dequantizes in the
-    kernel; context dequantizes the gathered copy to float32 (q too, the result cast back).
-    """
-    k_pages, v_pages, k_scales, v_scales = reference.split_cache(kv_pages)
-    if mode == "prefill":
-        return flash_attention(q, k, v, scale=scale, segment_ids=meta.segment_ids, backend=backend, interpret=interpret)
-    if mode == "decode":
-        out = paged_decode_attention(
-            q[:, 0],
-            k_pages,
-            v_pages,
-            meta.block_tables,
-            meta.context_lens,
-            scale=scale,
-            backend=backend,
-            interpret=interpret,
-            k_scales=k_scales,
-            v_scales=v_scales,
-        )
-        return out[:, None]
-    if mode == "context":
-        kc, vc = gather_context(k_pages, meta.block_tables), gather_context(v_pages, meta.block_tables)
-        qc = q
-        if k_scales is not None:
-            kc = reference.dequantize(kc, gather_context(k_scales, meta.block_tables))
-            vc = reference.dequantize(vc, gather_context(v_scales, meta.block_tables))
-            qc = q.astype(jnp.float32)
-        out = flash_attention(
-            qc,
-            kc,
-            vc,
-            scale=scale,
-            q_positions=meta.positions,
-            kv_lens=meta.context_lens,
-            backend=backend,
-            interpret=interpret,
-        )
-        return out.astype(q.dtype)
-    raise ValueError(f"mode must be 'prefill', 'decode' or 'context', got {mode!r}")

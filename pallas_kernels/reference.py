@@ -281,52 +281,6 @@ def paged_attention_chunked(
     return out.reshape(b, t, h, d).astype(q.dtype)
 
 
-def attention(q, k, v, kv_pages, meta: AttentionMetadata, *, scale: float, mode: str):
-    """The XLA serving path, by step kind (static). k/v are this step's new keys and values,
-    kv_pages the layer's cache tuple with them already written ((k_pages, v_pages), or
-    quantized (k_pages, v_pages, k_scales, v_scales)):
-    - "prefill": fresh prompts (packed, one segment each) attend only to themselves, so use
-      the new K/V directly (no gather);
-    - "context" (a chunk continuing a sequence: chunked prefill, prefix-cache hit, speculative
-      verification) and "decode" (one query per slot): the chunked online-softmax loop over
-      the slot's pages. (paged_attention, which gathers the whole context, is the oracle.)
-
-    With a quantized cache, "context" and "decode" read the quantized pages (the chunk's own
-    keys included) and "prefill" attends to the k/v it is given, which ``write_kv`` has
-    already passed through the quantizer (dequantized): every mode sees the same values."""
-    if mode == "prefill":
-        return causal_attention(q, k, v, scale, meta.segment_ids)
-    k_pages, v_pages, k_scales, v_scales = split_cache(kv_pages)
-    block_tables, context_lens, positions = meta.block_tables, meta.context_lens, meta.positions
-    pad = (-block_tables.shape[1]) % 2
-    if pad:
-        block_tables = jnp.pad(block_tables, ((0, 0), (0, pad)))
-    # Rows come sorted by context length (longest first): attending in groups lets each
-    # group's loop stop at its own longest context instead of the batch's.
-    b = q.shape[0]
-    groups = max(1, min(4, b // 8))
-    if b % groups:
-        groups = 1
-    n = b // groups
-    return jnp.concatenate(
-        [
-            paged_attention_chunked(
-                q[i : i + n],
-                k_pages,
-                v_pages,
-                block_tables[i : i + n],
-                context_lens[i : i + n],
-                positions[i : i + n],
-                scale,
-                k_scales=k_scales,
-                v_scales=v_scales,
-            )
-            for i in range(0, b, n)
-        ],
-        axis=0,
-    )
-
-
 # -- ragged batches: one flat token array, rows of any query length ---------------------------
 
 

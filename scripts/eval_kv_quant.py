@@ -53,7 +53,7 @@ def paged_losses(model, cfg, windows: np.ndarray, kv_cache_dtype: str, batch: in
     pages_per_row = -(-t // page_size)
     num_pages = 1 + batch * pages_per_row
     graphdef, params = nnx.split(model)
-    attn = jax.tree_util.Partial(reference.attention, mode="context")
+    attn = reference.ragged_attention
 
     @jax.jit
     def run(params, toks):
@@ -67,7 +67,10 @@ def paged_losses(model, cfg, windows: np.ndarray, kv_cache_dtype: str, batch: in
         tables = 1 + jnp.arange(batch, dtype=jnp.int32)[:, None] * pages_per_row + jnp.arange(pages_per_row)[None]
         tables = jnp.pad(tables, ((0, 0), (0, pages_per_row % 2)))
         slots = jnp.take_along_axis(tables, pos // page_size, axis=1) * page_size + pos % page_size
-        meta = reference.AttentionMetadata(slots, tables, jnp.full((batch,), t, jnp.int32), pos, jnp.zeros_like(pos))
+        qsl = jnp.arange(batch + 1, dtype=jnp.int32) * t  # one ragged step of `batch` rows of t tokens
+        meta = reference.RaggedMetadata(
+            slots.reshape(-1), tables, jnp.full((batch,), t, jnp.int32), qsl, pos.reshape(-1)
+        )
         logits, _ = m(x, pos, kv, meta, attn)
         logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
         return -jnp.take_along_axis(logp, y[..., None], axis=-1)[..., 0], jnp.argmax(logits, axis=-1)

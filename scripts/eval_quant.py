@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import json
 import sys
 import sysconfig
@@ -76,12 +75,13 @@ def heldout_loss(model, cfg, windows, kv: str, batch: int = 16, page_size: int =
     block_tables = 1 + rows * pages_per_row + np.arange(pages_per_row)[None]
     slots = block_tables[:, np.arange(t) // page_size] * page_size + np.arange(t) % page_size
     positions = np.broadcast_to(np.arange(t), (batch, t))
-    meta = reference.AttentionMetadata(
-        slot_mapping=jnp.asarray(slots, jnp.int32),
+    # one ragged step of `batch` rows of t tokens each
+    meta = reference.RaggedMetadata(
+        slot_mapping=jnp.asarray(slots.reshape(-1), jnp.int32),
         block_tables=jnp.asarray(block_tables, jnp.int32),
-        context_lens=jnp.full((batch,), t, jnp.int32),
-        positions=jnp.asarray(positions, jnp.int32),
-        segment_ids=jnp.ones((batch, t), jnp.int32),
+        seq_lens=jnp.full((batch,), t, jnp.int32),
+        query_start_loc=jnp.arange(batch + 1, dtype=jnp.int32) * t,
+        positions=jnp.asarray(positions.reshape(-1), jnp.int32),
     )
     empty = getattr(reference, "empty_kv_cache", None)
 
@@ -98,12 +98,12 @@ def heldout_loss(model, cfg, windows, kv: str, batch: int = 16, page_size: int =
         return tuple((z, z) for _ in range(cfg.num_layers))
 
     graphdef, state = nnx.split(model)
-    attn = functools.partial(reference.attention, mode="prefill")
+    attn = reference.ragged_attention
 
     @jax.jit
     def losses(state, toks, weights):
         m = nnx.merge(graphdef, state)
-        logits, _ = m(toks[:, :-1], meta.positions, make_cache(), meta, attn)
+        logits, _ = m(toks[:, :-1], meta.positions.reshape(batch, t), make_cache(), meta, attn)
         ce = optax.softmax_cross_entropy_with_integer_labels(logits, toks[:, 1:])
         return (ce.sum(axis=1) * weights).sum()
 

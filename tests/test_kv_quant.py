@@ -26,6 +26,7 @@ from jaxserve.models.model_config import ModelConfig
 from jaxserve.runner import model_runner
 from pallas_kernels import native, reference
 from pallas_kernels import paged_attention as pk
+from pallas_kernels import ragged_paged_attention as rpa
 
 DTYPES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
 
@@ -306,52 +307,36 @@ def test_pallas_decode_quantized_matches_oracle(backend, kind, ratio, ps, lens):
     close(got, want, jnp.float32)
 
 
-@pytest.mark.parametrize(
-    "impl,mode",
-    [(i, m) for i in ("xla", "native", "pallas-tpu", "pallas-gpu") for m in ("decode", "context")]
-    + [("xla", "prefill")],
-)
-def test_attention_dispatchers_read_quantized_pages(impl, mode):
-    """reference.attention, native.attention and the Pallas dispatcher on an int8 cache tuple:
-    decode and context read the pages (the oracle on dequantized pages); prefill attends to the
-    k/v it is given (write_kv hands it the dequantized values)."""
+@pytest.mark.parametrize("impl", ["xla", "native", "pallas-tpu", "pallas-gpu"])
+def test_attention_backends_read_quantized_pages(impl):
+    """Every attention backend on an int8 cache tuple, one ragged step of three decode rows, a
+    16-token chunk and padding: each reads the pages (poisoned past every live context, but
+    for XLA's gather) like the oracle on the dequantized pages."""
     rng = np.random.default_rng(3)
     ps, kvh, d = 8, 2, 32
-    if mode == "prefill":
-        lens, t = [25], 32
-    elif mode == "decode":
-        lens, t = [37, 1, 66], 1
-    else:
-        lens, t = [34], 16
+    lens, qlens = [37, 1, 66, 34], [1, 1, 1, 16]
     clean, bad, kd, vd, bt = _quantized_pool(rng, lens, ps, kvh, d, "int8", even_width=True, poison=1e30)
     cache = clean if impl == "xla" else bad
-    b = len(lens)
-    q = randn(rng, (b, t, 2 * kvh, d))
+    qsl = jnp.asarray(np.concatenate([[0], np.cumsum(qlens)]), jnp.int32)
+    n = int(qsl[-1]) + 5  # 5 padding tokens
+    pos = np.zeros(n, np.int32)
+    for r, (ln, m) in enumerate(zip(lens, qlens)):
+        pos[int(qsl[r]) : int(qsl[r]) + m] = np.arange(ln - m, ln)
+    pos = jnp.asarray(pos)
     cl = jnp.asarray(lens, jnp.int32)
-    if mode == "prefill":
-        seg = jnp.asarray([[0] * 11 + [1] * 14 + [-1] * 7], jnp.int32)
-        pos = jnp.asarray(np.concatenate([np.arange(11), np.arange(14), np.zeros(7)])[None], jnp.int32)
-        k, v = (reference.dequantize(*reference.quantize_kv(randn(rng, (1, t, kvh, d)), jnp.int8)) for _ in "kv")
-        want = reference.causal_attention(q, k, v, 0.2, seg)
-    else:
-        pos = cl[:, None] - t + jnp.arange(t, dtype=jnp.int32)[None, :]
-        seg = jnp.zeros_like(pos)
-        k = v = jnp.zeros((b, t, kvh, d))
-        want = _oracle(q, kd, vd, bt, cl, pos, 0.2)
-    meta = reference.AttentionMetadata(jnp.zeros_like(pos), bt, cl, pos, seg)
+    q = randn(rng, (n, 2 * kvh, d))
+    k = v = jnp.zeros((n, kvh, d))
+    want = reference.ragged_paged_attention(q, kd, vd, qsl, cl, bt, pos, 0.2)
+    md = reference.RaggedMetadata(jnp.zeros_like(pos), bt, cl, qsl, pos)
     if impl == "xla":
-        fn = reference.attention
+        fn = reference.ragged_attention
     elif impl == "native":
-        fn = native.attention
+        fn = native.ragged_attention
     else:
-        fn = lambda *a, **kw: pk.attention(*a, interpret=True, backend=impl.split("-")[1], **kw)  # noqa: E731
-    got = jax.jit(lambda q, k, v, c, m: fn(q, k, v, c, m, scale=0.2, mode=mode))(q, k, v, cache, meta)
+        fn = lambda *a, **kw: rpa.attention(*a, interpret=True, backend=impl.split("-")[1], **kw)  # noqa: E731
+    got = jax.jit(lambda q, k, v, c, m: fn(q, k, v, c, m, scale=0.2))(q, k, v, cache, md)
     assert got.shape == q.shape and got.dtype == q.dtype
-    if mode == "prefill":
-        live = np.asarray(seg[0] >= 0)
-        close(np.asarray(got)[:, live], np.asarray(want)[:, live], jnp.float32)
-    else:
-        close(got, want, jnp.float32)
+    close(got, want, jnp.float32)
 
 
 # -- the pool: sizing, resolve, copy -----------------------------------------------------

@@ -1,5 +1,4 @@
-"""The paged decode kernel (both lowerings, interpret mode on the CPU) and the ``attention``
-dispatcher against the jnp reference: page sizes 8/16/32, grouped-query ratios 1/2/4, head
+"""The paged decode kernel (both lowerings, interpret mode on the CPU) against the jnp reference: page sizes 8/16/32, grouped-query ratios 1/2/4, head
 dims 64/128, context lengths up to ~600 that end inside a page, float32 and bfloat16, the
 TPU page-block and GPU split-K knobs. Pages outside every live context (unused pages, the
 dummy page the block tables are padded with) and the tail of each last page hold NaN and
@@ -19,7 +18,7 @@ from hypothesis import strategies as st
 from paged_pools import close, page_pool, randn
 
 from pallas_kernels import reference
-from pallas_kernels.paged_attention import attention, combine_splits, paged_decode_attention
+from pallas_kernels.paged_attention import combine_splits, paged_decode_attention
 
 BACKENDS = ["tpu", "gpu"]
 
@@ -87,61 +86,6 @@ def test_combine_splits_is_one_softmax():
     np.testing.assert_allclose(combine_splits(acc, m, l), want, atol=1e-6)
 
 
-def _dispatch_case(mode: str, rng):
-    """Inputs shaped like the engine's step of each kind, with NaN wherever no real query
-    may look (so only the reference runs on the clean pool)."""
-    kvh, ratio, d, ps = 2, 2, 64, 8
-    if mode == "prefill":  # two prompts packed in one row plus padding
-        t = 32
-        seg = jnp.asarray([[0] * 11 + [1] * 14 + [-1] * 7], jnp.int32)
-        q, k, v = randn(rng, (1, t, kvh * ratio, d)), randn(rng, (1, t, kvh, d)), randn(rng, (1, t, kvh, d))
-        kp, vp, _, _, bt = page_pool(rng, [5], ps, kvh, d, jnp.float32, even_width=True)
-        pos = jnp.asarray(np.concatenate([np.arange(11), np.arange(14), np.zeros(7)])[None], jnp.int32)
-        meta = reference.AttentionMetadata(jnp.zeros_like(pos), bt, jnp.asarray([25], jnp.int32), pos, seg)
-        return (q, k, v, (kp, vp), meta), (q, k, v, (kp, vp), meta)
-    if mode == "decode":
-        lens = [37, 1, 250]
-        kp, vp, kb, vb, bt = page_pool(rng, lens, ps, kvh, d, jnp.float32, even_width=True)
-        cl = jnp.asarray(lens, jnp.int32)
-        q = randn(rng, (3, 1, kvh * ratio, d))
-        k = v = jnp.zeros((3, 1, kvh, d))
-        zeros = jnp.zeros((3, 1), jnp.int32)
-        meta = reference.AttentionMetadata(zeros, bt, cl, cl[:, None] - 1, zeros)
-        return (q, k, v, (kp, vp), meta), (q, k, v, (kb, vb), meta)
-    # "context": a 13-token chunk at position 21 in a 16-token bucket; padding queries at 0
-    start, m, t = 21, 13, 16
-    kp, vp, kb, vb, bt = page_pool(rng, [start + m], ps, kvh, d, jnp.float32, even_width=True)
-    pos = np.zeros((1, t), np.int32)
-    pos[0, :m] = np.arange(start, start + m)
-    seg = np.full((1, t), -1, np.int32)
-    seg[0, :m] = 0
-    q = randn(rng, (1, t, kvh * ratio, d))
-    k = v = jnp.zeros((1, t, kvh, d))
-    meta = reference.AttentionMetadata(
-        jnp.zeros_like(jnp.asarray(pos)), bt, jnp.asarray([start + m], jnp.int32), jnp.asarray(pos), jnp.asarray(seg)
-    )
-    return (q, k, v, (kp, vp), meta), (q, k, v, (kb, vb), meta)
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("mode", ["prefill", "decode", "context"])
-def test_attention_dispatcher_matches_reference(mode, backend):
-    rng = np.random.default_rng(5)
-    args, poisoned = _dispatch_case(mode, rng)
-    scale = 1 / math.sqrt(args[0].shape[-1])
-    want = reference.attention(*args, scale=scale, mode=mode)
-    got = attention(*poisoned, scale=scale, mode=mode, interpret=True, backend=backend)
-    assert got.shape == want.shape and got.dtype == want.dtype
-    close(got, want, jnp.float32)
-
-
-def test_dispatcher_rejects_unknown_mode():
-    rng = np.random.default_rng(6)
-    args, _ = _dispatch_case("decode", rng)
-    with pytest.raises(ValueError, match="mode"):
-        attention(*args, scale=0.1, mode="verify", interpret=True)
-
-
 def export_for(platform: str, fn, *args):
     """Lower fn for a platform this machine does not have: runs the Pallas Mosaic/Triton
     lowering rules (block-shape legality, supported primitives) without compiling."""
@@ -154,29 +98,18 @@ def export_for(platform: str, fn, *args):
 def test_compiled_lowerings(backend, platform, d, ps):
     sd = jax.ShapeDtypeStruct
     bf, i32 = jnp.bfloat16, jnp.int32
-    b, t, kvh, h, n, p = 4, 32, 2, 8, 64, 12
+    b, kvh, h, n, p = 4, 2, 8, 64, 12
 
-    def f(q, k, v, kp, vp, bt, cl, pos, seg):
-        meta = reference.AttentionMetadata(seg, bt, cl, pos, seg)
-        meta1 = reference.AttentionMetadata(seg[:, :1], bt, cl, pos[:, :1], seg[:, :1])
-        kw = dict(scale=0.1, interpret=False, backend=backend)
-        return (
-            attention(q, k, v, (kp, vp), meta, mode="prefill", **kw),
-            attention(q, k, v, (kp, vp), meta, mode="context", **kw),
-            attention(q[:, :1], k[:, :1], v[:, :1], (kp, vp), meta1, mode="decode", **kw),
-        )
+    def f(q, kp, vp, bt, cl):
+        return paged_decode_attention(q, kp, vp, bt, cl, scale=0.1, interpret=False, backend=backend)
 
     exported = export_for(
         platform,
         f,
-        sd((b, t, h, d), bf),
-        sd((b, t, kvh, d), bf),
-        sd((b, t, kvh, d), bf),
+        sd((b, h, d), bf),
         sd((n, ps, kvh, d), bf),
         sd((n, ps, kvh, d), bf),
         sd((b, p), i32),
         sd((b,), i32),
-        sd((b, t), i32),
-        sd((b, t), i32),
     )
     assert ("tpu_custom_call" if backend == "tpu" else "triton") in exported.mlir_module()

@@ -27,7 +27,7 @@ SCRIPT = textwrap.dedent(r"""
     # Pallas kernels (interpreted here) run per chip under shard_map: same tokens as tp=1 (the
     # CPU's default attention), and no step gathers the page pool (XLA cannot split a kernel's
     # custom call on TPU/GPU). No warm-up: every engine compiles the shapes this workload runs
-    # (each step kind: fresh prefill, context, decode), which are the executables inspected.
+    # (the ragged step at each token bucket used), which are the executables inspected.
     for name, path, n in (("pallas", sys.argv[1], len(prompts)), ("pallas_few_kv_heads", sys.argv[2], 4)):
         out[name] = {}
         for tp in (1, 2, 4):
@@ -36,7 +36,7 @@ SCRIPT = textwrap.dedent(r"""
             toks = [o.token_ids for o in llm.generate(prompts[:n], params[:n])]
             toks += [o.token_ids for o in llm.generate(again[:n], params[:n])]
             t = llm.runner.target
-            steps = {s: len(getattr(t, s)) for s in ("prefill", "prefill_ctx", "decode_sample")}
+            steps = {s: len(getattr(t, s)) for s in ("step",)}
             gathers = sum("all-gather" in exe.as_text() for s in steps for exe in getattr(t, s).executables())
             out[name][tp] = {"tokens": toks, "steps": steps, "gathers": gathers, "impl": llm.runner.attention_impl,
                              "hits": llm.prefix_cache.hit_tokens}
@@ -46,22 +46,28 @@ SCRIPT = textwrap.dedent(r"""
     from jax.sharding import NamedSharding, PartitionSpec as P
     from jaxserve.parallel import sharding as shd
     from jaxserve.models.model_config import ModelConfig
-    from pallas_kernels import paged_attention as pk, reference
+    from pallas_kernels import ragged_paged_attention as rpa, reference
     cfg = ModelConfig("LlamaForCausalLM", 512, 512, 1024, 1, 8, 8, 64, 1e-5, 1e4, 2048)
     mesh = shd.make_mesh(4)
     H = P(None, None, shd.AXIS, None)
     sd = lambda shape, dt, spec: jax.ShapeDtypeStruct(shape, dt, sharding=NamedSharding(mesh, spec))
     bf, i32 = jnp.bfloat16, jnp.int32
-    args = (sd((8, 1, 8, 64), bf, H), sd((8, 1, 8, 64), bf, H), sd((8, 1, 8, 64), bf, H), sd((64, 16, 8, 64), bf, H),
-            sd((64, 16, 8, 64), bf, H), sd((8, 16), i32, P()), sd((8,), i32, P()), sd((8, 1), i32, P()),
-            sd((8, 1), i32, P()))
+    # a ragged step of 24 tokens in 8 rows: q/k/v [1, 24, H, D] as the model passes them (split
+    # by heads), pages, then
+    # slot_mapping [24], block tables [8, 16], seq_lens [8], query_start_loc [9], positions [24]
+    args = (sd((1, 24, 8, 64), bf, H), sd((1, 24, 8, 64), bf, H), sd((1, 24, 8, 64), bf, H), sd((64, 16, 8, 64), bf, H),
+            sd((64, 16, 8, 64), bf, H), sd((24,), i32, P()), sd((8, 16), i32, P()), sd((8,), i32, P()),
+            sd((9,), i32, P()), sd((24,), i32, P()))
     out["export"] = {}
     for platform, backend, marker in (("tpu", "tpu", "tpu_custom_call"), ("cuda", "gpu", "triton")):
-        fn = shd.shard_attention(functools.partial(pk.attention, mode="decode", interpret=False, backend=backend),
-                                 cfg, mesh)
+        def forward(q, k, v, cache, md, *, scale, backend=backend):  # the pallas backend's forward
+            out = rpa.attention(q.reshape(-1, *q.shape[-2:]), k, v, cache, md, scale=scale,
+                                interpret=False, backend=backend)
+            return out.reshape(q.shape)
+        fn = shd.shard_attention(forward, cfg, mesh)
         skip = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
-        attend = lambda q, k, v, kp, vp, bt, cl, pos, seg: fn(  # noqa: E731
-            q, k, v, (kp, vp), reference.AttentionMetadata(seg, bt, cl, pos, seg), scale=0.125)
+        attend = lambda q, k, v, kp, vp, slots, bt, sl, qsl, pos: fn(  # noqa: E731
+            q, k, v, (kp, vp), reference.RaggedMetadata(slots, bt, sl, qsl, pos), scale=0.125)
         exp = jax.export.export(jax.jit(attend), platforms=[platform], disabled_checks=skip)(*args)
         text = exp.mlir_module()
         out["export"][platform] = {"devices": exp.nr_devices, "kernel": marker in text, "gather": "all_gather" in text}

@@ -53,6 +53,7 @@ def live_rows(n):
     finally:
         _LIVE_ROWS.reset(token)
 
+
 COLUMN, ROW, REPLICATED = "column", "row", "replicated"
 LEAVES = ("kernel", "bias", "weight", "weight_scale")  # a Linear's parameters, quantized or not (unpacked)
 
