@@ -342,5 +342,6 @@ def ragged_attention(q, k, v, kv_pages, md: RaggedMetadata, *, scale: float, pag
         tables = jnp.pad(tables, ((0, 0), (0, pad)))
     out = paged_attention_chunked(
         qf[:, None], k_pages, v_pages, tables, lens, md.positions[:, None], scale, pages_per_chunk, k_scales, v_scales
-    )
-    return out.reshape(shape)
+    )[:, 0]
+    sees = jnp.minimum(lens, md.positions + 1) > 0  # padding and tokens that see nothing: zeros
+    return jnp.where(sees[:, None, None], out, jnp.zeros_like(out)).reshape(shape)
