@@ -42,7 +42,7 @@ def run_ab(
     rounds: int,
     *,
     with_requests: bool = True,
-    out=sys.stdout,
+    out=None,
 ) -> list[dict]:
     """run_round(config index, round index) -> RoundStats, called in the alternating order.
     Returns one result dict per configuration (the `configs` list of the result JSON)."""
@@ -52,7 +52,7 @@ def run_ab(
         for c in order if k % 2 == 0 else order[::-1]:
             r = run_round(c, k)
             per[c].append(r)
-            print(round_line(configs[c].label, k, r.summary()), file=out, flush=True)
+            print(round_line(configs[c].label, k, r.summary()), file=out or sys.stdout, flush=True)
     results = []
     for cfg, rs in zip(configs, per):
         heads = [headline(r.summary()) for r in rs]
@@ -71,7 +71,7 @@ def run_ab(
     return results
 
 
-def print_medians(results: list[dict], out=sys.stdout) -> None:
+def print_medians(results: list[dict], out=None) -> None:
     """The per-configuration medians, and the ratios against the first configuration."""
     for r in results:
         m = r["median"]
@@ -87,4 +87,4 @@ def print_medians(results: list[dict], out=sys.stdout) -> None:
                 f" | vs {results[0]['label']}: throughput {q['output_tok_s']:.3f}x, TTFT p50 {q['ttft_p50_s']:.3f}x, "
                 f"ITL p99 {q['itl_p99_s']:.3f}x"
             )
-        print(line, file=out, flush=True)
+        print(line, file=out or sys.stdout, flush=True)

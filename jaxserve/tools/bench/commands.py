@@ -289,6 +289,7 @@ def _offline_ab(args, llms, configs, rounds_of, *, max_concurrency=None) -> list
 
 
 def cmd_throughput(args, argv) -> dict:
+    Workload.load(_workload_spec(args, 2**31 - 1))  # a bad workload fails before any model loads
     with ExitStack() as stack:
         llms, configs = _build_llms(args, stack, args.engine_opts or [{}])
         wl = Workload.load(_workload_spec(args, llms[0].model_cfg.vocab_size))
@@ -298,6 +299,7 @@ def cmd_throughput(args, argv) -> dict:
 
 
 def cmd_latency(args, argv) -> dict:
+    Workload.load(_workload_spec(args, 2**31 - 1))  # a bad workload fails before any model loads
     with ExitStack() as stack:
         llms, configs = _build_llms(args, stack, args.engine_opts or [{}])
         wl = Workload.load(_workload_spec(args, llms[0].model_cfg.vocab_size))
