@@ -43,6 +43,10 @@ def _range(text: str) -> tuple[int, int]:
         raise argparse.ArgumentTypeError(f"expected N or LOW-HIGH, got {text!r}") from None
 
 
+def _span(r: tuple[int, int]) -> str:
+    return str(r[0]) if r[0] == r[1] else f"{r[0]}-{r[1]}"
+
+
 def _json_object(text: str) -> dict:
     try:
         v = json.loads(text)
@@ -218,9 +222,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reps", type=_positive, default=7, help="timed calls per cell (median; default 7)")
     p.add_argument("--rows", type=str, default="1,8,32", help="decode rows (comma list)")
     p.add_argument("--contexts", type=str, default="512,2048", help="context lengths (comma list)")
-    p.add_argument("--head-dim", type=_positive, default=64)
+    p.add_argument("--head-dim", type=_positive, default=None, help="default: 64 on the CPU, 128 elsewhere")
     p.add_argument("--heads", type=str, default="8/4", metavar="Q/KV", help="query/KV heads (default 8/4)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None, help="default: float32 on CPU, else bf16")
+    p.add_argument("--flash-batches", default="1,4", help="flash prefill batches (GPU/TPU only; comma list)")
+    p.add_argument("--flash-seqs", default="1024,4096", help="flash prefill sequence lengths (comma list)")
+    p.add_argument(
+        "--peak-tflops", type=float, default=None, help="the chip's peak TFLOP/s for --dtype: adds the FLOP bound"
+    )
     _out_flag(p)
     p.set_defaults(run=cmd_kernels)
     return ap
@@ -309,7 +318,8 @@ def cmd_latency(args, argv) -> dict:
         m = r["median"]
         summary[r["label"]] = {"prefill_ms": 1e3 * m["ttft_p50_s"], "decode_ms_per_token": 1e3 * m["tpot_p50_s"]}
         print(
-            f"{r['label']}: batch 1, prompt {args.prompt_len}, output {args.output_len}: prefill (TTFT p50) "
+            f"{r['label']}: batch 1, prompt {_span(wl.spec.prompt_len)}, output {_span(wl.spec.output_len)}: "
+            f"prefill (TTFT p50) "
             f"{summary[r['label']]['prefill_ms']:.1f} ms, decode {summary[r['label']]['decode_ms_per_token']:.2f} "
             f"ms/token (TPOT p50, medians of {args.rounds} rounds)",
             flush=True,

@@ -6,7 +6,11 @@ The bandwidth is measured in the same run (kv_math_cli.bandwidth_probe: a jitted
 256 MB array, best of 3) right before each cell, because a shared host's memory speed moves
 from second to second. Every time is printed with that bound and the fraction of it reached.
 
-Implementations: the kernel this backend serves with (the native C++ FFI kernel on the CPU, the
+On a GPU or TPU, causal flash prefill too: the Pallas kernel, jax.nn.dot_product_attention
+(cuDNN on a GPU) and the jnp reference, each beside its bytes bound and, given the chip's
+peak (--peak-tflops), its FLOP bound.
+
+Decode implementations: the kernel this backend serves with (the native C++ FFI kernel on the CPU, the
 Pallas kernel on a GPU or TPU) and the XLA path (reference.paged_attention_chunked, the
 online-softmax loop over pages). Each is timed as a decode step runs it: 8 calls (one per layer)
 inside one jitted fori_loop, each on its own pages and fed the previous call's output, so no
@@ -94,7 +98,7 @@ def run(args, argv) -> dict:
         raise ValueError(f"heads: expected Q/KV, e.g. 8/4, got {args.heads!r}") from None
     if heads % kv_heads:
         raise ValueError(f"heads: query heads {heads} must be a multiple of KV heads {kv_heads}")
-    d, page = args.head_dim, 16
+    d, page = args.head_dim or (64 if backend == "cpu" else 128), 16
     scale = 1 / math.sqrt(d)
     token_bytes = kv_heads * d * dtype.itemsize  # one token of K (or V)
     biggest = max(rows_list) * max(contexts) * token_bytes
@@ -173,6 +177,10 @@ def run(args, argv) -> dict:
                     f"{row['gbps']:.1f} GB/s | max abs diff {diff:.1e}",
                     flush=True,
                 )
+    if backend == "cpu":
+        print("flash prefill: not timed on the CPU (the Pallas kernels only run interpreted there)", flush=True)
+    else:
+        rows_out += bench_flash(args, backend, dtype, heads, kv_heads, d, probe, streams)
     summary = {"stream_gbps_median": statistics.median(streams), "stream_gbps_best": max(streams)}
     print(f"streaming read: median {summary['stream_gbps_median']:.1f} GB/s, best {summary['stream_gbps_best']:.1f}")
     return result.document("kernels", argv, measurements=rows_out, summary=summary)
@@ -190,3 +198,83 @@ def _looped(call):
         return jax.lax.fori_loop(0, LOOP, body, q)
 
     return jax.jit(loop)
+
+
+def bench_flash(args, backend, dtype, heads, kv_heads, d, probe, streams) -> list[dict]:
+    """Causal prefill attention on an accelerator: the Pallas kernel, jax.nn.dot_product_attention
+    (cuDNN on a GPU) and the jnp reference. The bound beside each time is the larger of the
+    bytes bound (q, k, v, o once / the stream read) and, with --peak-tflops, the FLOP bound
+    (causal: 2 x B x H x S x S x D FLOPs)."""
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels import reference
+    from pallas_kernels.flash_attention import flash_attention
+
+    scale = 1 / math.sqrt(d)
+    lowering = "gpu" if backend in ("gpu", "cuda", "rocm") else "tpu"
+    impls = {
+        f"pallas-{lowering}": jax.jit(functools.partial(flash_attention, scale=scale, backend=lowering)),
+        "jax.nn.dot_product_attention": jax.jit(
+            lambda q, k, v: jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True)
+        ),
+        "reference (jnp)": jax.jit(lambda q, k, v: reference.causal_attention(q, k, v, scale)),
+    }
+    out = []
+    for b in _ints(args.flash_batches, "flash_batches"):
+        for seq in _ints(args.flash_seqs, "flash_seqs"):
+            key = jax.random.split(jax.random.PRNGKey(seq), 3)
+            q = jax.random.normal(key[0], (b, seq, heads, d), dtype)
+            k = jax.random.normal(key[1], (b, seq, kv_heads, d), dtype)
+            v = jax.random.normal(key[2], (b, seq, kv_heads, d), dtype)
+            nbytes = (2 * q.size + k.size + v.size) * dtype.itemsize
+            flops = 2 * b * heads * seq * seq * d  # causal: half of 4 x B x H x S x S x D
+            want = impls["reference (jnp)"](q, k, v).astype(jnp.float32)
+            for name, fn in impls.items():
+                try:
+                    diff = float(jnp.max(jnp.abs(fn(q, k, v).astype(jnp.float32) - want)))
+                    times = []
+                    for _ in range(args.reps):
+                        stream = probe()
+                        streams.append(stream / 1e9)
+                        t0 = time.perf_counter()
+                        jax.block_until_ready(fn(q, k, v))
+                        times.append((time.perf_counter() - t0) * 1e3)
+                except Exception as e:  # an implementation this platform lacks
+                    print(f"flash {name} B={b} S={seq}: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
+                    continue
+                ms = statistics.median(times)
+                stream_gbps = statistics.median(streams[-args.reps :])
+                bytes_ms = nbytes / (stream_gbps * 1e9) * 1e3
+                flop_ms = flops / (args.peak_tflops * 1e12) * 1e3 if args.peak_tflops else 0.0
+                bound_ms = max(bytes_ms, flop_ms)
+                out.append(
+                    {
+                        "name": "flash prefill (causal)",
+                        "impl": name,
+                        "config": {
+                            "batch": b,
+                            "seq": seq,
+                            "heads": heads,
+                            "kv_heads": kv_heads,
+                            "head_dim": d,
+                            "dtype": dtype.name,
+                        },  # fmt: skip
+                        "ms": ms,
+                        "bytes": nbytes,
+                        "flops": flops,
+                        "tflops": flops / ms / 1e9,
+                        "stream_gbps": stream_gbps,
+                        "bound_ms": bound_ms,
+                        "bound": "flops" if flop_ms > bytes_ms else "bytes",
+                        "fraction_of_bound": bound_ms / ms,
+                        "max_abs_diff": diff,
+                    }
+                )
+                r = out[-1]
+                print(
+                    f"flash B={b} S={seq:5d} {name:28s}: {ms:8.3f} ms, {r['tflops']:.1f} TFLOP/s | bound {bound_ms:.3f} ms "
+                    f"({r['bound']}) = {r['fraction_of_bound']:.2f} of bound | max abs diff {diff:.1e}",
+                    flush=True,
+                )
+    return out
