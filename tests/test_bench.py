@@ -20,7 +20,13 @@ from jaxserve.tools.bench import ab
 from jaxserve.tools.bench.stats import RequestRecord, RequestTimer, RoundStats, summarize
 from jaxserve.tools.bench.workload import Workload, WorkloadSpec
 
-OPTS = dict(max_slots=4, page_size=8, max_model_len=128, num_pages=128, prefill_buckets=[16, 32])
+OPTS = dict(max_slots=4, page_size=8, max_model_len=128, num_pages=128, prefill_buckets=(16, 32))
+
+
+@pytest.fixture(scope="module")
+def opts(tmp_path_factory) -> dict:
+    """The engine options of both runs; the second engine loads the first one's compiled steps."""
+    return {**OPTS, "compilation_cache_dir": str(tmp_path_factory.mktemp("executables"))}
 
 
 def run(argv, capsys) -> tuple[int, str, str]:
@@ -172,11 +178,11 @@ def _check_runs(doc: dict, wl: Workload, rounds: int) -> None:
     assert cfg["median"]["output_tok_s"] > 0
 
 
-def test_bench_serve_against_a_real_server(capsys, tmp_path):
+def test_bench_serve_against_a_real_server(capsys, tmp_path, opts):
     from jaxserve import LLM
     from jaxserve.serving.server import Server
 
-    llm = LLM(TEST_MODEL, **OPTS)
+    llm = LLM(TEST_MODEL, **opts)
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
     server = Server(llm, port=None, http_port=0)
@@ -199,10 +205,10 @@ def test_bench_serve_against_a_real_server(capsys, tmp_path):
         loop.call_soon_threadsafe(loop.stop)
 
 
-def test_bench_throughput_offline(capsys, tmp_path):
+def test_bench_throughput_offline(capsys, tmp_path, opts):
     out = tmp_path / "tp.json"
     flags = ["--num-requests", "4", "--prompt-len", "4-20", "--output-len", "2-6", "--rounds", "2"]
-    argv = ["bench", "throughput", "--model", str(TEST_MODEL), "--engine-opts", json.dumps(OPTS), *flags]
+    argv = ["bench", "throughput", "--model", str(TEST_MODEL), "--engine-opts", json.dumps(opts), *flags]
     code, stdout, err = run(argv + ["--out", str(out)], capsys)
     assert code == 0, err
     doc = json.loads(out.read_text())

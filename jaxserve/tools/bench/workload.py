@@ -182,6 +182,8 @@ class Workload:
             d.pop("prefix_len")
         if self.spec.kind != "long-short":
             d.pop("long_fraction"), d.pop("long_len")
+        if self.spec.kind == "json":  # the file's lengths, not the flags'
+            d.pop("prompt_len"), d.pop("output_len")
         d["total_prompt_tokens"] = sum(p for p, _ in self.lengths) + (
             self.spec.prefix_len * len(self.lengths) if self.spec.kind == "shared-prefix" else 0
         )
