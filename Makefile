@@ -49,8 +49,10 @@ test: $(STAMP) install-shellcheck lint
 demo: $(RUNTIME_STAMP)
 	JAX_PLATFORMS=cpu $(BIN)/python scripts/demo.py
 
+# The mixed-64 workload on the random Llama it describes (docs/benchmarks.md).
+WORKLOAD ?= ../shared/workloads/mixed-64.json
 bench: $(STAMP)
-	JAX_PLATFORMS=cpu $(BIN)/python scripts/bench_offline.py
+	JAX_PLATFORMS=cpu $(BIN)/jaxserve bench throughput --workload-file $(WORKLOAD) --model workload --out bench-throughput.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -405,40 +405,11 @@ def cmd_convert(args) -> int:
     return 0
 
 
-def _benchmarks() -> list[str]:
-    scripts = Path(__file__).resolve().parents[1] / "scripts"
-    return sorted(p.stem[6:] for p in scripts.glob("bench_*.py"))
-
-
 def cmd_bench(argv) -> int:
-    import runpy
+    """The benchmark harness (jaxserve/tools/bench): its own subcommands and flags."""
+    from jaxserve.tools.bench.commands import main
 
-    scripts = Path(__file__).resolve().parents[1] / "scripts"
-    gin_args, argv = _split_gin(argv)
-    if not argv or argv[0] in ("-h", "--help"):
-        print(
-            f"usage: jaxserve bench NAME [--gin_file FILE] [--gin_param BINDING] [ARGS...]\n\n"
-            f"Run scripts/bench_NAME.py with ARGS. Benchmarks: {', '.join(_benchmarks())}.\n"
-            "`jaxserve bench NAME --help` shows a benchmark's own flags. With gin flags, the configuration is\n"
-            "validated and its compilation cache is used; the benchmarks choose their own model sizes.",
-            file=sys.stdout if argv else sys.stderr,
-        )
-        return 0 if argv else 2
-    name = argv[0]
-    path = scripts / f"bench_{name}.py"
-    if not path.is_file():
-        print(f"jaxserve bench: error: no benchmark {name!r} (have: {', '.join(_benchmarks())})", file=sys.stderr)
-        return 2
-    if gin_args.gin_file or gin_args.gin_param:
-        try:
-            cfg = load_cli_config(gin_args, default_gin=False)
-        except ValueError as e:
-            print(f"jaxserve bench: error: {e}", file=sys.stderr)
-            return 2
-        enable_compilation_cache(cfg.compilation_cache_dir)
-    sys.argv = [str(path)] + argv[1:]
-    runpy.run_path(str(path), run_name="__main__")
-    return 0
+    return main(argv)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -514,7 +485,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser(
         "kv-math", help="KV-cache capacity and cost calculator (see jaxserve kv-math --help)", add_help=False
     )
-    sub.add_parser("bench", help="run a benchmark: jaxserve bench {offline,prefix,serving,...} [args]", add_help=False)
+    sub.add_parser(
+        "bench",
+        help="benchmarks: jaxserve bench {throughput,latency,serve,prefix,speculative,kernels} [args]",
+        add_help=False,
+    )
     p = sub.add_parser(
         "convert",
         help="convert a Hugging Face checkpoint into the converted-weight cache",

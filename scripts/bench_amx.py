@@ -15,7 +15,7 @@ and medians are reported, as ratios first:
    it must read (weights but the embedding table, live KV) over a streaming read taken just
    before each timing;
 4. the mixed-64 workload offline with ``LLM(path)`` defaults but ``matmul_dtype`` (as
-   scripts/bench_offline.py --defaults: every run cold, prefix cache flushed): useful output
+   `jaxserve bench throughput --workload-file mixed-64.json --model workload`: every run cold, prefix cache flushed): useful output
    tokens per second, and how many outputs equal float32's.
 
     JAX_PLATFORMS=cpu .venv/bin/python scripts/bench_amx.py [--rounds 5] [--json F]
@@ -65,10 +65,11 @@ def bench_square(n: int, rounds: int) -> dict:
 
 def bench_prefill(spec: dict, prompt: int, rounds: int) -> dict:
     import numpy as np
-    from bench_offline import build_model
+    from transformers import LlamaForCausalLM
 
     from jaxserve import LLM, SamplingParams
     from jaxserve.runner.executable_cache import compile_count
+    from jaxserve.tools.bench.workload import model_from_spec
 
     spec = {**spec, "max_position_embeddings": max(spec["max_position_embeddings"], prompt + 64)}
     params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
@@ -76,7 +77,7 @@ def bench_prefill(spec: dict, prompt: int, rounds: int) -> dict:
     times = {d: [] for d in DTYPES}
     first = {d: [] for d in DTYPES}
     with tempfile.TemporaryDirectory() as tmp:
-        model = build_model(spec, Path(tmp))
+        model = LlamaForCausalLM.from_pretrained(model_from_spec(spec, Path(tmp)))
         layer_params = sum(
             p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n and "lm_head" not in n
         )
@@ -142,23 +143,31 @@ def bench_decode(spec: dict, batches, context: int, rounds: int, repeats: int) -
     return out
 
 
-def bench_workload(wl: dict, rounds: int) -> dict:
-    from bench_offline import build_model, run_jaxserve
+def run_jaxserve(llm, reqs):
+    """The workload's requests on llm (jaxserve bench's offline driver): (wall s, output ids)."""
+    from jaxserve.tools.bench.offline import run_offline
+    from jaxserve.tools.bench.workload import Request
 
+    rs = run_offline(llm, [Request(r["prompt_ids"], r["output_len"]) for r in reqs])
+    return rs.wall_s, rs.outputs
+
+
+def bench_workload(wl: dict, rounds: int) -> dict:
     from jaxserve import LLM
     from jaxserve.runner.executable_cache import compile_count
+    from jaxserve.tools.bench.workload import model_from_spec
 
     reqs = wl["requests"]
     useful = sum(r["output_len"] for r in reqs)
     times = {d: [] for d in DTYPES}
     outs = {}
     with tempfile.TemporaryDirectory() as tmp:
-        build_model(wl["model"], Path(tmp))
+        model_from_spec(wl["model"], Path(tmp))
         engines = {d: LLM(tmp, matmul_dtype=d) for d in DTYPES}
         before = compile_count()
         for _ in range(rounds):
             for d, llm in engines.items():
-                secs, toks, _ = run_jaxserve(llm, reqs, None)
+                secs, toks = run_jaxserve(llm, reqs)
                 times[d].append(secs)
                 outs[d] = toks
         compiles = compile_count() - before

@@ -5,7 +5,7 @@ Two engines on the random 56.4M Llama of ../shared/workloads/mixed-64.json, iden
 
 - batch 1: one request, prompt 512 tokens, 128 greedy tokens: time per output token;
 - batch 16: 16 such requests with 64-token prompts at once: output tokens per second;
-- mixed-64: the whole workload (as scripts/bench_offline.py runs it): output tokens per second.
+- mixed-64: the whole workload (as `jaxserve bench throughput --workload-file` runs it): output tokens per second.
 
 Prints each round and the medians, the ratio async/sync, and checks the outputs are equal.
 
@@ -22,8 +22,9 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_offline import DEFAULT_WORKLOAD, build_model  # noqa: E402
+from jaxserve.tools.bench.workload import model_from_spec as build_model
+
+DEFAULT_WORKLOAD = Path(__file__).resolve().parents[2] / "shared" / "workloads" / "mixed-64.json"
 
 
 def run(llm, prompts, max_tokens) -> tuple[float, list[list[int]], int]:

@@ -1,7 +1,7 @@
 """Batch-1 decode at context 512: jaxserve against llama.cpp on the same weights, side by side.
 
 The model is the 56.4M bench Llama of ../shared/workloads/mixed-64.json (random weights,
-torch.manual_seed(0), built by scripts/bench_offline.py's `build_model`), float32 on both
+torch.manual_seed(0), built by `jaxserve.tools.bench.workload.model_from_spec`), float32 on both
 sides. Each round runs, one after another on the same cores:
 
   (a) llama.cpp: `llama-bench -m GGUF -p 0 -n N -d 512 -t 1,2 -fa 0,1 -ctk f32 -ctv f32 -r R
@@ -95,7 +95,7 @@ convert_hf_to_gguf.main()
 
 def make_gguf(workload: Path, llama_cpp_dir: Path, hf_dir: Path, gguf: Path) -> None:
     sys.path.insert(0, str(REPO / "scripts"))
-    from bench_offline import build_model
+    from jaxserve.tools.bench.workload import model_from_spec as build_model
 
     spec = json.loads(workload.read_text())["model"]
     if not (hf_dir / "model.safetensors").exists():

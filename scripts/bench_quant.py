@@ -6,7 +6,7 @@ On the 56.4M bench model of ../shared/workloads/mixed-64.json (random weights, f
    batch 1 and 16, every slot at ``--context`` tokens; configurations take turns, repeat after
    repeat, and each median is printed beside its memory bound (bytes the step must read over
    the streaming bandwidth measured in the same run, before and after);
-2. the mixed workload offline (like scripts/bench_offline.py): useful output tokens per second,
+2. the mixed workload offline (like `jaxserve bench throughput`): useful output tokens per second,
    configurations taking turns;
 3. with ``--matmul``: one projection alone over row counts, XLA's float32 dot against the native
    kernel on float32 and int8 panels and XLA's dequantize-then-dot, beside the streaming bound.
@@ -109,16 +109,24 @@ def bench_steps(shape, configs, batches, context, repeats, steps_per_repeat) -> 
     return {"steps": out, "bandwidth_before": bw_before, "bandwidth_after": bw_after}
 
 
-def bench_workload(wl, configs, repeats, max_slots) -> dict:
-    from bench_offline import build_model, run_jaxserve
+def run_jaxserve(llm, reqs):
+    """The workload's requests on llm (jaxserve bench's offline driver): (wall s, output ids)."""
+    from jaxserve.tools.bench.offline import run_offline
+    from jaxserve.tools.bench.workload import Request
 
+    rs = run_offline(llm, [Request(r["prompt_ids"], r["output_len"]) for r in reqs])
+    return rs.wall_s, rs.outputs
+
+
+def bench_workload(wl, configs, repeats, max_slots) -> dict:
     from jaxserve import LLM
+    from jaxserve.tools.bench.workload import model_from_spec
 
     reqs = wl["requests"]
     useful = sum(r["output_len"] for r in reqs)
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
-        build_model(wl["model"], Path(tmp))
+        model_from_spec(wl["model"], Path(tmp))
         engines = {}
         for name in configs:
             quant, kv = CONFIGS[name]
@@ -130,7 +138,7 @@ def bench_workload(wl, configs, repeats, max_slots) -> dict:
         before = compile_count()  # process-wide: every engine is warm by now
         for i in range(repeats):
             for name, llm in engines.items():
-                secs, toks, steps = run_jaxserve(llm, reqs, None)
+                secs, toks = run_jaxserve(llm, reqs)
                 times[name].append(secs)
                 outputs[name] = toks
                 print(f"  workload {name} run {i}: {secs:.2f}s, {useful / secs:.0f} tok/s", flush=True)

@@ -121,7 +121,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
 
-    from bench_offline import build_model
+    from jaxserve.tools.bench.workload import model_from_spec as build_model
 
     model = Path(args.model_dir)
     if not (model / "config.json").is_file():

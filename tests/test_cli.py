@@ -47,8 +47,9 @@ def test_top_level_help_and_no_command(capsys):
         (["generate"], "jaxserve generate: error: the following arguments are required: prompt"),
         (["serve", "--token-buckets", "16,x"], "expected comma-separated integers"),
         (["frobnicate"], "jaxserve: error: argument COMMAND: invalid choice: 'frobnicate'"),
-        (["bench"], "usage: jaxserve bench NAME"),
-        (["bench", "nosuch"], "jaxserve bench: error: no benchmark 'nosuch'"),
+        (["bench"], "usage: jaxserve bench [-h] SUBCOMMAND"),
+        (["bench", "nosuch"], "jaxserve bench: error: argument SUBCOMMAND: invalid choice: 'nosuch'"),
+        (["bench", "serve"], "jaxserve bench serve: error: the following arguments are required: --base-url"),
     ],
 )
 def test_usage_errors_exit_2_with_a_message(argv, message, capsys):
@@ -77,7 +78,10 @@ def test_usage_errors_exit_2_with_a_message(argv, message, capsys):
         ),
         (["convert", "--gin_param", "ServeConfig.dtype = 3"], "jaxserve convert: error: ServeConfig.dtype must be"),
         (["kv-math", "--gin_param", "ServeConfig.page_size = 0"], "jaxserve kv-math: error: ServeConfig.page_size = 0"),
-        (["bench", "offline", "--gin_param", "ServeConfig.bogus = 1"], "jaxserve bench: error: gin binding"),
+        (
+            ["bench", "throughput", "--gin_param", "ServeConfig.bogus = 1"],
+            "jaxserve bench throughput: error: gin binding",
+        ),
     ],
 )
 def test_bad_gin_and_bad_values_exit_2_before_loading_anything(argv, message, capsys):

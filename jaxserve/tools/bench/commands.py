@@ -1,0 +1,466 @@
+"""`jaxserve bench SUBCOMMAND`: the command line of the benchmark harness.
+
+Each subcommand builds its configurations, runs them through the A/B runner (ab.py) with one
+driver (offline.py: an LLM in this process; serve.py: an OpenAI-compatible server over HTTP),
+prints a line per round and the medians, and writes the result JSON (result.py) with --out.
+Bad arguments exit 2 with a usage message; a bad value found later (a workload file's field,
+a model that does not load, a server that does not answer) exits 2 with
+"jaxserve bench NAME: error: ...".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import tempfile
+from contextlib import ExitStack
+from pathlib import Path
+
+from jaxserve.tools.bench import ab, result
+from jaxserve.tools.bench.workload import KINDS, Workload, WorkloadSpec
+
+SUBCOMMANDS = {
+    "throughput": "offline LLM.generate-style throughput over a workload; A/B with --engine-opts",
+    "latency": "batch-1 latency: prefill time (TTFT) and decode ms/token (TPOT)",
+    "serve": "Poisson arrivals against OpenAI-compatible servers (/v1/completions, streaming)",
+    "prefix": "prefix caching on against off, on prompts sharing a long prefix",
+    "speculative": "speculative decoding (n-gram, a draft model) against plain decoding",
+    "kernels": "attention kernels timed beside their memory bound (a streaming read in the same run)",
+}
+
+
+# -- argument types --------------------------------------------------------------------------------
+
+
+def _range(text: str) -> tuple[int, int]:
+    """'N' or 'LOW-HIGH' (inclusive)."""
+    try:
+        lo, _, hi = text.partition("-")
+        return (int(lo), int(hi or lo))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected N or LOW-HIGH, got {text!r}") from None
+
+
+def _span(r: tuple[int, int]) -> str:
+    return str(r[0]) if r[0] == r[1] else f"{r[0]}-{r[1]}"
+
+
+def _json_object(text: str) -> dict:
+    try:
+        v = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e}): {text!r}") from None
+    if not isinstance(v, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object of LLM options, got {text!r}")
+    return v
+
+
+def _rate(text: str) -> float:
+    try:
+        r = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected requests/s or inf, got {text!r}") from None
+    if not r > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
+    return r
+
+
+def _positive(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text!r}")
+    return n
+
+
+# -- shared flags ----------------------------------------------------------------------------------
+
+
+def _workload_flags(p: argparse.ArgumentParser, *, kind: str, n: int, plen: str, olen: str, rounds: int = 3) -> None:
+    """Lengths left out take the subcommand's defaults, or long-short's (short prompts 48-256,
+    outputs 64-160)."""
+    g = p.add_argument_group("workload")
+    g.add_argument("--workload", choices=KINDS, default=kind, help=f"the kind of requests (default {kind})")
+    g.add_argument("--workload-file", metavar="FILE.json", help="a JSON workload (implies --workload json)")
+    g.add_argument("--num-requests", type=_positive, default=n, help=f"requests per round (default {n})")
+    g.add_argument("--prompt-len", type=_range, metavar="N|LO-HI", help=f"default {plen} (long-short: 48-256)")
+    g.add_argument("--output-len", type=_range, metavar="N|LO-HI", help=f"default {olen} (long-short: 64-160)")
+    g.add_argument("--prefix-len", type=int, default=1024, help="shared-prefix: shared tokens (default 1024)")
+    g.add_argument("--long-fraction", type=float, default=0.25, help="long-short: share of long prompts (0.25)")
+    g.add_argument("--long-len", type=_range, default=(1200, 1800), metavar="LO-HI", help="long-short: 1200-1800")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--rounds", type=_positive, default=rounds, help=f"each configuration once per round ({rounds})")
+    p.set_defaults(default_lengths=(_range(plen), _range(olen)))
+
+
+def _workload_spec(args, vocab: int, **over) -> WorkloadSpec:
+    kind = "json" if args.workload_file else args.workload
+    plen, olen = ((48, 256), (64, 160)) if kind == "long-short" else args.default_lengths
+    fields = dict(
+        kind=kind,
+        num_requests=args.num_requests,
+        prompt_len=args.prompt_len or plen,
+        output_len=args.output_len or olen,
+        prefix_len=args.prefix_len,
+        long_fraction=args.long_fraction,
+        long_len=args.long_len,
+        path=args.workload_file,
+        seed=args.seed,
+        token_range=(3, vocab),
+    )
+    fields.update(over)
+    return WorkloadSpec(**fields)
+
+
+def _gin_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("gin configuration (the base engine options; --engine-opts override them)")
+    g.add_argument("--gin_file", "--gin-file", dest="gin_file", action="append", default=[], metavar="FILE")
+    g.add_argument("--gin_param", "--gin-param", dest="gin_param", action="append", default=[], metavar="BINDING")
+
+
+def _engine_flags(p: argparse.ArgumentParser, *, compare: bool = True) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument(
+        "--model",
+        default=None,
+        help="checkpoint directory or GGUF file (default: the default model); 'workload' builds the random "
+        "Llama a JSON workload's `model` field describes (needs torch)",
+    )
+    if compare:
+        g.add_argument(
+            "--engine-opts",
+            action="append",
+            type=_json_object,
+            default=[],
+            metavar="JSON",
+            help="LLM(...) options as a JSON object, e.g. '{\"max_slots\": 64}'; repeat it to compare "
+            "configurations (rounds alternate between them)",
+        )
+    else:
+        g.add_argument(
+            "--engine-opts", type=_json_object, default={}, metavar="JSON", help="LLM(...) options of every side"
+        )
+    _gin_flags(p)
+
+
+def _out_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", metavar="FILE.json", help="write the result JSON here (schema: docs/benchmarks.md)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="jaxserve bench",
+        description="Benchmark jaxserve (offline, or any OpenAI-compatible server). Every subcommand "
+        "prints a line per round and the medians, and writes one JSON schema with --out.",
+        epilog="`jaxserve bench NAME --help` shows a subcommand's flags. throughput, latency, prefix and "
+        "speculative take --gin_file/--gin_param: the deployment's engine options are the base of "
+        "every configuration. Docs: docs/benchmarks.md.",
+    )
+    sub = ap.add_subparsers(dest="name", metavar="SUBCOMMAND", required=True)
+    mk = lambda name: sub.add_parser(name, help=SUBCOMMANDS[name], description=SUBCOMMANDS[name])  # noqa: E731
+
+    p = mk("throughput")
+    _engine_flags(p)
+    _workload_flags(p, kind="random", n=64, plen="16-512", olen="16-256")
+    _out_flag(p)
+    p.set_defaults(run=cmd_throughput)
+
+    p = mk("latency")
+    _engine_flags(p)
+    _workload_flags(p, kind="random", n=4, plen="512", olen="128")
+    _out_flag(p)
+    p.set_defaults(run=cmd_latency)
+
+    p = mk("serve")
+    p.add_argument(
+        "--base-url",
+        action="append",
+        required=True,
+        metavar="URL",
+        help="an OpenAI-compatible server, e.g. http://127.0.0.1:8000; repeat it to compare servers",
+    )
+    p.add_argument(
+        "--rate", type=_rate, default=math.inf, help="requests/s, Poisson arrivals; inf (default): all at once"
+    )
+    p.add_argument("--api-key", default=None, help="bearer token for the servers")
+    p.add_argument("--prompt-format", choices=("ids", "text"), default="ids", help="token-id lists or text of words")
+    p.add_argument("--vocab-size", type=int, default=256, help="random token ids are drawn below this (default 256)")
+    p.add_argument("--no-warmup", action="store_true", help="skip the one unmeasured request per server")
+    _workload_flags(p, kind="random", n=64, plen="16-512", olen="16-256", rounds=1)
+    _out_flag(p)
+    p.set_defaults(run=cmd_serve)
+
+    p = mk("prefix")
+    _engine_flags(p, compare=False)
+    p.add_argument("--num-requests", type=_positive, default=64)
+    p.add_argument("--prefix-len", type=_positive, default=1024, help="shared tokens (default 1024)")
+    p.add_argument("--suffix-len", type=_positive, default=32, help="unique tokens after the prefix (default 32)")
+    p.add_argument("--output-len", type=_positive, default=32)
+    p.add_argument("--rounds", type=_positive, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    _out_flag(p)
+    p.set_defaults(run=cmd_prefix)
+
+    p = mk("speculative")
+    _engine_flags(p, compare=False)
+    p.add_argument("--draft", default=None, help="a draft checkpoint (same tokenizer); without it only n-gram runs")
+    p.add_argument("--k", type=_positive, default=4, help="draft tokens per step (default 4)")
+    p.add_argument("--prompts", choices=("code", "editing"), default="editing", help="code: Python source; "
+                   "editing: a function then the start of its copy (prompt lookup's case)")  # fmt: skip
+    p.add_argument("--num-requests", type=_positive, default=8)
+    p.add_argument("--output-len", type=_positive, default=128)
+    p.add_argument("--batch", type=_positive, default=1, help="requests in flight at once (default 1)")
+    p.add_argument("--rounds", type=_positive, default=2)
+    _out_flag(p)
+    p.set_defaults(run=cmd_speculative)
+
+    p = mk("kernels")
+    p.add_argument("--reps", type=_positive, default=7, help="timed calls per cell (median; default 7)")
+    p.add_argument("--rows", type=str, default="1,8,32", help="decode rows (comma list)")
+    p.add_argument("--contexts", type=str, default="512,2048", help="context lengths (comma list)")
+    p.add_argument("--head-dim", type=_positive, default=None, help="default: 64 on the CPU, 128 elsewhere")
+    p.add_argument("--heads", type=str, default="8/4", metavar="Q/KV", help="query/KV heads (default 8/4)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None, help="default: float32 on CPU, else bf16")
+    p.add_argument("--flash-batches", default="1,4", help="flash prefill batches (GPU/TPU only; comma list)")
+    p.add_argument("--flash-seqs", default="1024,4096", help="flash prefill sequence lengths (comma list)")
+    p.add_argument(
+        "--peak-tflops", type=float, default=None, help="the chip's peak TFLOP/s for --dtype: adds the FLOP bound"
+    )
+    _out_flag(p)
+    p.set_defaults(run=cmd_kernels)
+    return ap
+
+
+# -- the LLMs of a run -----------------------------------------------------------------------------
+
+
+def _base(args) -> tuple[str | None, dict]:
+    """(model, base LLM options): gin's when gin flags are given, else (--model, {})."""
+    if args.gin_file or args.gin_param:
+        from jaxserve.serve_config import load_config
+
+        cfg = load_config(args.gin_file, args.gin_param, {"model": args.model} if args.model else {})
+        return cfg.model, cfg.engine_options()
+    return args.model, {}
+
+
+def _resolve_model(model: str | None, args, stack: ExitStack) -> str | None:
+    if model != "workload":
+        return model
+    if not getattr(args, "workload_file", None):
+        raise ValueError("model: 'workload' needs --workload-file with a `model` field")
+    spec = json.loads(Path(args.workload_file).read_text()).get("model")
+    if not isinstance(spec, dict):
+        raise ValueError(f"model: {args.workload_file} has no `model` field to build")
+    from jaxserve.tools.bench.workload import model_from_spec
+
+    tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="jaxserve-bench-")))
+    print(f"building the workload's random model in {tmp}", flush=True)
+    return str(model_from_spec(spec, tmp))
+
+
+def _label(opts: dict) -> str:
+    return json.dumps(opts, separators=(",", ":")) if opts else "defaults"
+
+
+def _build_llms(args, stack: ExitStack, option_sets: list[dict]) -> tuple[list, list[ab.Config]]:
+    """One LLM per option set (all alive at once: rounds alternate between them). Each holds its
+    own KV pool: on an accelerator give each set its kv_cache_memory_bytes."""
+    from jaxserve.llm import LLM
+    from jaxserve.tools.bench.offline import engine_options
+
+    model, base = _base(args)
+    model = _resolve_model(model, args, stack)
+    llms, configs = [], []
+    for opts in option_sets:
+        print(f"loading {model or 'the default model'} with {_label(opts)}", flush=True)
+        llms.append(LLM(model, **engine_options({**base, **opts})))
+        configs.append(ab.Config(_label(opts), {"model": model, "options": opts}))
+    return llms, configs
+
+
+def _offline_ab(args, llms, configs, rounds_of, *, max_concurrency=None) -> list[dict]:
+    from jaxserve.tools.bench.offline import check_fits, run_offline
+
+    for llm in llms:
+        check_fits(rounds_of(0), llm.max_model_len)
+    cache: dict[int, list] = {}
+    get = lambda k: cache.setdefault(k, rounds_of(k))  # noqa: E731
+
+    return ab.run_ab(configs, lambda c, k: run_offline(llms[c], get(k), max_concurrency=max_concurrency), args.rounds)
+
+
+# -- subcommands -----------------------------------------------------------------------------------
+
+
+def cmd_throughput(args, argv) -> dict:
+    Workload.load(_workload_spec(args, 2**31 - 1))  # a bad workload fails before any model loads
+    with ExitStack() as stack:
+        llms, configs = _build_llms(args, stack, args.engine_opts or [{}])
+        wl = Workload.load(_workload_spec(args, llms[0].model_cfg.vocab_size))
+        results = _offline_ab(args, llms, configs, wl.round)
+    ab.print_medians(results)
+    return result.document("throughput", argv, workload=wl.describe(), configs=results)
+
+
+def cmd_latency(args, argv) -> dict:
+    Workload.load(_workload_spec(args, 2**31 - 1))  # a bad workload fails before any model loads
+    with ExitStack() as stack:
+        llms, configs = _build_llms(args, stack, args.engine_opts or [{}])
+        wl = Workload.load(_workload_spec(args, llms[0].model_cfg.vocab_size))
+        results = _offline_ab(args, llms, configs, wl.round, max_concurrency=1)
+    summary = {}
+    for r in results:
+        m = r["median"]
+        summary[r["label"]] = {"prefill_ms": 1e3 * m["ttft_p50_s"], "decode_ms_per_token": 1e3 * m["tpot_p50_s"]}
+        print(
+            f"{r['label']}: batch 1, prompt {_span(wl.spec.prompt_len)}, output {_span(wl.spec.output_len)}: "
+            f"prefill (TTFT p50) "
+            f"{summary[r['label']]['prefill_ms']:.1f} ms, decode {summary[r['label']]['decode_ms_per_token']:.2f} "
+            f"ms/token (TPOT p50, medians of {args.rounds} rounds)",
+            flush=True,
+        )
+    return result.document("latency", argv, workload=wl.describe(), configs=results, summary=summary)
+
+
+def cmd_serve(args, argv) -> dict:
+    from jaxserve.tools.bench import serve
+
+    endpoints = [serve.discover(u, args.api_key) for u in args.base_url]
+    for ep in endpoints:
+        print(f"{ep.base_url}: model {ep.model!r}, max_model_len {ep.max_model_len}", flush=True)
+    spec = _workload_spec(args, args.vocab_size, text=args.prompt_format == "text")
+    wl = Workload.load(spec)
+    if not args.no_warmup:
+        for ep in endpoints:
+            serve.warm_up(ep, "hello world" if spec.text else [3, 4, 5, 6])
+    configs = [ab.Config(ep.base_url, {"base_url": ep.base_url, "model": ep.model}) for ep in endpoints]
+    cache: dict[int, list] = {}
+    results = ab.run_ab(
+        configs,
+        lambda c, k: serve.run_serving(endpoints[c], cache.setdefault(k, wl.round(k)), args.rate, args.seed + k),
+        args.rounds,
+    )
+    ab.print_medians(results)
+    return result.document("serve", argv, workload={**wl.describe(), "rate": args.rate}, configs=results)
+
+
+def cmd_prefix(args, argv) -> dict:
+    from jaxserve.tools.bench.offline import run_offline
+
+    opts = dict(args.engine_opts)
+    opts.setdefault("max_model_len", args.prefix_len + args.suffix_len + args.output_len + 16)
+    with ExitStack() as stack:
+        sets = [{**opts, "enable_prefix_caching": True}, {**opts, "enable_prefix_caching": False}]
+        llms, configs = _build_llms(args, stack, sets)
+        configs[0].label, configs[1].label = "caching on", "caching off"
+        spec = WorkloadSpec(
+            kind="shared-prefix",
+            num_requests=args.num_requests,
+            prompt_len=(args.suffix_len, args.suffix_len),
+            output_len=(args.output_len, args.output_len),
+            prefix_len=args.prefix_len,
+            seed=args.seed,
+            token_range=(3, llms[0].model_cfg.vocab_size),
+        )
+        wl = Workload.load(spec)
+        outputs: dict[tuple[int, int], list] = {}
+
+        def one(c: int, k: int):
+            rs = run_offline(llms[c], wl.round(k))
+            outputs[(c, k)] = rs.outputs
+            return rs
+
+        results = ab.run_ab(configs, one, args.rounds)
+    on, off = results[0]["median"], results[1]["median"]
+    same = sum(a == b for k in range(args.rounds) for a, b in zip(outputs[(0, k)], outputs[(1, k)]))
+    summary = {
+        "ttft_p50_speedup": off["ttft_p50_s"] / on["ttft_p50_s"],
+        "ttft_p99_speedup": off["ttft_p99_s"] / on["ttft_p99_s"],
+        "throughput_speedup": on["output_tok_s"] / off["output_tok_s"],
+        "identical_outputs": f"{same}/{args.num_requests * args.rounds}",
+    }
+    ab.print_medians(results)
+    print(
+        f"prefix caching: TTFT p50 {summary['ttft_p50_speedup']:.2f}x faster, p99 {summary['ttft_p99_speedup']:.2f}x; "
+        f"throughput {summary['throughput_speedup']:.2f}x; identical greedy outputs {summary['identical_outputs']}",
+        flush=True,
+    )
+    return result.document("prefix", argv, workload=wl.describe(), configs=results, summary=summary)
+
+
+def cmd_speculative(args, argv) -> dict:
+    from jaxserve.tools.bench import speculative
+    from jaxserve.tools.bench.offline import run_offline
+    from jaxserve.tools.bench.workload import Request
+
+    base = {"enable_prefix_caching": False, **args.engine_opts}
+    sets = [base, {**base, "speculative_model": "ngram", "num_speculative_tokens": args.k}]
+    if args.draft:
+        sets.append({**base, "speculative_model": args.draft, "num_speculative_tokens": args.k})
+    prompts = speculative.prompts(args.prompts, args.num_requests)
+    requests = [Request(p, args.output_len) for p in prompts]
+    outputs: dict[tuple[int, int], list] = {}
+    with ExitStack() as stack:
+        llms, configs = _build_llms(args, stack, sets)
+        for cfg, name in zip(configs, ("plain", "ngram", "draft")):
+            cfg.label = name
+
+        def one(c: int, k: int):
+            rs = run_offline(llms[c], requests, max_concurrency=args.batch)
+            outputs[(c, k)] = rs.outputs
+            return rs
+
+        results = ab.run_ab(configs, one, args.rounds)
+    ab.print_medians(results)
+    summary = {}
+    for c, r in enumerate(results[1:], start=1):
+        same = sum(a == b for k in range(args.rounds) for a, b in zip(outputs[(c, k)], outputs[(0, k)]))
+        extra = r["rounds"][-1]["extra"]
+        summary[r["label"]] = {
+            "speedup": r["ratio_vs_first"]["output_tok_s"],
+            "tokens_per_target_step": extra.get("spec_tokens_per_target_step"),
+            "acceptance_by_position": extra.get("spec_acceptance_by_position"),
+            "identical_outputs": f"{same}/{len(requests) * args.rounds}",
+        }
+        s = summary[r["label"]]
+        print(
+            f"{r['label']}: {s['speedup']:.2f}x plain's output tok/s at batch {args.batch}, "
+            f"{s['tokens_per_target_step']:.2f} tokens per target step, acceptance by position "
+            f"{[round(a, 2) for a in s['acceptance_by_position'] or []]}, identical outputs {s['identical_outputs']}",
+            flush=True,
+        )
+    workload = {"kind": args.prompts, "num_requests": len(requests), "output_len": args.output_len, "batch": args.batch}
+    return result.document("speculative", argv, workload=workload, configs=results, summary=summary)
+
+
+def cmd_kernels(args, argv) -> dict:
+    from jaxserve.tools.bench import kernels
+
+    return kernels.run(args, argv)
+
+
+# -- entry -----------------------------------------------------------------------------------------
+
+
+def main(argv: list[str]) -> int:
+    ap = build_parser()
+    if not argv:
+        ap.print_usage(sys.stderr)
+        print(f"{ap.prog}: error: a subcommand is required ({', '.join(SUBCOMMANDS)})", file=sys.stderr)
+        return 2
+    try:
+        args = ap.parse_args(argv)
+    except SystemExit as e:  # --help: 0; bad arguments: argparse printed the usage, 2
+        return int(e.code or 0)
+    try:
+        doc = args.run(args, argv)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"jaxserve bench {args.name}: error: {e}", file=sys.stderr)
+        return 2
+    result.write(doc, args.out)
+    return 0

@@ -1,0 +1,280 @@
+"""`jaxserve bench kernels`: paged decode attention timed beside its memory bound.
+
+Decode attention reads each live K and V vector once, so its floor is
+bytes / streaming bandwidth, with bytes = 2 x rows x context x kv_heads x head_dim x itemsize.
+The bandwidth is measured in the same run (kv_math_cli.bandwidth_probe: a jitted sum over a
+256 MB array, best of 3) right before each cell, because a shared host's memory speed moves
+from second to second. Every time is printed with that bound and the fraction of it reached.
+
+On a GPU or TPU, causal flash prefill too: the Pallas kernel, jax.nn.dot_product_attention
+(cuDNN on a GPU) and the jnp reference, each beside its bytes bound and, given the chip's
+peak (--peak-tflops), its FLOP bound.
+
+Decode implementations: the kernel this backend serves with (the native C++ FFI kernel on the CPU, the
+Pallas kernel on a GPU or TPU) and the XLA path (reference.paged_attention_chunked, the
+online-softmax loop over pages). Each is timed as a decode step runs it: 8 calls (one per layer)
+inside one jitted fori_loop, each on its own pages and fed the previous call's output, so no
+dispatch sits between calls; the time is per call. The pool is larger than the last-level cache
+and its pages are shuffled, so the KV comes from memory. The largest difference from the
+reference (reference.paged_attention, a plain gather) is reported beside each time.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from jaxserve.tools.bench import result
+
+LOOP = 8  # kernel calls per timed jitted loop (the layers of a decode step)
+
+
+def last_level_cache_bytes() -> int:
+    for index in (3, 2):
+        try:
+            size = Path(f"/sys/devices/system/cpu/cpu0/cache/index{index}/size").read_text().strip()
+            return int(size.rstrip("KMG")) * {"K": 2**10, "M": 2**20, "G": 2**30}.get(size[-1], 1)
+        except (OSError, ValueError):
+            continue
+    return 32 * 2**20
+
+
+def _ints(text: str, field: str) -> list[int]:
+    try:
+        out = [int(x) for x in text.split(",") if x]
+    except ValueError:
+        raise ValueError(f"{field}: expected a comma list of integers, got {text!r}") from None
+    if not out or min(out) < 1:
+        raise ValueError(f"{field}: expected positive integers, got {text!r}")
+    return out
+
+
+def implementations(backend: str, scale: float) -> dict:
+    """name -> f(q [B,H,D], k_pages, v_pages, block_tables, lens) -> [B,H,D]."""
+    from pallas_kernels import reference
+
+    def xla(q, kp, vp, bt, lens):
+        return reference.paged_attention_chunked(q[:, None], kp, vp, bt, lens, lens[:, None] - 1, scale)[:, 0]
+
+    impls = {}
+    if backend == "cpu":
+        from pallas_kernels import native
+
+        if native.available():
+            impls["native"] = lambda q, kp, vp, bt, lens: native.paged_attention(
+                q[:, None], kp, vp, bt, lens, lens[:, None] - 1, scale
+            )[:, 0]
+        else:
+            print(f"native CPU kernel unavailable: {native.unavailable_reason()}", file=sys.stderr)
+    else:
+        from pallas_kernels.paged_attention import paged_decode_attention
+
+        lowering = "gpu" if backend in ("gpu", "cuda", "rocm") else "tpu"
+        impls[f"pallas-{lowering}"] = functools.partial(
+            paged_decode_attention, scale=scale, backend=lowering, interpret=False
+        )
+    impls["xla"] = xla
+    return impls
+
+
+def run(args, argv) -> dict:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxserve.tools.kv_math_cli import bandwidth_probe
+    from pallas_kernels import reference
+
+    backend = jax.default_backend()
+    dtype = jnp.dtype(args.dtype or ("float32" if backend == "cpu" else "bfloat16"))
+    rows_list, contexts = _ints(args.rows, "rows"), _ints(args.contexts, "contexts")
+    try:
+        heads, kv_heads = (int(x) for x in args.heads.split("/"))
+    except ValueError:
+        raise ValueError(f"heads: expected Q/KV, e.g. 8/4, got {args.heads!r}") from None
+    if heads % kv_heads:
+        raise ValueError(f"heads: query heads {heads} must be a multiple of KV heads {kv_heads}")
+    d, page = args.head_dim or (64 if backend == "cpu" else 128), 16
+    scale = 1 / math.sqrt(d)
+    token_bytes = kv_heads * d * dtype.itemsize  # one token of K (or V)
+    biggest = max(rows_list) * max(contexts) * token_bytes
+    llc = last_level_cache_bytes() if backend == "cpu" else 0
+    # every call of a loop on its own pages where the pool allows; the pool well over the cache
+    num_pages = 1 + max(256 * 2**20, LOOP * biggest * 5 // 4, 4 * llc) // (page * token_bytes)
+    key = jax.random.split(jax.random.PRNGKey(0), 3)
+    kp = jax.random.normal(key[0], (num_pages, page, kv_heads, d), dtype)
+    vp = jax.random.normal(key[1], (num_pages, page, kv_heads, d), dtype)
+    probe = bandwidth_probe()
+    impls = implementations(backend, scale)
+    oracle = jax.jit(lambda q, kp, vp, bt, lens: reference.paged_attention(q[:, None], kp, vp, bt, lens, lens[:, None] - 1, scale)[:, 0])  # fmt: skip
+    rng = np.random.default_rng(0)
+    width = -(-max(contexts) // page)
+    width += width % 2
+    rows_out, streams = [], []
+    print(
+        f"jax {jax.__version__}, {backend} ({jax.devices()[0].device_kind}), {dtype.name}, heads {heads}/{kv_heads}, "
+        f"head_dim {d}, page {page}; time per call in jitted loops of {LOOP}; bound = live KV bytes / stream read",
+        flush=True,
+    )
+    for b in rows_list:
+        q = jax.random.normal(jax.random.PRNGKey(b), (b, heads, d), dtype)
+        for ctx in contexts:
+            need = -(-ctx // page)
+            per_set = b * need
+            n_sets = max(1, min((num_pages - 1) // per_set, 4 * LOOP))
+            perm = 1 + rng.permutation(num_pages - 1)
+            tables = np.zeros((n_sets, b, width), np.int32)  # padding entries -> the dummy page 0
+            for i in range(n_sets):
+                tables[i, :, :need] = perm[i * per_set : (i + 1) * per_set].reshape(b, need)
+            groups = [jnp.asarray(tables[(np.arange(LOOP) + j) % n_sets]) for j in range(0, n_sets, LOOP)]
+            lens = jnp.full((b,), ctx, jnp.int32)
+            live = 2 * b * ctx * token_bytes
+            want = oracle(q, kp, vp, groups[0][0], lens)
+            for name, fn in impls.items():
+                diff = float(jnp.max(jnp.abs(jax.jit(fn)(q, kp, vp, groups[0][0], lens).astype(jnp.float32) - want.astype(jnp.float32))))  # fmt: skip
+                loop = _looped(fn)
+                jax.block_until_ready(loop(q, kp, vp, groups[0], lens))  # compile
+                times, fractions = [], []
+                for rep in range(args.reps):
+                    stream = probe()  # bytes/s, now; also pushes the last pages out of the cache
+                    streams.append(stream / 1e9)
+                    t0 = time.perf_counter()
+                    jax.block_until_ready(loop(q, kp, vp, groups[rep % len(groups)], lens))
+                    ms = (time.perf_counter() - t0) * 1e3 / LOOP
+                    times.append(ms)
+                    fractions.append(live / stream * 1e3 / ms)
+                ms = statistics.median(times)
+                stream_gbps = statistics.median(streams[-args.reps :])
+                bound_ms = live / (stream_gbps * 1e9) * 1e3
+                row = {
+                    "name": "paged decode",
+                    "impl": name,
+                    "config": {
+                        "rows": b,
+                        "context": ctx,
+                        "heads": heads,
+                        "kv_heads": kv_heads,
+                        "head_dim": d,
+                        "page_size": page,
+                        "dtype": dtype.name,
+                    },  # fmt: skip
+                    "ms": ms,
+                    "bytes": live,
+                    "gbps": live / ms / 1e6,
+                    "stream_gbps": stream_gbps,
+                    "bound_ms": bound_ms,
+                    "fraction_of_bound": statistics.median(fractions),
+                    "max_abs_diff": diff,
+                }
+                rows_out.append(row)
+                print(
+                    f"rows {b:3d} ctx {ctx:5d} {name:11s}: {ms:8.3f} ms | bound {bound_ms:7.3f} ms "
+                    f"({live / 1e6:.1f} MB at {stream_gbps:.1f} GB/s) = {row['fraction_of_bound']:.2f} of bound, "
+                    f"{row['gbps']:.1f} GB/s | max abs diff {diff:.1e}",
+                    flush=True,
+                )
+    if backend == "cpu":
+        print("flash prefill: not timed on the CPU (the Pallas kernels only run interpreted there)", flush=True)
+    else:
+        rows_out += bench_flash(args, backend, dtype, heads, kv_heads, d, probe, streams)
+    summary = {"stream_gbps_median": statistics.median(streams), "stream_gbps_best": max(streams)}
+    print(f"streaming read: median {summary['stream_gbps_median']:.1f} GB/s, best {summary['stream_gbps_best']:.1f}")
+    return result.document("kernels", argv, measurements=rows_out, summary=summary)
+
+
+def _looped(call):
+    """jit of LOOP calls in a fori_loop over stacked block tables [LOOP, B, P], each call's output
+    fed into the next call's queries (so none can be skipped or reordered)."""
+    import jax
+
+    def loop(q, kp, vp, tabs, lens):
+        def body(i, q):
+            return q + (1e-9 * call(q, kp, vp, tabs[i], lens)).astype(q.dtype)
+
+        return jax.lax.fori_loop(0, LOOP, body, q)
+
+    return jax.jit(loop)
+
+
+def bench_flash(args, backend, dtype, heads, kv_heads, d, probe, streams) -> list[dict]:
+    """Causal prefill attention on an accelerator: the Pallas kernel, jax.nn.dot_product_attention
+    (cuDNN on a GPU) and the jnp reference. The bound beside each time is the larger of the
+    bytes bound (q, k, v, o once / the stream read) and, with --peak-tflops, the FLOP bound
+    (causal: 2 x B x H x S x S x D FLOPs)."""
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels import reference
+    from pallas_kernels.flash_attention import flash_attention
+
+    scale = 1 / math.sqrt(d)
+    lowering = "gpu" if backend in ("gpu", "cuda", "rocm") else "tpu"
+    impls = {
+        f"pallas-{lowering}": jax.jit(functools.partial(flash_attention, scale=scale, backend=lowering)),
+        "jax.nn.dot_product_attention": jax.jit(
+            lambda q, k, v: jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True)
+        ),
+        "reference (jnp)": jax.jit(lambda q, k, v: reference.causal_attention(q, k, v, scale)),
+    }
+    out = []
+    for b in _ints(args.flash_batches, "flash_batches"):
+        for seq in _ints(args.flash_seqs, "flash_seqs"):
+            key = jax.random.split(jax.random.PRNGKey(seq), 3)
+            q = jax.random.normal(key[0], (b, seq, heads, d), dtype)
+            k = jax.random.normal(key[1], (b, seq, kv_heads, d), dtype)
+            v = jax.random.normal(key[2], (b, seq, kv_heads, d), dtype)
+            nbytes = (2 * q.size + k.size + v.size) * dtype.itemsize
+            flops = 2 * b * heads * seq * seq * d  # causal: half of 4 x B x H x S x S x D
+            want = impls["reference (jnp)"](q, k, v).astype(jnp.float32)
+            for name, fn in impls.items():
+                try:
+                    diff = float(jnp.max(jnp.abs(fn(q, k, v).astype(jnp.float32) - want)))
+                    times = []
+                    for _ in range(args.reps):
+                        stream = probe()
+                        streams.append(stream / 1e9)
+                        t0 = time.perf_counter()
+                        jax.block_until_ready(fn(q, k, v))
+                        times.append((time.perf_counter() - t0) * 1e3)
+                except Exception as e:  # an implementation this platform lacks
+                    print(f"flash {name} B={b} S={seq}: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
+                    continue
+                ms = statistics.median(times)
+                stream_gbps = statistics.median(streams[-args.reps :])
+                bytes_ms = nbytes / (stream_gbps * 1e9) * 1e3
+                flop_ms = flops / (args.peak_tflops * 1e12) * 1e3 if args.peak_tflops else 0.0
+                bound_ms = max(bytes_ms, flop_ms)
+                out.append(
+                    {
+                        "name": "flash prefill (causal)",
+                        "impl": name,
+                        "config": {
+                            "batch": b,
+                            "seq": seq,
+                            "heads": heads,
+                            "kv_heads": kv_heads,
+                            "head_dim": d,
+                            "dtype": dtype.name,
+                        },  # fmt: skip
+                        "ms": ms,
+                        "bytes": nbytes,
+                        "flops": flops,
+                        "tflops": flops / ms / 1e9,
+                        "stream_gbps": stream_gbps,
+                        "bound_ms": bound_ms,
+                        "bound": "flops" if flop_ms > bytes_ms else "bytes",
+                        "fraction_of_bound": bound_ms / ms,
+                        "max_abs_diff": diff,
+                    }
+                )
+                r = out[-1]
+                print(
+                    f"flash B={b} S={seq:5d} {name:28s}: {ms:8.3f} ms, {r['tflops']:.1f} TFLOP/s | bound {bound_ms:.3f} ms "
+                    f"({r['bound']}) = {r['fraction_of_bound']:.2f} of bound | max abs diff {diff:.1e}",
+                    flush=True,
+                )
+    return out

@@ -1,0 +1,218 @@
+"""`jaxserve bench`: the workload loader (seeded, fresh ids per round, JSON files and their
+errors), the statistics against numpy, the A/B runner's order and ratios, and two runs end to
+end through the CLI on the small model: `bench serve` against a real server on 127.0.0.1 and
+`bench throughput` offline. The oracle of the runs is the workload itself: greedy with EOS
+ignored, every request must come back with exactly its prompt and output token counts."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import threading
+
+import numpy as np
+import pytest
+from conftest import TEST_MODEL
+
+from jaxserve import cli
+from jaxserve.tools.bench import ab
+from jaxserve.tools.bench.stats import RequestRecord, RequestTimer, RoundStats, summarize
+from jaxserve.tools.bench.workload import Workload, WorkloadSpec
+
+OPTS = dict(max_slots=4, page_size=8, max_model_len=128, num_pages=128, prefill_buckets=(16, 32))
+
+
+@pytest.fixture(scope="module")
+def opts(tmp_path_factory) -> dict:
+    """The engine options of both runs; the second engine loads the first one's compiled steps."""
+    return {**OPTS, "compilation_cache_dir": str(tmp_path_factory.mktemp("executables"))}
+
+
+def run(argv, capsys) -> tuple[int, str, str]:
+    code = cli.main(argv)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+# -- the workload loader -------------------------------------------------------------------------
+
+
+def test_random_workload_is_seeded_and_fresh_every_round():
+    spec = WorkloadSpec(num_requests=12, prompt_len=(4, 40), output_len=(2, 9), seed=7, token_range=(3, 500))
+    a, b = Workload.load(spec), Workload.load(spec)
+    assert [r.prompt for r in a.round(0)] == [r.prompt for r in b.round(0)]  # seeded
+    r0, r1 = a.round(0), a.round(1)
+    assert [(r.prompt_len, r.output_len) for r in r0] == [(r.prompt_len, r.output_len) for r in r1]
+    assert all(x.prompt[:4] != y.prompt[:4] for x, y in zip(r0, r1))  # no prefix survives into round 1
+    assert all(4 <= r.prompt_len <= 40 and 2 <= r.output_len <= 9 for r in r0)
+    assert all(3 <= t < 500 for r in r0 for t in r.prompt)
+    other = Workload.load(WorkloadSpec(num_requests=12, prompt_len=(4, 40), seed=8, token_range=(3, 500)))
+    assert [r.prompt for r in other.round(0)] != [r.prompt for r in r0]
+
+
+def test_shared_prefix_and_long_short():
+    wl = Workload.load(WorkloadSpec(kind="shared-prefix", num_requests=5, prompt_len=(3, 3), prefix_len=20))
+    r0, r1 = wl.round(0), wl.round(1)
+    assert all(r.prompt[:20] == r0[0].prompt[:20] and r.prompt_len == 23 for r in r0)
+    assert len({tuple(r.prompt[20:]) for r in r0}) == 5 and r1[0].prompt[:20] != r0[0].prompt[:20]
+    spec = WorkloadSpec(kind="long-short", num_requests=20, prompt_len=(48, 256), long_len=(1200, 1800))
+    lens = [r.prompt_len for r in Workload.load(spec).round(0)]
+    assert sum(n >= 1200 for n in lens) == 5 and all(48 <= n <= 256 or 1200 <= n <= 1800 for n in lens)
+    text = Workload.load(WorkloadSpec(num_requests=3, prompt_len=(5, 5), text=True)).round(0)
+    assert all(isinstance(r.prompt, str) and len(r.prompt.split()) == 5 for r in text)
+
+
+def test_json_workload_round0_is_the_file_then_fresh_ids(tmp_path):
+    f = tmp_path / "w.json"
+    f.write_text(
+        json.dumps(
+            {
+                "vocab_size": 300,
+                "requests": [{"prompt_ids": [5, 6, 7], "output_len": 4}, {"prompt": "hello there", "output_len": 2}],
+            }
+        )
+    )
+    wl = Workload.load(WorkloadSpec(kind="json", path=str(f)))
+    assert [(r.prompt, r.output_len) for r in wl.round(0)] == [([5, 6, 7], 4), ("hello there", 2)]
+    r1 = wl.round(1)
+    assert len(r1[0].prompt) == 3 and r1[0].prompt != [5, 6, 7] and all(3 <= t < 300 for t in r1[0].prompt)
+    assert r1[1].prompt == "1 hello there"  # a different first token: no prefix-cache hit
+    assert wl.describe()["total_output_tokens"] == 6 and wl.spec.num_requests == 2
+
+
+@pytest.mark.parametrize(
+    "requests, field",
+    [
+        ([{"prompt_ids": [5], "output_len": 1}, {"prompt_ids": [5], "output_len": -1}], "requests[1].output_len"),
+        ([{"output_len": 3}], "requests[0].prompt_ids"),
+        ([{"prompt_ids": [1, "x"], "output_len": 3}], "requests[0].prompt_ids"),
+        ([], "requests:"),
+    ],
+)
+def test_json_workload_errors_name_the_field(tmp_path, requests, field):
+    f = tmp_path / "w.json"
+    f.write_text(json.dumps({"requests": requests}))
+    with pytest.raises(ValueError, match=field.replace("[", r"\[").replace("]", r"\]")):
+        Workload.load(WorkloadSpec(kind="json", path=str(f)))
+
+
+def test_spec_validation_names_the_field():
+    with pytest.raises(ValueError, match="prompt_len"):
+        Workload.load(WorkloadSpec(prompt_len=(9, 3)))
+    with pytest.raises(ValueError, match="long_fraction"):
+        Workload.load(WorkloadSpec(kind="long-short", long_fraction=1.5))
+
+
+# -- statistics and the A/B runner ----------------------------------------------------------------
+
+
+def test_summaries_match_numpy_percentiles():
+    xs = np.random.default_rng(0).exponential(0.05, 257)
+    s = summarize(xs)
+    for q in (50, 90, 99):
+        assert s[f"p{q}"] == pytest.approx(np.percentile(xs, q), rel=1e-12)
+    assert (s["count"], s["max"], s["mean"]) == (257, pytest.approx(xs.max()), pytest.approx(xs.mean()))
+    assert summarize([])["count"] == 0 and math.isnan(summarize([])["p50"])
+
+
+def test_request_timer_definitions():
+    t = RequestTimer()
+    t.sent(10.0)
+    for when, n in ((10.5, 1), (10.6, 0), (10.7, 1), (11.0, 2)):  # a chunk without tokens is no arrival
+        t.chunk(n, when)
+    r = t.done(prompt_tokens=7, t=11.0)
+    assert (r.output_tokens, r.ttft_s, r.e2e_s) == (4, pytest.approx(0.5), pytest.approx(1.0))
+    assert r.itl_s == pytest.approx([0.2, 0.3]) and r.tpot_s == pytest.approx(0.5 / 3)
+    recs = [RequestRecord(7, 4, 0.5, 1.0, [0.2, 0.3]), RequestRecord(3, 2, 0.1, 0.4, [0.3])]
+    s = RoundStats(2.0, recs + [RequestRecord(1, 0, math.nan, 0.1, [], "HTTP 400")]).summary()
+    assert (s["completed"], s["failed"], s["output_tokens"], s["prompt_tokens"]) == (2, 1, 6, 10)
+    assert s["output_tok_s"] == 3.0 and s["total_tok_s"] == 8.0
+    assert s["itl_s"]["p50"] == pytest.approx(np.percentile([0.2, 0.3, 0.3], 50))
+
+
+def test_ab_rounds_alternate_and_ratios_are_against_the_first():
+    calls = []
+
+    def one(c, k):
+        calls.append((c, k))
+        return RoundStats(1.0 + c + k, [RequestRecord(1, 10, 0.1, 0.5, [0.04])])  # B is slower than A
+
+    res = ab.run_ab([ab.Config("A", {}), ab.Config("B", {})], one, 3, out=open("/dev/null", "w"))
+    assert calls == [(0, 0), (1, 0), (1, 1), (0, 1), (0, 2), (1, 2)]
+    assert res[0]["median"]["output_tok_s"] == 10 / 2.0 and res[1]["median"]["output_tok_s"] == 10 / 3.0
+    assert res[1]["ratio_vs_first"]["output_tok_s"] == pytest.approx(2.0 / 3.0)
+    assert "ratio_vs_first" not in res[0] and len(res[1]["rounds"]) == 3
+
+
+def test_bad_arguments_exit_2_with_usage(capsys, tmp_path):
+    code, _, err = run(["bench", "throughput", "--engine-opts", "{nope"], capsys)
+    assert code == 2 and "usage: jaxserve bench throughput" in err and "--engine-opts: not JSON" in err
+    code, _, err = run(["bench", "serve", "--base-url", "http://127.0.0.1:1", "--rate", "0"], capsys)
+    assert code == 2 and "--rate: must be > 0" in err
+    f = tmp_path / "w.json"
+    f.write_text(json.dumps({"requests": [{"prompt_ids": [3], "output_len": 0}]}))
+    code, _, err = run(["bench", "throughput", "--workload-file", str(f)], capsys)  # before any model loads
+    assert code == 2 and "jaxserve bench throughput: error: requests[0].output_len" in err
+    code, _, err = run(["bench", "serve", "--base-url", "ftp://x"], capsys)
+    assert code == 2 and "error: base_url" in err
+
+
+# -- end to end on the small model -----------------------------------------------------------------
+
+
+def _check_runs(doc: dict, wl: Workload, rounds: int) -> None:
+    """Every request: its workload's token counts, positive latencies, one gap per later token."""
+    (cfg,) = doc["configs"]
+    assert len(cfg["rounds"]) == rounds
+    for k, rnd in enumerate(cfg["rounds"]):
+        reqs = wl.round(k)
+        assert (rnd["completed"], rnd["failed"]) == (len(reqs), 0)
+        assert rnd["output_tokens"] == sum(r.output_len for r in reqs)
+        for want, got in zip(reqs, rnd["requests"]):
+            assert (got["prompt_tokens"], got["output_tokens"]) == (want.prompt_len, want.output_len)
+            assert got["ttft_s"] > 0 and got["e2e_s"] > got["ttft_s"] and got["tpot_s"] > 0
+            assert len(got["itl_s"]) == want.output_len - 1 and all(g > 0 for g in got["itl_s"])
+        for m in ("ttft_s", "itl_s", "tpot_s", "e2e_s"):
+            assert 0 < rnd[m]["p50"] <= rnd[m]["p90"] <= rnd[m]["p99"] <= rnd[m]["max"]
+    assert cfg["median"]["output_tok_s"] > 0
+
+
+def test_bench_serve_against_a_real_server(capsys, tmp_path, opts):
+    from jaxserve import LLM
+    from jaxserve.serving.server import Server
+
+    llm = LLM(TEST_MODEL, **opts)
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    server = Server(llm, port=None, http_port=0)
+    asyncio.run_coroutine_threadsafe(server.start(), loop).result(60)
+    try:
+        out = tmp_path / "serve.json"
+        flags = ["--num-requests", "6", "--prompt-len", "4-20", "--output-len", "3-8", "--vocab-size", "4096"]
+        argv = ["bench", "serve", "--base-url", f"http://127.0.0.1:{server.http_port}/v1", "--rate", "30", *flags]
+        code, stdout, err = run(argv + ["--seed", "3", "--out", str(out)], capsys)
+        assert code == 0, err
+        doc = json.loads(out.read_text())
+        assert (doc["schema"], doc["bench"], doc["workload"]["rate"]) == ("jaxserve.bench/1", "serve", 30.0)
+        assert doc["configs"][0]["spec"]["model"] == "target"  # from /v1/models
+        spec = WorkloadSpec(num_requests=6, prompt_len=(4, 20), output_len=(3, 8), seed=3, token_range=(3, 4096))
+        _check_runs(doc, Workload.load(spec), rounds=1)
+        assert "round 0: 6/6 ok" in stdout
+        assert llm.stats()["kv_pages_active"] == 0  # every request finished on the server
+    finally:
+        asyncio.run_coroutine_threadsafe(server.stop(0), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+
+
+def test_bench_throughput_offline(capsys, tmp_path, opts):
+    out = tmp_path / "tp.json"
+    flags = ["--num-requests", "4", "--prompt-len", "4-20", "--output-len", "2-6", "--rounds", "2"]
+    argv = ["bench", "throughput", "--model", str(TEST_MODEL), "--engine-opts", json.dumps(opts), *flags]
+    code, stdout, err = run(argv + ["--out", str(out)], capsys)
+    assert code == 0, err
+    doc = json.loads(out.read_text())
+    assert doc["bench"] == "throughput" and doc["host"]["backend"] == "cpu"
+    spec = WorkloadSpec(num_requests=4, prompt_len=(4, 20), output_len=(2, 6), token_range=(3, 4096))
+    _check_runs(doc, Workload.load(spec), rounds=2)
+    assert all(r["extra"]["compiles_since_warmup"] == 0 for r in doc["configs"][0]["rounds"])
