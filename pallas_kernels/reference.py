@@ -22,20 +22,6 @@ _NEG = -1e30
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
-class AttentionMetadata:
-    """Where a step's new K/V go and what each query may see (all int32). Every attention
-    function takes ``(q, k, v, kv_pages, meta)``: one type, so a new field (a scale, a mask)
-    is added here once instead of to every signature."""
-
-    slot_mapping: jax.Array  # [B, T] flat page slot page*page_size+offset; padding -> the dummy page 0
-    block_tables: jax.Array  # [B, P] each row's pages in sequence order
-    context_lens: jax.Array  # [B] valid keys once this step's K/V are written
-    positions: jax.Array  # [B, T] each query's position in its sequence
-    segment_ids: jax.Array  # [B, T] which packed prompt a token belongs to (fresh prefill)
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
 class RaggedMetadata:
     """A ragged step's attention inputs (all int32): one flat array of N query tokens in rows of
     any length (1 for decode, a chunk for prefill, k + 1 for speculative verification). Row r

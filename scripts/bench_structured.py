@@ -457,7 +457,7 @@ def main(argv=None) -> int:
 
     t0 = time.perf_counter()
     small = Path(__file__).resolve().parents[1] / "assets" / "models" / "default" / "target"
-    llm = LLM(small, max_slots=args.batch, max_model_len=512, prefill_buckets=(16, 32, 64))
+    llm = LLM(small, max_slots=args.batch, max_model_len=512, token_buckets=(16, 32, 64))
     print(f"engine ready in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
     if args.validate:
         r = validate(llm, args.requests or 200)

@@ -16,7 +16,7 @@ from jaxserve.tools.bench.workload import Request
 
 
 def engine_options(opts: dict) -> dict:
-    """JSON lists as tuples (prefill_buckets and the like are tuples in the engine's config)."""
+    """JSON lists as tuples (token_buckets and the like are tuples in the engine's config)."""
     return {k: tuple(v) if isinstance(v, list) else v for k, v in opts.items()}
 
 
