@@ -394,9 +394,10 @@ def _call(targets, q, k_pages, v_pages, k_scales, v_scales, scale, kv_heads_per_
             )
         scales = (jnp.asarray(k_scales, jnp.bfloat16), jnp.asarray(v_scales, jnp.bfloat16))  # the kernel reads BF16
     else:
-        page_dtype = k_pages.dtype if k_pages.dtype in _FLOATS else jnp.dtype(jnp.float32)
-        k_pages = k_pages.astype(page_dtype)
-        v_pages = v_pages.astype(page_dtype)
+        if k_pages.dtype != jnp.uint16:  # uint16: bfloat16 bits (reference.BF16_BITS), read as bfloat16
+            page_dtype = k_pages.dtype if k_pages.dtype in _FLOATS else jnp.dtype(jnp.float32)
+            k_pages = k_pages.astype(page_dtype)
+            v_pages = v_pages.astype(page_dtype)
         scales = ()
     try:
         s = np.float32(float(scale))  # an F32 attribute (a Python float would arrive as F64)

@@ -38,9 +38,23 @@ class RaggedMetadata:
 
 # -- the quantized KV cache ------------------------------------------------------------------
 
-KV_CACHE_DTYPES = ("auto", "int8", "fp8")
-# kv_cache_dtype -> page element type (None: the model's dtype, no scales)
-KV_PAGE_DTYPES = {"auto": None, "int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
+KV_CACHE_DTYPES = ("auto", "bfloat16", "int8", "fp8")
+# kv_cache_dtype -> page element type (None: the model's dtype). "bfloat16" pages carry no scales
+# (a float cache in half float32's bytes, written by a cast); the 8-bit ones do.
+KV_PAGE_DTYPES = {"auto": None, "bfloat16": jnp.uint16, "int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
+SCALED_KV_DTYPES = ("int8", "fp8")
+# A "bfloat16" pool holds bfloat16 bit patterns in uint16 pages: XLA:CPU has no bfloat16 scatter
+# and rewrites one into a float32 conversion of the whole pool and back (38 ms for a 1 GiB pool,
+# every layer of every step, against microseconds for the uint16 scatter). Readers reinterpret
+# the bits (`read_pages`; the native kernel takes uint16 pages as bfloat16).
+BF16_BITS = jnp.dtype(jnp.uint16)
+
+
+def as_bf16(pages):
+    """uint16 pages (bfloat16 bits) as bfloat16; any other pages as they are."""
+    return jax.lax.bitcast_convert_type(pages, jnp.bfloat16) if pages.dtype == BF16_BITS else pages
+
+
 # the largest magnitude a page element holds: a token-head's max |x| maps to it
 QMAX = {jnp.dtype(jnp.int8): 127.0, jnp.dtype(jnp.float8_e4m3fn): 448.0}
 # an 8-bit cache's per-token-per-head scales: 2 bytes, float32's exponent range (quantize_kv)
@@ -97,9 +111,10 @@ def dequantize(pages, scales):
 
 
 def read_pages(pages, scales, idx):
-    """pages[idx] as float32 (dequantized where scales is not None); idx indexes the page axis."""
+    """pages[idx] as float32 (dequantized where scales is not None; bfloat16 bits
+    reinterpreted); idx indexes the page axis."""
     if scales is None:
-        return pages[idx]
+        return as_bf16(pages[idx])
     return dequantize(pages[idx], scales[idx])
 
 
@@ -116,8 +131,9 @@ def empty_kv_cache(num_pages: int, page_size: int, kv_heads: int, head_dim: int,
     plus bfloat16 scales [num_pages, page_size, KVH]."""
     shape = (num_pages, page_size, kv_heads, head_dim)
     page_dtype = KV_PAGE_DTYPES[kv_cache_dtype]
-    if page_dtype is None:
-        return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
+    if kv_cache_dtype not in SCALED_KV_DTYPES:
+        page_dtype = page_dtype or dtype
+        return jnp.zeros(shape, page_dtype), jnp.zeros(shape, page_dtype)
     scales = shape[:3]
     return (
         jnp.zeros(shape, page_dtype),
@@ -131,12 +147,17 @@ def write_kv(cache, k, v, slot_mapping):
     """Write this step's k/v [B, T, KVH, D] into a layer's cache tuple at flat slots [B, T].
 
     Returns (new cache tuple, k, v as the pool now holds them). Unquantized, those are k and
-    v; quantized, the 8-bit values and their scales are written and k/v come back
+    v (rounded to the pages' dtype: a bfloat16 pool under float32 activations); quantized, the 8-bit values and their scales are written and k/v come back
     dequantized (in k's dtype), so a fresh prompt attending to its own k/v ("prefill") sees
     exactly the values a later chunk or decode step reads from the pages: a prompt's result
     does not depend on whether its prefix came from the prefix cache or where a chunk
     boundary fell."""
-    if not is_quantized(cache):
+    if not is_quantized(cache):  # float pages (a "bfloat16" pool: its bits, see BF16_BITS)
+        if cache[0].dtype == BF16_BITS:
+            kb, vb = k.astype(jnp.bfloat16), v.astype(jnp.bfloat16)
+            bits = [jax.lax.bitcast_convert_type(x, jnp.uint16) for x in (kb, vb)]
+            new = tuple(write_pages(c, b, slot_mapping) for c, b in zip(cache, bits))
+            return new, kb.astype(k.dtype), vb.astype(v.dtype)
         return (write_pages(cache[0], k, slot_mapping), write_pages(cache[1], v, slot_mapping)), k, v
     k_pages, v_pages, k_scales, v_scales = cache
     qk, sk = quantize_kv(k, k_pages.dtype)
@@ -192,8 +213,10 @@ def paged_attention(
     after the gather, attention in float32.
     """
     out_dtype = q.dtype
-    k = gather_pages(k_pages, block_tables)
-    v = gather_pages(v_pages, block_tables)
+    k = as_bf16(gather_pages(k_pages, block_tables))
+    v = as_bf16(gather_pages(v_pages, block_tables))
+    if k.dtype != q.dtype and k_scales is None:  # bfloat16 pages under float32 queries
+        k, v = k.astype(q.dtype), v.astype(q.dtype)
     if k_scales is not None:
         k = dequantize(k, gather_pages(k_scales, block_tables))
         v = dequantize(v, gather_pages(v_scales, block_tables))

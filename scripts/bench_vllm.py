@@ -75,11 +75,13 @@ def workload(seed: int, n: int = 48) -> list[tuple[list[int], int]]:
 
 
 class Worker:
-    def __init__(self, name: str, python: str, kind: str, model: Path, opts: dict, script: Path):
+    def __init__(self, name: str, python: str, kind: str, model: Path, opts: dict, script: Path, checkout=None):
         self.name = name
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4")}
         if kind == "jaxserve":
             env["JAX_PLATFORMS"] = "cpu"
+        if checkout is not None:  # another version of jaxserve (a git worktree) ahead of the installed one
+            env["PYTHONPATH"] = str(checkout)
         self.proc = subprocess.Popen(
             [python, str(script), kind, str(model), json.dumps(opts)],
             stdin=subprocess.PIPE,
@@ -115,6 +117,10 @@ def main(argv=None) -> int:
         action="append",
         help="LLM(path, **opts) as JSON, repeatable (one worker each); default {}: LLM(path)'s defaults",
     )
+    ap.add_argument(
+        "--baseline-checkout",
+        help="also run LLM(path) defaults from this checkout of jaxserve (e.g. a git worktree of an older commit)",
+    )
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--requests", type=int, default=48)
     ap.add_argument("--model-dir", default=str(Path(tempfile.gettempdir()) / "jaxserve-bench-56m"))
@@ -132,6 +138,10 @@ def main(argv=None) -> int:
         Worker("jaxserve" if i == 0 else f"jaxserve{opts}", sys.executable, "jaxserve", model, json.loads(opts), script)
         for i, opts in enumerate(args.jaxserve_opts or ["{}"])
     ]
+    if args.baseline_checkout:
+        workers.append(
+            Worker("jaxserve-baseline", sys.executable, "jaxserve", model, {}, script, Path(args.baseline_checkout))
+        )
     for dt in filter(None, args.vllm_dtypes.split(",")):
         workers.append(Worker(f"vllm-{dt}", args.vllm_python, "vllm", model, {"dtype": dt}, script))
     rates: dict[str, list[float]] = {w.name: [] for w in workers}

@@ -339,6 +339,30 @@ def test_attention_backends_read_quantized_pages(impl):
     close(got, want, jnp.float32)
 
 
+def test_bfloat16_pool_holds_bits_and_every_reader_agrees():
+    """kv_cache_dtype="bfloat16": the pool holds bfloat16 bits in uint16 pages (XLA:CPU scatters
+    uint16 in place, bfloat16 not), write_kv hands back the rounded k/v, and the XLA and native
+    backends read the pages as the oracle does on the bfloat16 values."""
+    rng = np.random.default_rng(5)
+    ps, kvh, d, h, n = 16, 2, 32, 4, 40
+    cache = reference.empty_kv_cache(8, ps, kvh, d, jnp.float32, "bfloat16")
+    assert cache[0].dtype == jnp.uint16 and len(cache) == 2
+    k, v = randn(rng, (1, n, kvh, d)), randn(rng, (1, n, kvh, d))
+    slots = jnp.arange(ps, ps + n, dtype=jnp.int32)
+    cache, kk, vv = jax.jit(reference.write_kv)(cache, k, v, slots)
+    np.testing.assert_array_equal(kk, k.astype(jnp.bfloat16).astype(jnp.float32))
+    pool_k = reference.as_bf16(cache[0]).astype(jnp.float32)
+    np.testing.assert_array_equal(pool_k.reshape(-1, kvh, d)[slots], kk[0])
+    q = randn(rng, (n + 3, h, d))
+    qsl, sl = jnp.asarray([0, n], jnp.int32), jnp.asarray([n], jnp.int32)
+    bt, pos = jnp.asarray([[1, 2, 3, 4]], jnp.int32), jnp.arange(n + 3, dtype=jnp.int32)
+    md = reference.RaggedMetadata(slots, bt, sl, qsl, pos)
+    pool_v = reference.as_bf16(cache[1]).astype(jnp.float32)
+    want = reference.ragged_paged_attention(q, pool_k, pool_v, qsl, sl, bt, pos, 0.2)
+    for fn in (reference.ragged_attention, native.ragged_attention):
+        close(jax.jit(lambda q, c, m: fn(q, None, None, c, m, scale=0.2))(q, cache, md), want, jnp.float32)
+
+
 # -- the pool: sizing, resolve, copy -----------------------------------------------------
 
 

@@ -341,6 +341,7 @@ def test_engine_precision_follows_the_host():
     with _isa("avx512"):
         rc = resolve()
         assert (rc.matmul_impl, rc.matmul_dtype) == ("native", "float32") and "AMX" in rc.matmul_reason
+        assert rc.kv_cache_dtype == "auto"  # float32 pages
         with pytest.raises(ValueError, match="matmul_dtype"):
             resolve(matmul_dtype="bfloat16")
         runner = model_runner.ModelRunner(_model(None), cfg, rc)
@@ -354,6 +355,8 @@ def test_engine_precision_follows_the_host():
         if got != "amx":
             return  # the rest needs AMX; the float32 side above is what such a host runs
         assert resolve().matmul_dtype == "bfloat16"
+        assert resolve().kv_cache_dtype == "bfloat16"  # caches in bfloat16 too, as it computes
+        assert resolve(dtype="float32").kv_cache_dtype == resolve(matmul_dtype="float32").kv_cache_dtype == "auto"
         assert resolve(dtype="float32").matmul_dtype == "float32"
         assert resolve(matmul_dtype="float32").matmul_dtype == "float32"
         assert resolve(dtype="float32", matmul_dtype="bfloat16").matmul_dtype == "bfloat16"

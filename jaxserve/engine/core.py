@@ -91,13 +91,14 @@ class EngineCore:
         self.runner = model_runner.ModelRunner(module, self.model_cfg, rc, draft, draft_cfg)
         self.max_model_len = rc.max_model_len
         log.info(
-            "KV cache: %d pages x %d tokens (%.1f MiB), %d slots, max_model_len %d, attention %s",
+            "KV cache: %d pages x %d tokens (%.1f MiB, %s), %d slots, max_model_len %d, attention %s",
             rc.num_pages,
             rc.page_size,
             rc.num_pages
             * rc.page_size
             * model_runner.kv_bytes_per_token(rc.dtype, self.model_cfg, draft_cfg, kv_cache_dtype=rc.kv_cache_dtype)
             / 2**20,
+            rc.dtype if rc.kv_cache_dtype == "auto" else rc.kv_cache_dtype,
             rc.max_slots,
             rc.max_model_len,
             rc.attention_impl,
@@ -330,7 +331,12 @@ class EngineCore:
 
     def model_info(self) -> ModelInfo:
         rc = self.runner.cfg
-        features = [f"attention:{self.runner.attention_impl}", f"matmul:{rc.matmul_impl}:{rc.matmul_dtype}"]
+        kv = rc.dtype if rc.kv_cache_dtype == "auto" else rc.kv_cache_dtype
+        features = [
+            f"attention:{self.runner.attention_impl}",
+            f"matmul:{rc.matmul_impl}:{rc.matmul_dtype}",
+            f"kv_cache:{kv}",
+        ]
         if self.kv.prefix_cache is not None:
             features.append("prefix_caching")
         if self.speculative_name:

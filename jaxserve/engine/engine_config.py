@@ -21,7 +21,9 @@ class EngineConfig:
     token_buckets: tuple[int, ...] | None = None
     dtype: str | None = None  # "float32" | "bfloat16"; default by backend
     quantization: str | None = None  # None | "int8": weight-only int8, per-output-channel scales
-    kv_cache_dtype: str = "auto"  # "auto" (pages in dtype) | "int8" | "fp8" (8-bit pages, per-token-per-head scales)
+    # "auto" (pages in dtype; bfloat16 on a CPU that computes in bfloat16 by default) | "bfloat16"
+    # | "int8" | "fp8" (8-bit pages, per-token-per-head scales)
+    kv_cache_dtype: str = "auto"
     attention_impl: str | None = None  # "xla" | "pallas" | "native"; default pallas on TPU/GPU, native on CPU
     # The projections' matmul: "native" (CPU: weights packed into panels, streamed by the C++
     # kernel) | "xla"; default native on the CPU where the kernel is built, xla elsewhere.
@@ -51,8 +53,8 @@ class EngineConfig:
         for name in ("max_slots", "page_size", "max_num_batched_tokens"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.kv_cache_dtype not in ("auto", "int8", "fp8"):
-            raise ValueError(f"kv_cache_dtype must be 'auto', 'int8' or 'fp8', got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype not in ("auto", "bfloat16", "int8", "fp8"):
+            raise ValueError(f"kv_cache_dtype must be 'auto', 'bfloat16', 'int8' or 'fp8', got {self.kv_cache_dtype!r}")
         if self.quantization not in (None, "int8"):
             raise ValueError(f"quantization must be None or 'int8', got {self.quantization!r}")
         if self.attention_impl not in (None, "xla", "pallas", "native"):

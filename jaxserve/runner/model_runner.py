@@ -293,7 +293,7 @@ class _Weights:
             from jaxserve.parallel import sharding as shd
 
             self.params = shd.shard_params(self.params, cfg, mesh)
-            self.kv_sharding = shd.kv_sharding(cfg, mesh, quantized=kv_cache_dtype != "auto")
+            self.kv_sharding = shd.kv_sharding(cfg, mesh, quantized=kv_cache_dtype in reference.SCALED_KV_DTYPES)
         layer = functools.partial(
             reference.empty_kv_cache, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim, dtype, kv_cache_dtype
         )
@@ -356,7 +356,8 @@ class RunnerConfig:
     dtype: str
     attention_impl: str
     interpret: bool
-    kv_cache_dtype: str = "auto"  # "auto" (pages in dtype) | "int8" | "fp8" (8-bit pages + bfloat16 scales)
+    # "auto" (pages in dtype) | "bfloat16" | "int8" | "fp8" (8-bit pages + bfloat16 scales)
+    kv_cache_dtype: str = "auto"
     matmul_impl: str = "xla"  # "native": Linear weights packed for the C++ CPU matmul
     matmul_dtype: str = "float32"  # the native matmul's float weights: "float32" | "bfloat16" (AMX tiles)
     matmul_reason: str = ""  # why that matmul_impl / matmul_dtype (the start-up log, model info)
@@ -670,7 +671,13 @@ def resolve(
     ps = cfg.page_size
     max_pages_per_seq = -(-max_model_len // ps)
     token_buckets = _token_buckets(cfg, backend)
+    matmul_impl = _resolve_matmul(cfg, backend)
+    matmul_dtype, matmul_reason = _resolve_matmul_dtype(cfg, matmul_impl)
     kv_cache_dtype = cfg.kv_cache_dtype
+    if kv_cache_dtype == "auto" and cfg.dtype is None and matmul_dtype == "bfloat16":
+        # computing in bfloat16 on the AMX tiles by default: cache in bfloat16 too, as vLLM's CPU
+        # backend does (half the bytes every decode step reads); dtype="float32" keeps float32 pages
+        kv_cache_dtype = "bfloat16"
     bytes_per_token = kv_bytes_per_token(dtype.name, model_cfg, draft_cfg, kv_cache_dtype=kv_cache_dtype)
     num_pages = cfg.num_pages or _pool_pages(cfg, ps * bytes_per_token, max_pages_per_seq, weight_bytes)
     if num_pages < max_pages_per_seq + 1:
@@ -694,8 +701,6 @@ def resolve(
                 "int8 pages); use kv_cache_dtype='int8' or attention_impl='xla'"
             )
         attention_impl = "xla"  # the CPU default falls back to the XLA path, which reads fp8 pages
-    matmul_impl = _resolve_matmul(cfg, backend)
-    matmul_dtype, matmul_reason = _resolve_matmul_dtype(cfg, matmul_impl)
     spec_k = cfg.num_speculative_tokens if cfg.speculative_model else 0
     return RunnerConfig(
         max_slots=cfg.max_slots,
@@ -800,7 +805,7 @@ def _resolve_matmul_dtype(cfg, matmul_impl: str) -> tuple[str, str]:
 def kv_bytes_per_token(dtype: str, *cfgs: ModelConfig | None, kv_cache_dtype: str = "auto") -> int:
     """KV bytes one token takes in the pool, the target's and a draft's together; an 8-bit
     cache ("int8" / "fp8") counts its bfloat16 per-token-per-head scales too."""
-    kv = _KV_DTYPE[dtype] if kv_cache_dtype == "auto" else kv_cache_dtype
+    kv = _KV_DTYPE[dtype] if kv_cache_dtype == "auto" else _KV_DTYPE.get(kv_cache_dtype, kv_cache_dtype)
     return sum(kv_math.kv_bytes_per_token(c.shape(), kv_dtype=kv) for c in cfgs if c is not None)
 
 

@@ -819,7 +819,8 @@ ffi::Error setup(const char* what, int64_t q_rank, ffi::AnyBuffer q, ffi::AnyBuf
         return ffi::Error::InvalidArgument(w + ": scales must be bfloat16 [num_pages, page_size, KVH], got " +
                                            jaxserve_cpu::dims_str(sd) + " for pages " + jaxserve_cpu::dims_str(kd));
     }
-  } else if (kt != v.element_type() || (kt != ffi::F32 && kt != ffi::BF16)) {
+  } else if (kt != v.element_type() || (kt != ffi::F32 && kt != ffi::BF16 && kt != ffi::U16)) {
+    // U16: bfloat16 bits (a bfloat16 pool XLA:CPU scatters into in place; see reference.py)
     return ffi::Error::InvalidArgument(w + ": pages must both be float32 or bfloat16");
   }
   if ((qt != ffi::F32 && qt != ffi::BF16) || out->element_type() != qt)
