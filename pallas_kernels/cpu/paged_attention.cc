@@ -72,7 +72,6 @@ namespace {
 
 constexpr float kNeg = -1e30f;  // running max starts here (as the reference's mask value)
 constexpr int64_t kRound = 16;  // score rows and chunks are padded to a multiple of this
-constexpr int64_t kGemmRows = 8;  // query rows (queries x G) of an item from which score_tree runs
 
 // Vectors of N lanes.
 template <int N>
@@ -346,14 +345,14 @@ void plan(Problem& pr, const std::vector<int64_t>& starts, int64_t workers, int6
 // tokens of this chunk and the next [2][clp].
 struct Scratch {
   float* base = nullptr;
-  float *q, *acc, *m, *l, *s, *p, *kf, *vf, *kt;
+  float *q, *acc, *m, *l, *s, *p, *kf, *vf;
   int64_t *lim, *off;
   explicit Scratch(const Problem& pr) {
     auto up = [](int64_t n) { return (n + kRound - 1) / kRound * kRound; };
     const int64_t rows = pr.khi * pr.tb * pr.G;
     const int64_t nq = up(rows * pr.D), nm = up(rows), ns = up(pr.tb * pr.G * pr.clp);
     const int64_t nk = up(pr.clp * pr.D), nl = up(pr.tb * 2), no = up(pr.clp * 4);
-    const size_t bytes = size_t(2 * nq + 2 * nm + 2 * ns + 3 * nk + nl + no) * sizeof(float);
+    const size_t bytes = size_t(2 * nq + 2 * nm + 2 * ns + 2 * nk + nl + no) * sizeof(float);
     base = static_cast<float*>(std::aligned_alloc(64, (bytes + 63) / 64 * 64));
     if (!base) return;
     std::memset(base, 0, bytes);
@@ -365,9 +364,8 @@ struct Scratch {
     p = s + ns;
     kf = p + ns;
     vf = kf + nk;
-    kt = vf + nk;  // K transposed [D][clp] (many query rows: score_tree)
-    lim = reinterpret_cast<int64_t*>(kt + nk);
-    off = reinterpret_cast<int64_t*>(kt + nk + nl);
+    lim = reinterpret_cast<int64_t*>(vf + nk);
+    off = reinterpret_cast<int64_t*>(vf + nk + nl);
   }
   ~Scratch() { std::free(base); }
   Scratch(const Scratch&) = delete;
@@ -422,30 +420,6 @@ JS_INLINE void by_row_pairs(int64_t R, Fn&& f) {
   if constexpr (Pairs)
     for (; r + 2 <= R; r += 2) f(std::integral_constant<int, 2>{}, r);
   for (; r < R; ++r) f(std::integral_constant<int, 1>{}, r);
-}
-
-// Scores of RB query rows against N keys at once from K transposed into scratch (kt: [D][clp],
-// already offset to the first key), bit for bit what the pairs path in run_item computes: lane l
-// of a dot product's partial vector is q[l] k[l], then fma(q[cN + l], k[cN + l], .) for c = 1 ..
-// DV - 1, and the lanes are summed by the same halving tree (lane l with l + N/2, then l + N/4,
-// ...). Here one register holds one lane of N dot products (one per key), so the tree runs over
-// registers, depth first: S(l, G) = S(l, 2G) + S(l + G, 2G), S(l, N) = that lane's partial.
-// No horizontal sums and no shuffles; each K^T vector loaded serves RB rows.
-template <int N, int DV, int RB, int G>
-JS_INLINE void score_tree(const float* q0, int64_t D, const float* kt, int64_t clp, int l, Vf<N> (&out)[RB]) {
-  if constexpr (G == N) {
-    Vf<N> kv = vload<N>(kt + l * clp);
-    for (int i = 0; i < RB; ++i) out[i] = q0[i * D + l] * kv;
-    for (int c = 1; c < DV; ++c) {
-      kv = vload<N>(kt + (c * N + l) * clp);
-      for (int i = 0; i < RB; ++i) out[i] += q0[i * D + c * N + l] * kv;
-    }
-  } else {
-    Vf<N> b[RB];
-    score_tree<N, DV, RB, 2 * G>(q0, D, kt, clp, l, out);
-    score_tree<N, DV, RB, 2 * G>(q0, D, kt, clp, l + G, b);
-    for (int i = 0; i < RB; ++i) out[i] = out[i] + b[i];
-  }
 }
 
 // One work item.  KT: page element type (float, uint16_t holding bfloat16, or int8_t with a
@@ -546,44 +520,11 @@ JS_INLINE void run_item(const Problem& pr, int64_t item, int64_t next_item, Scra
         else return sc.vf + j * D;
       };
 
-      // Many query rows (a prompt chunk, a verification row; R >= 8): K transposed once per chunk
-      // into scratch and scored as a matrix product (score_tree), the same bits as below.  Not
-      // for DV == 1, where the compiler could fuse the first product into the tree's first add.
-      constexpr bool kTreeOk = DV >= 2;
-      const bool gemm = kTreeOk && R >= kGemmRows;
-      if constexpr (kTreeOk) {
-        if (gemm) {
-          const int64_t nv = (nvalid + N - 1) / N * N;
-          for (int64_t j = 0; j < nvalid; ++j) {
-            if (kF32 && j < n_next) prefetch_row(kpool + off_next[j] + hoff, D);
-            const float* k = krow(j);
-            for (int64_t d = 0; d < D; ++d) sc.kt[d * clp + j] = k[d];
-          }
-          for (int64_t d = 0; d < D; ++d)
-            for (int64_t j = nvalid; j < nv; ++j) sc.kt[d * clp + j] = 0.0f;
-          constexpr int RB = N >= 16 ? 4 : 2;
-          for (int64_t j0 = 0; j0 < nv; j0 += N) {
-            int64_t r0 = 0;
-            for (; r0 + RB <= R; r0 += RB) {
-              V out[RB];
-              score_tree<N, DV, RB, 1>(qk + r0 * D, D, sc.kt + j0, clp, 0, out);
-              for (int i = 0; i < RB; ++i) vstore<N>(sc.s + (r0 + i) * clp + j0, out[i]);
-            }
-            for (; r0 < R; ++r0) {
-              V out[1];
-              score_tree<N, DV, 1, 1>(qk + r0 * D, D, sc.kt + j0, clp, 0, out);
-              vstore<N>(sc.s + r0 * clp + j0, out[0]);
-            }
-          }
-        }
-      }
-
       // Scores S[r][j] = q_r . k_j for the live tokens of the chunk, N tokens at a time, query
       // rows in pairs (kPairs: the G query heads of a KV head, or consecutive queries), so that
       // each K row loaded serves both rows of a pair.  Tokens jj and jj + N/2 meet at the
       // reduction tree's first level (reduce_pair), so only N/2 partial vectors per row stay live.
-      if (gemm) {
-      } else if constexpr (DV > 0) {
+      if constexpr (DV > 0) {
         auto scores = [&](auto rows, int64_t r0) {
           constexpr int RB = decltype(rows)::value;
           const bool pf = kF32 && r0 == 0;
