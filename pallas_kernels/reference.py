@@ -38,10 +38,16 @@ class RaggedMetadata:
 
 # -- the quantized KV cache ------------------------------------------------------------------
 
-KV_CACHE_DTYPES = ("auto", "bfloat16", "int8", "fp8")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "int8", "fp8")
 # kv_cache_dtype -> page element type (None: the model's dtype). "bfloat16" pages carry no scales
 # (a float cache in half float32's bytes, written by a cast); the 8-bit ones do.
-KV_PAGE_DTYPES = {"auto": None, "bfloat16": jnp.uint16, "int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
+KV_PAGE_DTYPES = {
+    "auto": None,
+    "float32": jnp.float32,
+    "bfloat16": jnp.uint16,
+    "int8": jnp.int8,
+    "fp8": jnp.float8_e4m3fn,
+}
 SCALED_KV_DTYPES = ("int8", "fp8")
 # A "bfloat16" pool holds bfloat16 bit patterns in uint16 pages: XLA:CPU has no bfloat16 scatter
 # and rewrites one into a float32 conversion of the whole pool and back (38 ms for a 1 GiB pool,

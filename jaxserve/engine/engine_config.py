@@ -21,8 +21,8 @@ class EngineConfig:
     token_buckets: tuple[int, ...] | None = None
     dtype: str | None = None  # "float32" | "bfloat16"; default by backend
     quantization: str | None = None  # None | "int8": weight-only int8, per-output-channel scales
-    # "auto" (pages in dtype; bfloat16 on a CPU that computes in bfloat16 by default) | "bfloat16"
-    # | "int8" | "fp8" (8-bit pages, per-token-per-head scales)
+    # "auto" (pages in dtype; bfloat16 on a CPU that computes in bfloat16 by default) | "float32"
+    # | "bfloat16" | "int8" | "fp8" (8-bit pages, per-token-per-head scales)
     kv_cache_dtype: str = "auto"
     attention_impl: str | None = None  # "xla" | "pallas" | "native"; default pallas on TPU/GPU, native on CPU
     # The projections' matmul: "native" (CPU: weights packed into panels, streamed by the C++
