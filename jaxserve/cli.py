@@ -50,7 +50,11 @@ ENGINE_FLAGS = {
     "--dtype": ("dtype", str, "float32 | bfloat16 (default: by backend)"),
     "--quantization": ("quantization", str, "int8: weight-only int8 projections, per-output-channel scales"),
     "--attention-impl": ("attention_impl", str, "xla | pallas (default: by backend)"),
-    "--kv-cache-dtype": ("kv_cache_dtype", str, "auto | float32 | bfloat16 | int8 | fp8 (8-bit KV pages with per-token scales)"),
+    "--kv-cache-dtype": (
+        "kv_cache_dtype",
+        str,
+        "auto | float32 | bfloat16 | int8 | fp8 (8-bit KV pages with per-token scales)",
+    ),
     "--matmul-impl": ("matmul_impl", str, "native | xla: the projections' matmul (default: native on CPU)"),
     "--matmul-dtype": ("matmul_dtype", str, "bfloat16 | float32: native matmul weights (default: bfloat16 with AMX)"),
     "--tensor-parallel-size": ("tensor_parallel_size", int, "chips in the tensor-parallel mesh"),

@@ -53,8 +53,10 @@ class EngineConfig:
         for name in ("max_slots", "page_size", "max_num_batched_tokens"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.kv_cache_dtype not in ("auto", "bfloat16", "int8", "fp8"):
-            raise ValueError(f"kv_cache_dtype must be 'auto', 'bfloat16', 'int8' or 'fp8', got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype not in ("auto", "float32", "bfloat16", "int8", "fp8"):
+            raise ValueError(
+                f"kv_cache_dtype must be 'auto', 'float32', 'bfloat16', 'int8' or 'fp8', got {self.kv_cache_dtype!r}"
+            )
         if self.quantization not in (None, "int8"):
             raise ValueError(f"quantization must be None or 'int8', got {self.quantization!r}")
         if self.attention_impl not in (None, "xla", "pallas", "native"):
