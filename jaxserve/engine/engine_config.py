@@ -29,8 +29,9 @@ class EngineConfig:
     # kernel) | "xla"; default native on the CPU where the kernel is built, xla elsewhere.
     matmul_impl: str | None = None
     # The native matmul's float weights: "bfloat16" (AMX tiles, half the bytes a decode step
-    # reads; activations, norms, attention and the KV cache stay float32) | "float32" (today's
-    # exact path). Default: bfloat16 where the CPU has AMX and `dtype` is not given, else float32.
+    # reads; activations, norms and attention's arithmetic stay float32, and the KV pages follow
+    # to bfloat16 unless kv_cache_dtype says otherwise) | "float32" (the exact float32 path).
+    # Default: bfloat16 where the CPU has AMX and `dtype` is not given, else float32.
     matmul_dtype: str | None = None
     interpret: bool | None = None  # run Pallas kernels interpreted (default: on CPU)
     enable_prefix_caching: bool = True
