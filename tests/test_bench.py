@@ -20,7 +20,7 @@ from jaxserve.tools.bench import ab
 from jaxserve.tools.bench.stats import RequestRecord, RequestTimer, RoundStats, summarize
 from jaxserve.tools.bench.workload import Workload, WorkloadSpec
 
-OPTS = dict(max_slots=4, page_size=8, max_model_len=128, num_pages=128, prefill_buckets=(16, 32))
+OPTS = dict(max_slots=4, page_size=8, max_model_len=128, num_pages=128, token_buckets=(16, 32))
 
 
 @pytest.fixture(scope="module")
