@@ -376,9 +376,13 @@ class EngineCore:
             self.runner.copy_pages(plan.copies)
         touched: list[Sequence] = []
         if plan.decodes and self.spec_k and not any(s.params.plain_decode_only for s in plan.decodes):
-            if plan.prefills:
-                self._prefill(plan.prefills)
-            touched = self.scheduler.update(plan, self._speculate(plan.decodes))
+            rows = self._lookup_rows(plan)
+            if rows is not None:  # prompt lookup: one ragged step verifies the decodes beside the chunks
+                touched = self.scheduler.update(plan, self._speculate_ragged(plan.decodes, rows))
+            else:  # a draft model proposes on the device first; prompt logprobs; more tokens than a step
+                if plan.prefills:
+                    self._prefill(plan.prefills)
+                touched = self.scheduler.update(plan, self._speculate(plan.decodes))
         else:  # logprobs, grammars, penalties, biases and min_p/min_tokens run in the ragged step
             # Async scheduling: dispatch this step, then read the previous one's tokens while
             # the device runs it. A step whose rows need their tokens on the host before the
@@ -518,6 +522,36 @@ class EngineCore:
                     lp.setdefault(int(r.top_ids[i, j]), float(r.top_logprobs[i, j]))
             out[seq.request_id] = [(tok, lp)]
         return self.scheduler.apply(step.seqs, out)
+
+    def _lookup_rows(self, plan) -> list[Chunk] | None:
+        """The plan as one ragged step with prompt-lookup drafts: each decoding sequence's row is
+        [its prompt's last chunk..., last token, drafts...] (sampling rows first, in plan.decodes'
+        order), then the chunks of prompts still being filled. None where that step does not
+        apply: a draft model, a chunk to score, or more tokens than the largest bucket."""
+        from jaxserve.runner.speculative import ngram_propose
+
+        if self.runner.draft is not None or any(c.seq.wants_prompt_logprobs for c in plan.prefills):
+            return None
+        chunk_of = {id(c.seq): c for c in plan.prefills}
+        rows = []
+        for s in plan.decodes:
+            c = chunk_of.pop(id(s), None)
+            drafts = ngram_propose(s.all_ids, self.spec_k)
+            start = s.length - 1 if c is None else c.start
+            row = self._chunk(s, s.all_ids[start:] + drafts, None, start)
+            rows.append(dataclasses.replace(row, num_drafts=len(drafts)))
+        rows += [Chunk(c.seq.all_ids[c.start : c.end], c.start, c.seq.pages) for c in chunk_of.values()]
+        if sum(len(r.tokens) for r in rows) > self.runner.token_buckets[-1]:
+            return None
+        return rows
+
+    def _speculate_ragged(self, seqs: list[Sequence], rows: list[Chunk]) -> dict[str, list[tuple[int, None]]]:
+        out, n_out = self.runner.speculate_ragged(rows)
+        result = {}
+        for i, seq in enumerate(seqs):
+            self.spec_stats.record(rows[i].num_drafts, int(n_out[i]))
+            result[seq.request_id] = [(int(t), None) for t in out[i, : n_out[i]]]
+        return result
 
     def _speculate(self, seqs: list[Sequence]) -> dict[str, list[tuple[int, None]]]:
         if self.runner.draft is None:

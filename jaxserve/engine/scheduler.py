@@ -118,7 +118,8 @@ class Scheduler:
         #    prompts' next chunks, oldest first.
         running = sorted(self.running, key=lambda s: s.arrival)
         decodes = [s for s in running if not s.prefilling and not self._last_token_pending(s)]
-        prefills, budget = [], self.max_num_batched_tokens - len(decodes)
+        per_decode = 1 + self.lookahead  # a speculative row: its last token and k drafts
+        prefills, budget = [], self.max_num_batched_tokens - len(decodes) * per_decode
         for seq in running:
             if seq.prefilling:
                 budget = self._plan_chunk(seq, budget, prefills, decodes, copies)
@@ -141,7 +142,7 @@ class Scheduler:
                 budget = self._plan_chunk(seq, budget, prefills, decodes, copies)
             elif self._reserve_lookahead(seq, copies):  # the prefix cache held all of it
                 decodes.append(seq)
-                budget -= 1
+                budget -= 1 + self.lookahead
         return StepPlan(prefills, decodes, copies, preempted)
 
     def _last_token_pending(self, seq: Sequence) -> bool:
@@ -151,17 +152,16 @@ class Scheduler:
 
     def _plan_chunk(self, seq: Sequence, budget: int, prefills: list, decodes: list, copies: list) -> int:
         """The next chunk of a prompt within the budget; the chunk that reaches the last prompt
-        token also spends one token on it (the sequence joins this step's decodes)."""
+        token also spends budget on that token (and its k speculative drafts): the sequence joins
+        this step's decodes. Without room for that, the chunk stops one token short."""
         left = seq.length - 1 - seq.num_computed
-        n = min(left, budget)
-        if n == left and budget == left:  # no room for the last token too: stop one short
-            n -= 1
+        n = left if budget >= left + 1 + self.lookahead else min(budget, left - 1)
         if n <= 0:
             return budget
         prefills.append(PrefillChunk(seq, seq.num_computed, seq.num_computed + n))
         if n == left and self._reserve_lookahead(seq, copies):
             decodes.append(seq)  # its last token rides in the same row and samples
-            return budget - n - 1
+            return budget - n - 1 - self.lookahead
         return budget - n
 
     def _reserve_lookahead(self, seq: Sequence, copies: list) -> bool:

@@ -465,6 +465,21 @@ class ModelRunner:
                 self.store,
                 fixed=2,
             )
+            # prompt lookup: verification rides in the ragged step with the prompt chunks
+            self._verify_ragged = Step(
+                "verify-ragged",
+                jax.jit(
+                    pin_kv(
+                        functools.partial(speculative.verify_ragged, t.graphdef, t.backend, argmax_fn=t.argmax),
+                        t.kv_sharding,
+                        0,
+                    ),
+                    donate_argnums=(1,),
+                    static_argnames=("do_sample",),
+                ),
+                self.store,
+                fixed=2,
+            )
             if self.draft is not None:
                 d = self.draft
                 self._propose = Step(
@@ -616,6 +631,26 @@ class ModelRunner:
         return to_host(out)[: len(rows)], to_host(n_out)[: len(rows)], num_drafts
 
     @replicated
+    def speculate_ragged(self, rows: list[Chunk]) -> tuple[np.ndarray, np.ndarray]:
+        """Prompt-lookup verification inside one ragged step: rows that sample are
+        [prompt chunk..., last, d1..d_n] (n = num_drafts <= k host proposals, no chunk for a
+        decode row); rows without sampling are prompt chunks. Returns (tokens [R, k+1], n_out
+        [R]) in the order of `rows`: sampling row i emits tokens[i, :n_out[i]]."""
+        k = self.spec_k
+        t = bucket_for(self.token_buckets, sum(len(c.tokens) for c in rows))
+        r = self.rows_for(t)
+        batch = self.batch(rows, r, t)
+        qsl = batch.attn.query_start_loc
+        spec = np.zeros((r, k + 1), np.int32)
+        for i, c in enumerate(rows):
+            last = qsl[i] + len(c.tokens) - 1 - c.num_drafts
+            spec[i] = np.minimum(last + np.arange(k + 1), qsl[i + 1] - 1)
+        do_sample = bool(np.any(batch.active & (batch.sampling.temperature > 0)))
+        w = self.target
+        w.kv, out, n_out = self._verify_ragged(w.params, w.kv, batch, spec, do_sample=do_sample)
+        return to_host(out)[: len(rows)], to_host(n_out)[: len(rows)]
+
+    @replicated
     def copy_pages(self, pairs: list[tuple[int, int]]) -> None:
         for i in range(0, len(pairs), self.copy_batch):
             chunk = pairs[i : i + self.copy_batch]
@@ -635,10 +670,16 @@ class ModelRunner:
             jobs += [("score", t) for t in self.token_buckets]
         if self.spec_k:
             jobs += [("speculate", b, do_sample) for b in self.batch_buckets for do_sample in (False, True)]
+            if self.draft is None:
+                jobs += [("speculate_ragged", t, do_sample) for t in self.token_buckets for do_sample in (False, True)]
         pages = [DUMMY_PAGE] * self.max_pages_per_seq
         for i, (kind, a, *rest) in enumerate(jobs):
             if progress:
                 progress(f"compiling {kind} {a} ({i + 1}/{len(jobs)})")
+            if kind == "speculate_ragged":  # a tokens pick bucket a: one row with drafts where they fit
+                drafts = min(self.spec_k, a - 1)
+                self.speculate_ragged([Chunk([0] * a, 0, pages, (1.0 if rest[0] else 0.0, 0, 1.0, 0, 0), drafts)])
+                continue
             if kind == "speculate":  # a rows pick bucket a: one live row on the dummy pages, the rest empty
                 n_tok = 1 + self.spec_k
                 live = Chunk([0] * n_tok, 0, pages, (1.0 if rest[0] else 0.0, 0, 1.0, 0, 0))

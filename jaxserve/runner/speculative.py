@@ -93,25 +93,66 @@ def draft_propose(graphdef, backend, params, kv, batch: StepBatch, *, do_sample:
 
 
 def verify(graphdef, backend, params, kv, batch: StepBatch, drafts, draft_q, *, do_sample: bool, argmax_fn=argmax):
-    """Score [last, d1..dk] at positions L-1..L-1+k for every slot and apply the acceptance
-    rule. The drafts are `drafts` [S, k] (a draft model's, on the device) or, when None,
-    the host's in batch.tokens[:, 1:], of which batch.num_drafts are real. Returns (kv,
-    out_tokens [S, k+1], n_out [S]): the first n_out tokens are emitted (the accepted
-    drafts, then the corrected or bonus token)."""
+    """Score [last, d1..dk] at positions L-1..L-1+k for every slot (rows of k + 1 tokens) and
+    apply the acceptance rule. The drafts are `drafts` [S, k] (a draft model's, on the device)
+    or, when None, the host's in the rows' tokens[1:], of which batch.num_drafts are real.
+    Returns (kv, out_tokens [S, k+1], n_out [S]): the first n_out tokens are emitted (the
+    accepted drafts, then the corrected or bonus token)."""
     tokens = _rows(batch, batch.tokens)
-    s, t = tokens.shape
-    k = t - 1
-    sp = batch.sampling
-    temperature, top_k, top_p, seeds, counters = sp.temperature, sp.top_k, sp.top_p, sp.seeds, sp.counters
+    k = tokens.shape[1] - 1
     if drafts is None:
         drafts, num_drafts = tokens[:, 1:], batch.num_drafts
     else:
         num_drafts = jnp.where(batch.active, k, 0).astype(jnp.int32)
         tokens = jnp.concatenate([tokens[:, :1], drafts], axis=1)
     model = nnx.merge(graphdef, params)
-    idx = jnp.broadcast_to(jnp.arange(t), (s, t))
     md = backend.metadata(batch.attn)  # rows of k + 1 tokens, flattened row-major as the model does
     logits, kv = model(tokens, _rows(batch, batch.positions), kv, md, backend.forward)  # [S, T, V]
+    out, n_out = accept(logits, drafts, draft_q, num_drafts, batch.sampling, do_sample=do_sample, argmax_fn=argmax_fn)
+    return kv, out, n_out
+
+
+def verify_ragged(graphdef, backend, params, kv, batch: StepBatch, spec_index, *, do_sample: bool, argmax_fn=argmax):
+    """Verification inside the ragged step: the batch's rows are prompt chunks (sampling
+    nothing), prompts' last chunks with their last token, and decode rows [last, d1..d_n]
+    (n = num_drafts <= k host proposals: prompt lookup), all in one forward pass that reads
+    every weight once. spec_index [R, k + 1]: the flat index of each row's last prompt or
+    decode token and of its drafts (repeated past them). Returns (kv, out_tokens [R, k+1],
+    n_out [R]) as `verify`."""
+    model = nnx.merge(graphdef, params)
+    md = backend.metadata(batch.attn)
+    live = batch.attn.query_start_loc[-1]
+    r, t = spec_index.shape
+    logits, kv = model(
+        batch.tokens[None],
+        batch.positions[None],
+        kv,
+        md,
+        backend.forward,
+        token_index=spec_index.reshape(-1),
+        num_live_tokens=live,
+    )
+    drafts = batch.tokens[spec_index[:, 1:]]
+    out, n_out = accept(
+        logits.reshape(r, t, -1),
+        drafts,
+        None,
+        batch.num_drafts,
+        batch.sampling,
+        do_sample=do_sample,
+        argmax_fn=argmax_fn,
+    )
+    return kv, out, n_out
+
+
+def accept(logits, drafts, draft_q, num_drafts, sp, *, do_sample: bool, argmax_fn=argmax):
+    """The acceptance rule over the target's logits [S, k+1, V] at [last, d1..dk]: drafts
+    [S, k], draft_q [S, k, V] (a draft model's distributions) or None (deterministic proposals),
+    num_drafts [S] real drafts per row. Returns (out_tokens [S, k+1], n_out [S])."""
+    s, t = logits.shape[:2]
+    k = t - 1
+    temperature, top_k, top_p, seeds, counters = sp.temperature, sp.top_k, sp.top_p, sp.seeds, sp.counters
+    idx = jnp.broadcast_to(jnp.arange(t), (s, t))
     has_draft = jnp.arange(k)[None, :] < num_drafts[:, None]
     target_argmax = argmax_fn(logits.reshape(s * t, -1)).reshape(s, t)
     greedy_ok = drafts == target_argmax[:, :k]
@@ -147,7 +188,7 @@ def verify(graphdef, backend, params, kv, batch: StepBatch, drafts, draft_q, *, 
         fix = fix_greedy
     padded = jnp.concatenate([drafts, jnp.zeros_like(drafts[:, :1])], axis=1)
     out = jnp.where(idx < n_acc[:, None], padded, jnp.where(idx == n_acc[:, None], fix[:, None], 0))
-    return kv, out.astype(jnp.int32), (n_acc + 1).astype(jnp.int32)
+    return out.astype(jnp.int32), (n_acc + 1).astype(jnp.int32)
 
 
 class SpecStats:
