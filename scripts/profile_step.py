@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
                 per_op[ev.name] += ev.duration_ns
                 calls[ev.name] += 1
     targets: dict[str, str] = {}
-    for exe in runner.target.decode_sample.executables():
+    for exe in runner.target.step.executables():
         targets.update(custom_call_targets(exe.as_text()))
     kinds: collections.Counter = collections.Counter()
     for name, ns in per_op.items():
