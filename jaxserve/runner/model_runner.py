@@ -451,51 +451,22 @@ class ModelRunner:
             from jaxserve.runner import speculative
 
             t = self.target
-            self._verify = Step(
-                "verify",
-                jax.jit(
-                    pin_kv(
-                        functools.partial(speculative.verify, t.graphdef, t.backend, argmax_fn=t.argmax),
-                        t.kv_sharding,
-                        0,
-                    ),
-                    donate_argnums=(1,),
-                    static_argnames=("do_sample",),
-                ),
-                self.store,
-                fixed=2,
-            )
+            self._verify = self._speculative_step("verify", speculative.verify, t)
             # prompt lookup: verification rides in the ragged step with the prompt chunks
-            self._verify_ragged = Step(
-                "verify-ragged",
-                jax.jit(
-                    pin_kv(
-                        functools.partial(speculative.verify_ragged, t.graphdef, t.backend, argmax_fn=t.argmax),
-                        t.kv_sharding,
-                        0,
-                    ),
-                    donate_argnums=(1,),
-                    static_argnames=("do_sample",),
-                ),
-                self.store,
-                fixed=2,
-            )
+            self._verify_ragged = self._speculative_step("verify-ragged", speculative.verify_ragged, t)
             if self.draft is not None:
-                d = self.draft
-                self._propose = Step(
-                    "propose",
-                    jax.jit(
-                        pin_kv(
-                            functools.partial(speculative.draft_propose, d.graphdef, d.backend, argmax_fn=d.argmax),
-                            d.kv_sharding,
-                            0,
-                        ),
-                        donate_argnums=(1,),
-                        static_argnames=("do_sample",),
-                    ),
-                    self.store,
-                    fixed=2,
-                )
+                self._propose = self._speculative_step("propose", speculative.draft_propose, self.draft)
+
+    def _speculative_step(self, name: str, fn: Callable, w: _Weights) -> Step:
+        """fn(graphdef, backend, params, kv, batch, ..., do_sample, argmax_fn) of model w, jitted
+        with its KV cache donated (and kept on its sharding), do_sample static."""
+        jitted = functools.partial(fn, w.graphdef, w.backend, argmax_fn=w.argmax)
+        return Step(
+            name,
+            jax.jit(pin_kv(jitted, w.kv_sharding, 0), donate_argnums=(1,), static_argnames=("do_sample",)),
+            self.store,
+            fixed=2,
+        )
 
     @property
     def kv(self):
