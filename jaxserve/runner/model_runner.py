@@ -123,8 +123,10 @@ def _ragged_step(
     batch: StepBatch,
     prev_tokens,
     want_logprobs,
+    targets=None,
     *,
     num_logprobs: int,
+    num_top: int = 1,
     argmax_fn: Callable = sampling.argmax,
 ):
     """The step serving runs: every row of the batch (decodes, prompt chunks, a prompt's last
@@ -133,43 +135,26 @@ def _ragged_step(
     with batch.feed >= 0 is the previous step's sampled id of that row (`prev_tokens`, one
     fixed-size buffer), so the host can dispatch this step before it has read them. Returns
     (kv, (tokens, chosen logprob, top ids, top logprobs), this step's ids padded to
-    prev_tokens' size)."""
-    tokens = jnp.where(batch.feed >= 0, prev_tokens[jnp.maximum(batch.feed, 0)], batch.tokens)
-    logits, kv = _forward(graphdef, backend, params, kv, batch, tokens, batch.logits_indices)
-    out = _sample_rows(logits, batch, want_logprobs, num_logprobs=num_logprobs, argmax_fn=argmax_fn)
-    return kv, out, jnp.zeros_like(prev_tokens).at[: batch.num_rows].set(out[0])
+    prev_tokens' size).
 
-
-def _scoring_step(
-    graphdef,
-    backend: AttentionBackend,
-    params,
-    kv,
-    batch: StepBatch,
-    prev_tokens,
-    want_logprobs,
-    targets,
-    *,
-    num_logprobs: int,
-    num_top: int,
-    argmax_fn: Callable = sampling.argmax,
-):
-    """`_ragged_step` that also scores every token (prompt logprobs, lm-eval's loglikelihood):
-    the log-softmax of each position's logits gathered at `targets` [N] (each token's next
-    prompt token), its rank in the vocabulary (1: the most likely) and the top `num_top`. Its
-    own executables, so the plain step keeps the vocabulary projection to sampled rows.
-    Returns `_ragged_step`'s outputs and (logprob [N], rank [N], top ids [N, n], top lps [N, n])."""
+    With `targets` [N] (each token's next prompt token: prompt logprobs, lm-eval's
+    loglikelihood) it also scores every token: the log-softmax of its logits gathered at its
+    target, the target's rank in the vocabulary (1: the most likely) and the top `num_top`,
+    returned fourth as (logprob [N], rank [N], top ids [N, n], top lps [N, n]). That form has
+    executables of its own, so the plain step keeps the vocabulary projection to sampled rows."""
     tokens = jnp.where(batch.feed >= 0, prev_tokens[jnp.maximum(batch.feed, 0)], batch.tokens)
-    every, kv = _forward(graphdef, backend, params, kv, batch, tokens, jnp.arange(batch.num_tokens))
-    out = _sample_rows(
-        every[batch.logits_indices], batch, want_logprobs, num_logprobs=num_logprobs, argmax_fn=argmax_fn
-    )
-    logp = jax.nn.log_softmax(every, axis=-1)  # float32, as the sampled rows' logprobs
+    at = batch.logits_indices if targets is None else jnp.arange(batch.num_tokens)
+    logits, kv = _forward(graphdef, backend, params, kv, batch, tokens, at)
+    rows = logits if targets is None else logits[batch.logits_indices]
+    out = _sample_rows(rows, batch, want_logprobs, num_logprobs=num_logprobs, argmax_fn=argmax_fn)
+    fed = jnp.zeros_like(prev_tokens).at[: batch.num_rows].set(out[0])
+    if targets is None:
+        return kv, out, fed
+    logp = jax.nn.log_softmax(logits, axis=-1)  # float32, as the sampled rows' logprobs
     chosen = jnp.take_along_axis(logp, targets[:, None], axis=-1)[:, 0]
     rank = 1 + jnp.sum(logp > chosen[:, None], axis=-1, dtype=jnp.int32)
     top_lp, top_ids = jax.lax.top_k(logp, num_top)
-    scores = (chosen, rank, top_ids.astype(jnp.int32), top_lp)
-    return kv, out, jnp.zeros_like(prev_tokens).at[: batch.num_rows].set(out[0]), scores
+    return kv, out, fed, (chosen, rank, top_ids.astype(jnp.int32), top_lp)
 
 
 def _copy_pages(kv, src, dst):
@@ -319,24 +304,14 @@ class _Weights:
                 static_argnames=static,
             )
 
-        # The one step serving runs, and its twin that also scores every token (prompt logprobs).
-        self.step = Step(
-            f"{name}-step",
-            jitted(
-                functools.partial(_ragged_step, self.graphdef, self.backend, argmax_fn=self.argmax), ("num_logprobs",)
-            ),
-            store,
-            fixed=2,
+        # The one step serving runs; with targets, the form that also scores every token (prompt
+        # logprobs), kept apart so the executables of each are counted and stored by name.
+        ragged = jitted(
+            functools.partial(_ragged_step, self.graphdef, self.backend, argmax_fn=self.argmax),
+            ("num_logprobs", "num_top"),
         )
-        self.score = Step(
-            f"{name}-score",
-            jitted(
-                functools.partial(_scoring_step, self.graphdef, self.backend, argmax_fn=self.argmax),
-                ("num_logprobs", "num_top"),
-            ),
-            store,
-            fixed=2,
-        )
+        self.step = Step(f"{name}-step", ragged, store, fixed=2)
+        self.score = Step(f"{name}-score", ragged, store, fixed=2)
         self.copy = Step(
             f"{name}-copy", jax.jit(pin_kv(_copy_pages, self.kv_sharding, None), donate_argnums=(0,)), store, fixed=1
         )
