@@ -8,7 +8,7 @@ is visible to query t iff j < context_lens[b] and j <= positions[b, t]; a query 
 nothing gets zeros (the reference would average every key there; no live query is like that).
 ``ragged_paged_attention`` is the same kernel over one flat token array (q [N, H, D], rows of any
 query length delimited by query_start_loc [R+1]; ``reference.ragged_paged_attention``'s
-contract), ``ragged_attention`` its serving-path wrapper over a layer's cache tuple.
+contract; the engine's `native` attention backend calls it).
 Arithmetic is float32; the result has q's dtype. The C++ kernel is
 ``cpu/paged_attention.cc``: one work item per (row, KV head block), each K/V vector read once
 for all the query heads sharing it, online softmax per page, the next page prefetched, work
@@ -415,30 +415,6 @@ def _call(targets, q, k_pages, v_pages, k_scales, v_scales, scale, kv_heads_per_
         kv_heads_per_item=np.int64(kv_heads_per_item),
     )
     return out.astype(out_dtype)
-
-
-def ragged_attention(q, k, v, kv_pages, md, *, scale: float):
-    """The ragged serving path: q [N, H, D] flat tokens of every row of the step (decode, prefill
-    chunks and verify chunks alike) over the layer's cache tuple ``kv_pages`` (this step's k/v
-    already written, so k and v are not read again; int8 pages with their scales too). ``md`` is
-    any object with the fields query_start_loc [R+1], seq_lens [R], block_tables [R, P] and
-    positions [N] (int32), as ``reference.ragged_paged_attention`` takes them."""
-    from pallas_kernels import reference
-
-    del k, v  # in kv_pages already
-    k_pages, v_pages, k_scales, v_scales = reference.split_cache(kv_pages)
-    return ragged_paged_attention(
-        q,
-        k_pages,
-        v_pages,
-        md.query_start_loc,
-        md.seq_lens,
-        md.block_tables,
-        md.positions,
-        scale,
-        k_scales,
-        v_scales,
-    )
 
 
 if __name__ == "__main__":  # python -m pallas_kernels.native [OUT.so]: build the library

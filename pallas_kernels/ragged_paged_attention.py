@@ -526,29 +526,3 @@ def ragged_paged_attention(
             num_stages=num_stages,
         )
     return out
-
-
-def attention(q, k, v, kv_pages, md, *, scale: float, interpret: bool | None = None, backend: str | None = None):
-    """The serving path's ragged attention: q [N, H, D] (this step's flat tokens) over a layer's
-    cache tuple kv_pages ((k_pages, v_pages) or quantized (k_pages, v_pages, k_scales,
-    v_scales), ``reference.split_cache``) into which this step's k/v are already written (so
-    k and v themselves are not read). md: any object with query_start_loc, seq_lens,
-    block_tables and positions. The lowering follows jax.default_backend(): Triton on a GPU,
-    Mosaic on a TPU, and elsewhere (the CPU) the TPU lowering interpreted, as
-    ``paged_attention.attention`` does. Returns [N, H, D] in q.dtype."""
-    del k, v
-    k_pages, v_pages, k_scales, v_scales = reference.split_cache(kv_pages)
-    return ragged_paged_attention(
-        q,
-        k_pages,
-        v_pages,
-        md.query_start_loc,
-        md.seq_lens,
-        md.block_tables,
-        md.positions,
-        scale,
-        k_scales,
-        v_scales,
-        backend=backend,
-        interpret=interpret,
-    )

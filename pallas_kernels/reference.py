@@ -337,26 +337,34 @@ def ragged_paged_attention(
     return jnp.where(sees[:, None, None], out, jnp.zeros_like(out))
 
 
-def ragged_attention(q, k, v, kv_pages, md: RaggedMetadata, *, scale: float, pages_per_chunk: int = 2):
-    """The XLA serving path of a ragged step: ``paged_attention_chunked`` with one row per token
-    (its row's block table and length), so one compiled loop serves decode, chunks and
-    verification alike; its trip count follows the longest live context. q [..., H, D] with the
-    leading axes flattening to the N tokens of ``md``; k/v (this step's, already written into
-    ``kv_pages``) are read back from the pages. Every token re-reads its row's pages: right for
-    decode rows, N-fold work for a long chunk (the native and Pallas kernels share them)."""
-    del k, v
-    shape = q.shape
-    qf = q.reshape(-1, *shape[-2:])
-    n = qf.shape[0]
-    k_pages, v_pages, k_scales, v_scales = split_cache(kv_pages)
-    rows = token_rows(md.query_start_loc, n)
-    lens = jnp.where(ragged_valid(md.query_start_loc, n), md.seq_lens[rows], 0)
-    tables = md.block_tables[rows]
+def ragged_paged_attention_chunked(
+    q,
+    k_pages,
+    v_pages,
+    query_start_loc,
+    seq_lens,
+    block_tables,
+    positions,
+    scale: float,
+    k_scales=None,
+    v_scales=None,
+    *,
+    pages_per_chunk: int = 2,
+):
+    """The XLA serving path of a ragged step, with ``ragged_paged_attention``'s arguments and
+    result: ``paged_attention_chunked`` with one row per token (its row's block table and
+    length), so one compiled loop serves decode, chunks and verification alike; its trip count
+    follows the longest live context. Every token re-reads its row's pages: right for decode
+    rows, N-fold work for a long chunk (the native and Pallas kernels share them)."""
+    n = q.shape[0]
+    rows = token_rows(query_start_loc, n)
+    lens = jnp.where(ragged_valid(query_start_loc, n), seq_lens[rows], 0)
+    tables = block_tables[rows]
     pad = (-tables.shape[1]) % pages_per_chunk
     if pad:
         tables = jnp.pad(tables, ((0, 0), (0, pad)))
     out = paged_attention_chunked(
-        qf[:, None], k_pages, v_pages, tables, lens, md.positions[:, None], scale, pages_per_chunk, k_scales, v_scales
+        q[:, None], k_pages, v_pages, tables, lens, positions[:, None], scale, pages_per_chunk, k_scales, v_scales
     )[:, 0]
-    sees = jnp.minimum(lens, md.positions + 1) > 0  # padding and tokens that see nothing: zeros
-    return jnp.where(sees[:, None, None], out, jnp.zeros_like(out)).reshape(shape)
+    sees = jnp.minimum(lens, positions + 1) > 0  # padding and tokens that see nothing: zeros
+    return jnp.where(sees[:, None, None], out, jnp.zeros_like(out))

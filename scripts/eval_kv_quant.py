@@ -31,6 +31,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from jaxserve.models.loader import load_model  # noqa: E402
+from jaxserve.runner import attention  # noqa: E402
 from pallas_kernels import reference  # noqa: E402
 
 
@@ -53,7 +54,7 @@ def paged_losses(model, cfg, windows: np.ndarray, kv_cache_dtype: str, batch: in
     pages_per_row = -(-t // page_size)
     num_pages = 1 + batch * pages_per_row
     graphdef, params = nnx.split(model)
-    attn = reference.ragged_attention
+    attn = attention.make("xla").forward
 
     @jax.jit
     def run(params, toks):

@@ -98,7 +98,9 @@ def heldout_loss(model, cfg, windows, kv: str, batch: int = 16, page_size: int =
         return tuple((z, z) for _ in range(cfg.num_layers))
 
     graphdef, state = nnx.split(model)
-    attn = reference.ragged_attention
+    from jaxserve.runner.attention import make as attention_backend
+
+    attn = attention_backend("xla").forward
 
     @jax.jit
     def losses(state, toks, weights):

@@ -7,6 +7,7 @@ preemption on), every page back in the pool, zero compiles after warm-up."""
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 
@@ -23,7 +24,7 @@ from paged_pools import close, page_pool, randn
 from jaxserve import kv_math
 from jaxserve.engine.engine_config import EngineConfig
 from jaxserve.models.model_config import ModelConfig
-from jaxserve.runner import model_runner
+from jaxserve.runner import attention, model_runner
 from pallas_kernels import native, reference
 from pallas_kernels import paged_attention as pk
 from pallas_kernels import ragged_paged_attention as rpa
@@ -328,12 +329,12 @@ def test_attention_backends_read_quantized_pages(impl):
     k = v = jnp.zeros((n, kvh, d))
     want = reference.ragged_paged_attention(q, kd, vd, qsl, cl, bt, pos, 0.2)
     md = reference.RaggedMetadata(jnp.zeros_like(pos), bt, cl, qsl, pos)
-    if impl == "xla":
-        fn = reference.ragged_attention
-    elif impl == "native":
-        fn = native.ragged_attention
-    else:
-        fn = lambda *a, **kw: rpa.attention(*a, interpret=True, backend=impl.split("-")[1], **kw)  # noqa: E731
+    if impl in ("xla", "native"):
+        fn = attention.make(impl).forward
+    else:  # each lowering, interpreted
+        fn = attention.paged_forward(
+            functools.partial(rpa.ragged_paged_attention, interpret=True, backend=impl.split("-")[1])
+        )
     got = jax.jit(lambda q, k, v, c, m: fn(q, k, v, c, m, scale=0.2))(q, k, v, cache, md)
     assert got.shape == q.shape and got.dtype == q.dtype
     close(got, want, jnp.float32)
@@ -359,7 +360,8 @@ def test_bfloat16_pool_holds_bits_and_every_reader_agrees():
     md = reference.RaggedMetadata(slots, bt, sl, qsl, pos)
     pool_v = reference.as_bf16(cache[1]).astype(jnp.float32)
     want = reference.ragged_paged_attention(q, pool_k, pool_v, qsl, sl, bt, pos, 0.2)
-    for fn in (reference.ragged_attention, native.ragged_attention):
+    for impl in ("xla", "native"):
+        fn = attention.make(impl).forward
         close(jax.jit(lambda q, c, m: fn(q, None, None, c, m, scale=0.2))(q, cache, md), want, jnp.float32)
 
 

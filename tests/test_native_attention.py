@@ -377,14 +377,18 @@ def test_ragged_equals_dense_and_rows_alone_bit_for_bit():
 
 
 def test_ragged_attention_serving_path_in_jit():
-    """native.ragged_attention inside jax.jit over a layer's cache tuple (float and int8) with
-    duck-typed metadata: other metadata of the same shapes reuse the executable."""
+    """The native backend's forward (runner/attention.py over native.ragged_paged_attention) inside
+    jax.jit over a layer's cache tuple (float and int8) with duck-typed metadata: other metadata
+    of the same shapes reuse the executable."""
     rng = np.random.default_rng(8)
     qlens, lens = [1, 20, 0, 1], [70, 20, 5, 33]
     k, v, k_bad, v_bad, idx = _ragged_batch(rng, qlens, lens, 8, 2, 32, pad=2)
     q = randn(rng, (24, 4, 32))
     md = RaggedMeta(*idx)
-    f = jax.jit(lambda q, kv, md: native.ragged_attention(q, None, None, kv, md, scale=0.2))
+    from jaxserve.runner import attention
+
+    forward = attention.make("native").forward
+    f = jax.jit(lambda q, kv, md: forward(q, None, None, kv, md, scale=0.2))
     bad8, k8, v8 = quantize_pool(k, v, k_bad)
     for cache, kc, vc in (((k_bad, v_bad), k, v), (bad8, k8, v8)):
         close(f(q, cache, md), _ragged_oracle(q, kc, vc, *idx, 0.2), jnp.float32)
@@ -395,7 +399,7 @@ def test_ragged_attention_serving_path_in_jit():
 
 
 class RaggedMeta(NamedTuple):
-    """The fields ragged_attention reads (the engine's metadata class has more)."""
+    """The fields a backend's forward reads (the engine's metadata class has more)."""
 
     query_start_loc: jax.Array
     seq_lens: jax.Array

@@ -36,13 +36,13 @@ def test_pallas_engine_matches_xla_greedy(tok_model, backend, monkeypatch):
     # The kernels pick their lowering from jax.default_backend(); force each in turn.
     monkeypatch.setattr(fa, "default_backend", lambda: backend)
     traced = []
-    real = rpa.attention
+    real = rpa.ragged_paged_attention
 
     def spy(*args, **kw):  # runs at trace time: every compiled step's attention went through Pallas
         traced.append(args[0].shape[0])
         return real(*args, **kw)
 
-    monkeypatch.setattr(rpa, "attention", spy)
+    monkeypatch.setattr(rpa, "ragged_paged_attention", spy)
     d = tok_model[0]
     prompts = _prompts()
     params = SamplingParams(max_tokens=8, **GREEDY)

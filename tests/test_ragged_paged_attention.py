@@ -11,6 +11,7 @@ without a device.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -21,16 +22,23 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from paged_pools import close, page_pool, randn
 
+from jaxserve.runner.attention import paged_forward
 from pallas_kernels import reference
-from pallas_kernels.ragged_paged_attention import attention, plan_work_items, ragged_paged_attention
+from pallas_kernels.ragged_paged_attention import plan_work_items, ragged_paged_attention
 
 BACKENDS = ["tpu", "gpu"]
 _oracle = jax.jit(reference.ragged_paged_attention, static_argnums=7)
 
 
+def attention(q, k, v, kv_pages, md, *, scale, **knobs):
+    """The engine's `pallas` attention backend (runner/attention.py: paged_forward) over this
+    kernel, with `knobs` passed to it."""
+    return paged_forward(functools.partial(ragged_paged_attention, **knobs))(q, k, v, kv_pages, md, scale=scale)
+
+
 @dataclasses.dataclass
 class RaggedMeta:
-    """The four fields ``attention`` reads (the integrator's metadata class is duck-typed)."""
+    """The four fields the backend's forward reads (the engine's metadata class has more)."""
 
     query_start_loc: jax.Array
     seq_lens: jax.Array
@@ -210,8 +218,8 @@ def test_work_items_cover_every_token_once(qlens, bq):
 
 @pytest.mark.parametrize("quantized", [False, True])
 def test_attention_entry_point(quantized):
-    """``attention(q, k, v, kv_pages, md, scale=...)`` reads the cache tuple and the duck-typed
-    metadata; on the CPU it runs the TPU lowering interpreted (the kernel's name in the jaxpr)."""
+    """The backend's forward over this kernel reads the cache tuple and the duck-typed metadata;
+    on the CPU the kernel runs the TPU lowering interpreted (the kernel's name in the jaxpr)."""
     rng = np.random.default_rng(9)
     qlens, ctxs = [2, 1, 9], [30, 8, 9]
     if quantized:
@@ -266,8 +274,8 @@ def export_for(platform: str, fn, *args):
     [(64, 8, 2, 4, None), (128, 16, 2, 2, None), (32, 16, 2, 8, None), (128, 32, 4, 1, jnp.int8)],
 )
 def test_compiled_lowerings(backend, platform, d, ps, kvh, ratio, page_dtype):
-    """bfloat16 q over bfloat16 or int8 pages, through ``attention`` (default knobs), lowered
-    for the device."""
+    """bfloat16 q over bfloat16 or int8 pages, through the backend's forward (default knobs),
+    lowered for the device."""
     sd, bf, i32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.int32
     n, r, num_pages, p = 200, 6, 50, 12
     quantized = page_dtype is not None

@@ -65,11 +65,10 @@ SCRIPT = textwrap.dedent(r"""
             sd((9,), i32, P()), sd((24,), i32, P()))
     out["export"] = {}
     for platform, backend, marker in (("tpu", "tpu", "tpu_custom_call"), ("cuda", "gpu", "triton")):
-        def forward(q, k, v, cache, md, *, scale, backend=backend):  # the pallas backend's forward
-            out = rpa.attention(q.reshape(-1, *q.shape[-2:]), k, v, cache, md, scale=scale,
-                                interpret=False, backend=backend)
-            return out.reshape(q.shape)
-        fn = shd.shard_attention(forward, cfg, mesh)
+        from jaxserve.runner.attention import paged_forward
+        # the pallas backend's forward, with the lowering named instead of the host's
+        kernel = functools.partial(rpa.ragged_paged_attention, interpret=False, backend=backend)
+        fn = shd.shard_attention(paged_forward(kernel), cfg, mesh)
         skip = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
         attend = lambda q, k, v, kp, vp, slots, bt, sl, qsl, pos: fn(  # noqa: E731
             q, k, v, (kp, vp), reference.RaggedMetadata(slots, bt, sl, qsl, pos), scale=0.125)

@@ -10,9 +10,12 @@ in `pallas_kernels/`; the model, the runner and the engine do not change.
 
 | backend | kernel | where |
 |---|---|---|
-| `native` | C++ ragged paged attention through XLA FFI (`pallas_kernels/native.py`) | the CPU default |
-| `pallas` | Pallas ragged paged attention, Mosaic (TPU) or Triton (GPU) lowering | TPU / GPU default |
-| `xla` | `reference.ragged_attention`: a jnp online-softmax loop over pages | anywhere; fp8 pages on the CPU |
+| `native` | `native.ragged_paged_attention`: C++ through XLA FFI | the CPU default |
+| `pallas` | `ragged_paged_attention.ragged_paged_attention`: Mosaic (TPU) or Triton (GPU) lowering | TPU / GPU default |
+| `xla` | `reference.ragged_paged_attention_chunked`: a jnp online-softmax loop over pages | anywhere; fp8 pages on the CPU |
+
+Every kernel takes the oracle's arguments (`reference.ragged_paged_attention`), so one adapter
+(`paged_forward`) turns any of them into a backend's forward.
 """
 
 from __future__ import annotations
@@ -40,28 +43,51 @@ class AttentionBackend:
         return dataclasses.replace(self, forward=fn(self.forward))
 
 
-def _native_forward(q, k, v, kv_cache, md, *, scale):
+def paged_forward(kernel: Callable) -> Callable:
+    """A backend's forward from a ragged paged-attention kernel with the oracle's arguments
+    (`reference.ragged_paged_attention`: q [N, H, D], pages, query_start_loc, seq_lens,
+    block_tables, positions, scale, k_scales, v_scales): q's leading axes flattened to the
+    step's tokens, the layer's cache tuple split into pages and scales (this step's k/v are
+    already in the pages, so k and v themselves are not read)."""
+
+    def forward(q, k, v, kv_cache, md, *, scale):
+        del k, v
+        k_pages, v_pages, k_scales, v_scales = reference.split_cache(kv_cache)
+        out = kernel(
+            q.reshape(-1, *q.shape[-2:]),
+            k_pages,
+            v_pages,
+            md.query_start_loc,
+            md.seq_lens,
+            md.block_tables,
+            md.positions,
+            scale,
+            k_scales,
+            v_scales,
+        )
+        return out.reshape(q.shape)
+
+    return forward
+
+
+def _native_kernel(*args):
     from pallas_kernels import native
 
-    shape = q.shape
-    out = native.ragged_attention(q.reshape(-1, *shape[-2:]), k, v, kv_cache, md, scale=scale)
-    return out.reshape(shape)
+    return native.ragged_paged_attention(*args)
 
 
-def _pallas_forward(q, k, v, kv_cache, md, *, scale, interpret: bool):
+def _pallas_kernel(*args, interpret: bool):
     from pallas_kernels import ragged_paged_attention as rpa
 
-    shape = q.shape
-    out = rpa.attention(q.reshape(-1, *shape[-2:]), k, v, kv_cache, md, scale=scale, interpret=interpret)
-    return out.reshape(shape)
+    return rpa.ragged_paged_attention(*args, interpret=interpret)
 
 
 def make(impl: str, interpret: bool = False) -> AttentionBackend:
     """The backend named by `attention_impl` ("native" | "pallas" | "xla")."""
     if impl == "native":
-        return AttentionBackend("native", _native_forward)
+        return AttentionBackend("native", paged_forward(_native_kernel))
     if impl == "pallas":
-        return AttentionBackend("pallas", functools.partial(_pallas_forward, interpret=interpret))
+        return AttentionBackend("pallas", paged_forward(functools.partial(_pallas_kernel, interpret=interpret)))
     if impl == "xla":
-        return AttentionBackend("xla", reference.ragged_attention)
+        return AttentionBackend("xla", paged_forward(reference.ragged_paged_attention_chunked))
     raise ValueError(f"attention_impl must be 'native', 'pallas' or 'xla', got {impl!r}")
