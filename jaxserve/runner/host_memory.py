@@ -69,7 +69,8 @@ def _buffers(tree) -> Iterable[tuple[int, int]]:
 
 def collapse_range(address: int, nbytes: int) -> int:
     """Collapse the whole 2 MiB pages inside [address, address + nbytes); returns the bytes
-    collapsed (0 if none fit or the call is unsupported)."""
+    advised (0 if none fit or the call is unsupported). Linux succeeds without collapsing a run
+    that a mapping boundary crosses, so the kernel may collapse up to one run less per boundary."""
     global _warned
     lo = -(-address // HUGE_PAGE) * HUGE_PAGE
     hi = (address + nbytes) // HUGE_PAGE * HUGE_PAGE
