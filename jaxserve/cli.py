@@ -56,7 +56,11 @@ ENGINE_FLAGS = {
         "auto | float32 | bfloat16 | int8 | fp8 (8-bit KV pages with per-token scales)",
     ),
     "--matmul-impl": ("matmul_impl", str, "native | xla: the projections' matmul (default: native on CPU)"),
-    "--matmul-dtype": ("matmul_dtype", str, "bfloat16 | float32: native matmul weights (default: bfloat16 with AMX)"),
+    "--matmul-dtype": (
+        "matmul_dtype",
+        str,
+        "bfloat16 | float32: native matmul weights (default: bfloat16 with AMX or AVX512-BF16)",
+    ),
     "--tensor-parallel-size": ("tensor_parallel_size", int, "chips in the tensor-parallel mesh"),
     "--speculative-model": ("speculative_model", str, 'a draft checkpoint directory, or "ngram"'),
     "--num-speculative-tokens": ("num_speculative_tokens", int, "draft tokens per step"),

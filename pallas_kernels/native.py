@@ -49,8 +49,10 @@ TARGET = "jaxserve_paged_attention"
 TARGET_Q8 = "jaxserve_paged_attention_q8"  # int8 pages + bfloat16 scales (kv_cache_dtype="int8")
 RAGGED_TARGET = "jaxserve_ragged_paged_attention"  # one flat token array, rows of any length
 RAGGED_TARGET_Q8 = "jaxserve_ragged_paged_attention_q8"
-ABI_VERSION = 4  # must match jaxserve_cpu_abi_version() in the .cc (3: bfloat16 scales; 4: ragged)
-ISAS = ("generic", "avx2", "avx512", "amx")  # amx: AVX-512 + the AMX bf16 tiles (the bf16 matmul)
+ABI_VERSION = 5  # must match jaxserve_cpu_abi_version() in the .cc (3: bfloat16 scales; 4: ragged; 5: avx512bf16)
+# avx512bf16: AVX-512 + AVX512-BF16 (the bf16 matmul by dot products); amx: that + the AMX bf16 tiles
+ISAS = ("generic", "avx2", "avx512", "avx512bf16", "amx")
+BF16_ISAS = ISAS[3:]  # where the bfloat16 matmul runs
 # The levels with vector code of their own in every kernel; amx adds only the tile matmul and runs
 # the AVX-512 attention and argmax (their variant tests cover these three).
 VECTOR_ISAS = ISAS[:3]
@@ -261,8 +263,9 @@ def unavailable_reason() -> str | None:
 
 
 def cpu_isa() -> str:
-    """The instruction set the kernels use now: generic, avx2, avx512 or amx (AVX-512 and the
-    AMX bfloat16 tiles, which only the bfloat16 matmul uses)."""
+    """The instruction set the kernels use now: generic, avx2, avx512, avx512bf16 (AVX-512 and
+    AVX512-BF16's dot products) or amx (those and the AMX bfloat16 tiles); the last two differ
+    from avx512 only in the bfloat16 matmul."""
     lib = _load()
     return "unavailable" if lib is None else ISAS[lib.jaxserve_cpu_isa()]
 
@@ -270,7 +273,7 @@ def cpu_isa() -> str:
 def set_cpu_isa(name: str) -> str:
     """Use at most this instruction set (for testing every variant on one host); returns the
     one now in use. The default is the best the host has (JAXSERVE_CPU_ISA lowers it:
-    JAXSERVE_CPU_ISA=avx512 turns AMX off)."""
+    JAXSERVE_CPU_ISA=avx512 turns the bfloat16 matmul off, avx512bf16 the AMX tiles)."""
     lib = _load()
     if lib is None:
         raise RuntimeError(f"native CPU kernels unavailable: {_state.get('error')}")

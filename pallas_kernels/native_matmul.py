@@ -51,9 +51,10 @@ unavailable_reason = _kernels.unavailable_reason
 
 
 def bf16_available() -> bool:
-    """True when the bfloat16 matmul runs here: the kernels are built and the CPU has the AMX
-    bf16 tiles, not turned off (JAXSERVE_CPU_ISA=avx512 or lower, or ``native.set_cpu_isa``)."""
-    return available() and native.cpu_isa() == "amx"
+    """True when the bfloat16 matmul runs here: the kernels are built and the CPU has AVX512-BF16
+    (dot products) or the AMX bf16 tiles, not turned off (JAXSERVE_CPU_ISA=avx512 or lower, or
+    ``native.set_cpu_isa``)."""
+    return available() and native.cpu_isa() in native.BF16_ISAS
 
 
 def bf16_unavailable_reason() -> str | None:
@@ -62,9 +63,9 @@ def bf16_unavailable_reason() -> str | None:
     if not available():
         return unavailable_reason()
     best = native.ISAS[native._load().jaxserve_cpu_best_isa()]
-    if best == "amx":
-        return "AMX is turned off (JAXSERVE_CPU_ISA or native.set_cpu_isa)"
-    return f"this CPU has no AMX bfloat16 tiles (best instruction set: {best})"
+    if best in native.BF16_ISAS:
+        return f"AMX / AVX512-BF16 are turned off (JAXSERVE_CPU_ISA or native.set_cpu_isa; the host has {best})"
+    return f"this CPU has neither AMX nor AVX512-BF16 (best instruction set: {best})"
 
 
 def num_panels(n: int) -> int:

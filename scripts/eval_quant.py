@@ -58,8 +58,10 @@ def heldout_windows(model_dir: Path, seq_len: int, modulus: int):
     return eval_windows(token_stream(tok, held), seq_len)
 
 
-def heldout_loss(model, cfg, windows, kv: str, batch: int = 16, page_size: int = 16) -> float:
-    """Mean next-token cross-entropy over every target of the windows, through the page pool."""
+def heldout_loss(model, cfg, windows, kv: str, batch: int = 16, page_size: int = 16, attention: str = "xla") -> float:
+    """Mean next-token cross-entropy over every target of the windows, through the page pool and
+    the `attention` backend (native: the engine's CPU kernel, whose bfloat16 dot-product variant
+    reads a bfloat16 pool on a CPU with AVX512-BF16)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -100,7 +102,7 @@ def heldout_loss(model, cfg, windows, kv: str, batch: int = 16, page_size: int =
     graphdef, state = nnx.split(model)
     from jaxserve.runner.attention import make as attention_backend
 
-    attn = attention_backend("xla").forward
+    attn = attention_backend(attention).forward
 
     @jax.jit
     def losses(state, toks, weights):
@@ -124,7 +126,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="checkpoint directory (default: the shipped target)")
     ap.add_argument("--weights", default="fp32,int8")
-    ap.add_argument("--kv", default="auto,int8")
+    ap.add_argument("--kv", default="auto,int8", help="KV pool dtypes: auto, int8, bfloat16, fp8")
+    ap.add_argument(
+        "--attention", default=None, help="native | xla: the held-out loss's attention (default: native where built)"
+    )
     ap.add_argument("--keep-full-precision", default="", help="comma-separated projections kept in fp32, e.g. lm_head")
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--heldout-modulus", type=int, default=50)
@@ -161,6 +166,10 @@ def main(argv=None) -> int:
     print(
         f"held-out: {len(windows)} windows of {args.seq_len}; {len(prompts)} prompts x {args.tokens} tokens", flush=True
     )
+    from pallas_kernels import native
+
+    attention = args.attention or ("native" if native.available() else "xla")
+    print(f"attention {attention}, CPU instruction set {native.cpu_isa()}", flush=True)
     ref_loss, ref_out = None, None
     for w, k in combos:
         t0 = time.perf_counter()
@@ -172,7 +181,7 @@ def main(argv=None) -> int:
             from jaxserve.models.linear import pack_native
 
             pack_native(model, "bfloat16")
-        loss = heldout_loss(model, cfg, windows, k)
+        loss = heldout_loss(model, cfg, windows, k, attention=attention)
         name = f"weights={w} kv={k}"
         row = {"heldout_loss": loss}
         if ref_loss is None:

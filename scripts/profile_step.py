@@ -56,11 +56,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--steps", type=int, default=10, help="steps traced (after 3 untraced)")
     ap.add_argument("--top", type=int, default=25, help="ops listed")
+    ap.add_argument("--matmul-dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--kv-cache-dtype", default="auto")
     args = ap.parse_args(argv)
     if args.batch < 1 or args.context < 1 or args.steps < 1:
         ap.error("--batch, --context and --steps must be >= 1")
 
-    runner, rows = decode_step_runner(resolve_model(args.model), args.batch, args.context)
+    runner, rows = decode_step_runner(
+        resolve_model(args.model), args.batch, args.context, matmul_dtype=args.matmul_dtype, kv_cache_dtype=args.kv_cache_dtype
+    )
     time_decode_steps(runner, rows, 3)  # compile and warm
     trace_dir = tempfile.mkdtemp(prefix="jaxserve-profile-")
     with jax.profiler.trace(trace_dir):

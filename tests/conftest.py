@@ -6,11 +6,11 @@ import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-# The suite runs the exact float32 path: on a CPU with AMX the engine would otherwise pack its
-# weights as bfloat16 (matmul_dtype's default), and the equality tests against transformers and
-# between paths are float32 tests. Lowering the instruction set turns AMX off in this process and
-# in every server subprocess; the bfloat16 tests (test_native_matmul.py) raise it again with
-# native.set_cpu_isa("amx") around themselves.
+# The suite runs the exact float32 path: on a CPU with AMX or AVX512-BF16 the engine would
+# otherwise pack its weights as bfloat16 (matmul_dtype's default), and the equality tests against
+# transformers and between paths are float32 tests. Lowering the instruction set turns the
+# bfloat16 matmul off in this process and in every server subprocess; the bfloat16 tests
+# (test_native_matmul.py) raise it again with native.set_cpu_isa around themselves.
 os.environ.setdefault("JAXSERVE_CPU_ISA", "avx512")
 
 # Most of the suite's time is XLA:CPU compiling small models' steps, and LLVM's optimisations are

@@ -357,6 +357,63 @@ def test_ragged_every_vector_variant(dtype):
         native.set_cpu_isa("avx512")
 
 
+def _dp_isa() -> str:
+    """avx512bf16 (the bfloat16 dot-product variant) where this host has it; skips elsewhere."""
+    best = native.ISAS[native._load().jaxserve_cpu_best_isa()]
+    if native.ISAS.index(best) < native.ISAS.index("avx512bf16"):
+        pytest.skip(f"this host has no AVX512-BF16 (best: {best}): a variant test")
+    return "avx512bf16"
+
+
+@pytest.mark.parametrize("d", [32, 64, 128, 256])
+def test_bf16_dot_product_variant_matches_reference(d):
+    """bfloat16 pages at the avx512bf16 level take the dot-product variant (K transposed into k
+    pairs, V into key pairs, the scaled queries and the probabilities rounded to bfloat16): on a
+    mixed batch (decode rows, an empty row, a fresh 256-token prompt, a chunk continuing a long
+    context, padding, NaN-poisoned dead slots), every GQA ratio the engine uses, bfloat16 and
+    float32 queries, page sizes 8 and 32 (chunks of 64 keys and not), it stays within bfloat16
+    tolerance of the oracle. The same head dims with odd ones (40) fall back to the vector code."""
+    isa = _dp_isa()
+    try:
+        for ratio, ps, q_dtype, seed in ((1, 16, None, 1), (2, 8, jnp.float32, 2), (3, 32, None, 3), (8, 16, None, 4)):
+            qlens, lens = [1, 0, 256, 1, 37, 1, 5], [900, 300, 256, 1, 1500, 17, 64]
+            if d == 256:
+                qlens, lens = [1, 0, 70, 1, 5], [300, 3, 70, 1, 131]
+            rng = np.random.default_rng(seed)
+            _ragged_check(rng, qlens, lens, ratio, 2, d, ps, jnp.bfloat16, 3, q_dtype=q_dtype, isas=[isa])
+        _ragged_check(np.random.default_rng(5), [40, 1], [40, 99], 2, 1, 40, 8, jnp.bfloat16, 0, isas=[isa])
+    finally:
+        native.set_cpu_isa("avx512")
+
+
+@pytest.mark.parametrize("ratio", [1, 3])
+@pytest.mark.parametrize("d", [64, 128])
+def test_bf16_dot_product_variant_query_alone_equals_chunk(ratio, d):
+    """The dot-product variant blocks up to 6 query rows (3 at head dim 128) and shares each
+    packed K and V vector among them: a row's sums must not depend on its block, so a decode
+    query and the same query inside a chunk agree bit for bit (what speculative == plain and
+    chunked prefill rely on)."""
+    isa = _dp_isa()
+    rng = np.random.default_rng(12)
+    lens = [37, 150, 1, 700]
+    k, v, k_bad, v_bad, bt = page_pool(rng, lens, 16, 2, d, jnp.bfloat16)
+    q = randn(rng, (4, 1, 2 * ratio, d), jnp.bfloat16)
+    cl = jnp.asarray(lens, jnp.int32)
+    pos = cl[:, None] - 1
+    try:
+        assert native.set_cpu_isa(isa) == isa
+        alone = np.asarray(_native(q, k_bad, v_bad, bt, cl, pos, 0.2).astype(jnp.float32))
+        tiled = jnp.tile(q, (1, 7, 1, 1))
+        chunk = np.asarray(_native(tiled, k_bad, v_bad, bt, cl, jnp.tile(pos, (1, 7)), 0.2).astype(jnp.float32))
+    finally:
+        native.set_cpu_isa("avx512")
+    for t in range(7):
+        np.testing.assert_array_equal(chunk[:, t], alone[:, 0])
+    vector = np.asarray(_native(q, k_bad, v_bad, bt, cl, pos, 0.2).astype(jnp.float32))
+    assert not np.array_equal(alone, vector)  # the variant ran: its bfloat16 roundings show
+    close(alone, vector, jnp.bfloat16)
+
+
 def test_ragged_equals_dense_and_rows_alone_bit_for_bit():
     """The dense entry point is the ragged one with query_start_loc[b] = b * T, and a row's
     result does not depend on the other rows of the call (nor on how its queries were cut into

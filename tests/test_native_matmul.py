@@ -70,7 +70,7 @@ def test_matches_numpy(rows, k, n, int8, seed):
     _check(y, x, dense)
 
 
-@pytest.mark.parametrize("isa", native.ISAS)
+@pytest.mark.parametrize("isa", native.VECTOR_ISAS)
 def test_every_vector_variant(isa):
     """Each variant's tile height and slice width: rows past one tile, cut into balanced tiles of
     several heights (7 rows: 4 + 3 on AVX-512, 3 + 2 + 2 on AVX2; 13: 5 + 4 + 4), int8
@@ -78,7 +78,7 @@ def test_every_vector_variant(isa):
     before = native.cpu_isa()
     try:
         if native.set_cpu_isa(isa) != isa:
-            pytest.skip(f"this host has no {isa}")  # a variant test, not a core one
+            pytest.skip(f"this host has no {isa}")  # a variant test, not a core one (the bf16 levels: above)
         for rows, k, n in ((1, 200, 37), (2, 50, 130), (3, 64, 64), (7, 77, 130), (13, 513, 200), (70, 100, 65)):
             for int8 in (False, True):
                 x, w, scale, dense = _case(rows, k, n, rows, int8)
@@ -218,13 +218,27 @@ def _isa(name):
         native.set_cpu_isa(before)
 
 
+def _bf16_isas() -> list[str]:
+    """The bfloat16 matmul variants this host runs: avx512bf16 (dot products) and, with AMX, amx."""
+    best = native.ISAS[native._load().jaxserve_cpu_best_isa()] if native_matmul.available() else "unavailable"
+    return [i for i in native.BF16_ISAS if best in native.BF16_ISAS and native.ISAS.index(i) <= native.ISAS.index(best)]
+
+
 @pytest.fixture
-def amx():
-    """AMX on for one test (the suite runs with it off: conftest)."""
-    with _isa("amx") as got:
-        if got != "amx":
-            pytest.skip(f"this host has no AMX bf16 tiles ({native_matmul.bf16_unavailable_reason()})")
-        yield
+def bf16():
+    """The bfloat16 matmul on for one test, every variant the host has in turn (the suite runs
+    with it off: conftest): call the fixture's value to get an iterator of ISA names."""
+    isas = _bf16_isas()
+    if not isas:
+        pytest.skip(f"this host has neither AVX512-BF16 nor AMX ({native_matmul.bf16_unavailable_reason()})")
+
+    def each():
+        for isa in isas:
+            with _isa(isa) as got:
+                assert got == isa
+                yield isa
+
+    return each
 
 
 def _bf16(a):
@@ -249,42 +263,48 @@ def _bf16_case(rows, k, n, seed):
     max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
 )
 @given(rows=st.integers(1, 80), k=st.integers(1, 300), n=st.integers(1, 200), seed=st.integers(0, 2**31 - 1))
-def test_bf16_matches_numpy(amx, rows, k, n, seed):
+def test_bf16_matches_numpy(bf16, rows, k, n, seed):
     x, w = _bf16_case(rows, k, n, seed)
-    y = np.asarray(jax.jit(native_matmul.matmul, static_argnames="n")(x, native_matmul.pack_bf16(w), n=n))
-    _check_bf16(y, x, w)
+    for _ in bf16():
+        y = np.asarray(jax.jit(native_matmul.matmul, static_argnames="n")(x, native_matmul.pack_bf16(w), n=n))
+        _check_bf16(y, x, w)
 
 
-def test_bf16_tile_shapes_and_the_lm_head(amx):
+def test_bf16_tile_shapes_and_the_lm_head(bf16):
     """One row, a full 16-row tile, 17 and 32 (the two-block micro-kernel), 33 (both), a 130-row
     prefill chunk (several items and row blocks); K a multiple of 32 and not; the 56.4M bench
-    model's LM head (512 -> 32000) at decode and prefill heights."""
-    for rows, k, n in ((1, 64, 64), (16, 32, 16), (17, 96, 130), (32, 33, 64), (33, 513, 200), (130, 256, 320)):
-        x, w = _bf16_case(rows, k, n, rows)
-        _check_bf16(np.asarray(native_matmul.matmul(x, native_matmul.pack_bf16(w), n=n)), x, w)
+    model's LM head (512 -> 32000) at decode and prefill heights. The dot-product variant's
+    blocks are 6 rows: 1-6, 7, 13 and 130 cover its every tail."""
+    shapes = ((1, 64, 64), (5, 40, 70), (7, 64, 17), (16, 32, 16), (17, 96, 130), (32, 33, 64), (33, 513, 200))
+    cases = [(_bf16_case(rows, k, n, rows), n) for rows, k, n in shapes + ((130, 256, 320),)]
     x, w = _bf16_case(40, 512, 32000, 1)
     p = native_matmul.pack_bf16(w)
-    for rows in (1, 40):
-        _check_bf16(np.asarray(native_matmul.matmul(x[:rows], p, n=32000)), x[:rows], w)
+    for _ in bf16():
+        for (xc, wc), n in cases:
+            _check_bf16(np.asarray(native_matmul.matmul(xc, native_matmul.pack_bf16(wc), n=n)), xc, wc)
+        for rows in (1, 40):
+            _check_bf16(np.asarray(native_matmul.matmul(x[:rows], p, n=32000)), x[:rows], w)
 
 
-def test_bf16_rows_are_independent(amx):
+def test_bf16_rows_are_independent(bf16):
     x, w = _bf16_case(100, 130, 300, 7)
     p = native_matmul.pack_bf16(w)
     f = jax.jit(native_matmul.matmul, static_argnames="n")
-    full = np.asarray(f(x, p, n=300))
-    for r in (0, 16, 31, 99):
-        np.testing.assert_array_equal(np.asarray(f(x[r : r + 1], p, n=300))[0], full[r])
-    np.testing.assert_array_equal(np.asarray(f(x[3:40], p, n=300)), full[3:40])
+    for _ in bf16():
+        full = np.asarray(f(x, p, n=300))
+        for r in (0, 5, 16, 31, 99):
+            np.testing.assert_array_equal(np.asarray(f(x[r : r + 1], p, n=300))[0], full[r])
+        np.testing.assert_array_equal(np.asarray(f(x[3:40], p, n=300)), full[3:40])
 
 
-def test_bf16_live_rows(amx):
+def test_bf16_live_rows(bf16):
     x, w = _bf16_case(20, 70, 130, 4)
     packed = jnp.asarray(native_matmul.pack_bf16(w))
-    full = np.asarray(native_matmul.matmul(x, packed, n=130))
-    got = np.asarray(jax.jit(lambda x: native_matmul.matmul(x, packed, n=130, live_rows=jnp.int32(9)))(x))
-    np.testing.assert_array_equal(got[:9], full[:9])
-    assert not got[9:].any()
+    for _ in bf16():
+        full = np.asarray(native_matmul.matmul(x, packed, n=130))
+        got = np.asarray(jax.jit(lambda x: native_matmul.matmul(x, packed, n=130, live_rows=jnp.int32(9)))(x))
+        np.testing.assert_array_equal(got[:9], full[:9])
+        assert not got[9:].any()
 
 
 def test_bf16_pack_layout():
@@ -311,9 +331,9 @@ def test_bf16_off_falls_back_to_the_reference():
         _check_bf16(np.asarray(native_matmul.matmul(x, native_matmul.pack_bf16(w), n=70)), x, w)
 
 
-def test_environment_variable_turns_amx_off():
-    """JAXSERVE_CPU_ISA=avx512, read when the library loads, turns the tiles off for the process
-    (what this suite runs with, conftest); without it an AMX host reports amx."""
+def test_environment_variable_turns_bf16_off():
+    """JAXSERVE_CPU_ISA=avx512, read when the library loads, turns the bfloat16 matmul off for
+    the process (what this suite runs with, conftest); without it the host reports its best."""
     import os
     import subprocess
     import sys
@@ -323,7 +343,7 @@ def test_environment_variable_turns_amx_off():
     run = lambda e: subprocess.run([sys.executable, "-c", code], env=e, capture_output=True, text=True, check=True)  # noqa: E731
     assert run({**env, "JAXSERVE_CPU_ISA": "avx512"}).stdout.split() == ["avx512", "False"]
     best = native.ISAS[native._load().jaxserve_cpu_best_isa()]
-    assert run(env).stdout.split() == [best, str(best == "amx")]
+    assert run(env).stdout.split() == [best, str(best in native.BF16_ISAS)]
 
 
 def test_engine_precision_follows_the_host():
@@ -351,9 +371,9 @@ def test_engine_precision_follows_the_host():
         EngineConfig(matmul_dtype="float16")
     with pytest.raises(ValueError, match="matmul_dtype"):
         resolve(matmul_impl="xla", matmul_dtype="bfloat16")
-    with _isa("amx") as got:
-        if got != "amx":
-            return  # the rest needs AMX; the float32 side above is what such a host runs
+    if not _bf16_isas():
+        return  # the rest needs a bfloat16 unit; the float32 side above is what such a host runs
+    with _isa(_bf16_isas()[-1]):
         assert resolve().matmul_dtype == "bfloat16"
         assert resolve().kv_cache_dtype == "bfloat16"  # caches in bfloat16 too, as it computes
         assert resolve(dtype="float32").kv_cache_dtype == resolve(matmul_dtype="float32").kv_cache_dtype == "auto"
@@ -365,7 +385,7 @@ def test_engine_precision_follows_the_host():
         assert len(packed) == 2 * 4 + 1 and all(a.get_value().dtype == jnp.bfloat16 for a in packed)
 
 
-def test_packed_bf16_model_is_close_and_calls_the_tile_kernel(amx):
+def test_packed_bf16_model_is_close_and_calls_the_tile_kernel(bf16):
     """Every projection and the LM head on bfloat16 tiles: logits within bf16 rounding of the
     float32 model's, one tile-kernel call per product."""
     from flax import nnx
@@ -379,13 +399,14 @@ def test_packed_bf16_model_is_close_and_calls_the_tile_kernel(amx):
     assert pack_native(module, "bfloat16") == 2 * 4 + 1
     graphdef, state = nnx.split(module)
     fwd = jax.jit(lambda st, t, p: nnx.merge(graphdef, st)(t, p)[0])
-    got = np.asarray(fwd(state, tokens, positions))
-    assert np.max(np.abs(got - want)) <= 0.02 * np.max(np.abs(want))  # bf16: 2^-8 relative per operand
+    for _ in bf16():
+        got = np.asarray(fwd(state, tokens, positions))
+        assert np.max(np.abs(got - want)) <= 0.02 * np.max(np.abs(want))  # bf16: 2^-8 relative per operand
     hlo = fwd.lower(state, tokens, positions).compile().as_text()
     assert hlo.count(f'custom_call_target="{native_matmul.TARGET_BF16}"') == 2 * 4 + 1
 
 
-def test_engine_bf16_greedy_mostly_agrees_with_float32(amx):
+def test_engine_bf16_greedy_mostly_agrees_with_float32(bf16):
     """The shipped model through LLM: bfloat16 weights (the AMX default) against float32, 8
     prompts x 24 greedy tokens. This 6.5M model's top two logits are often close, so a rounding
     difference can flip a token and the rest of the completion with it: the bound is loose
@@ -398,12 +419,13 @@ def test_engine_bf16_greedy_mostly_agrees_with_float32(amx):
     prompts = [[int(t) for t in rng.integers(3, 4000, 16)] for _ in range(8)]
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     outs = {}
-    for md in ("float32", "bfloat16"):
-        # no warm-up: only the steps this test runs are compiled (test_llm covers warm-up)
-        llm = LLM(TEST_MODEL, matmul_dtype=md, warmup=False, max_slots=8, max_model_len=48, token_buckets=(16,))
-        assert f"matmul:native:{md}" in llm.core.model_info().features
-        outs[md] = [o.token_ids for o in llm.generate(prompts, [params] * len(prompts))]
-        del llm
+    with _isa(_bf16_isas()[-1]):  # the host's best bfloat16 unit on for the engines below
+        for md in ("float32", "bfloat16"):
+            # no warm-up: only the steps this test runs are compiled (test_llm covers warm-up)
+            llm = LLM(TEST_MODEL, matmul_dtype=md, warmup=False, max_slots=8, max_model_len=48, token_buckets=(16,))
+            assert f"matmul:native:{md}" in llm.core.model_info().features
+            outs[md] = [o.token_ids for o in llm.generate(prompts, [params] * len(prompts))]
+            del llm
     first = [o[0] for o in outs["float32"]], [o[0] for o in outs["bfloat16"]]
     equal = sum(a == b for x, y in zip(outs["float32"], outs["bfloat16"]) for a, b in zip(x, y))
     print(f"bf16 vs fp32 greedy: {equal}/{8 * 24} tokens equal, first tokens {first}")

@@ -28,10 +28,10 @@ class EngineConfig:
     # The projections' matmul: "native" (CPU: weights packed into panels, streamed by the C++
     # kernel) | "xla"; default native on the CPU where the kernel is built, xla elsewhere.
     matmul_impl: str | None = None
-    # The native matmul's float weights: "bfloat16" (AMX tiles, half the bytes a decode step
+    # The native matmul's float weights: "bfloat16" (AMX tiles or AVX512-BF16, half the bytes a decode step
     # reads; activations, norms and attention's arithmetic stay float32, and the KV pages follow
     # to bfloat16 unless kv_cache_dtype says otherwise) | "float32" (the exact float32 path).
-    # Default: bfloat16 where the CPU has AMX and `dtype` is not given, else float32.
+    # Default: bfloat16 where the CPU has AMX or AVX512-BF16 and `dtype` is not given, else float32.
     matmul_dtype: str | None = None
     interpret: bool | None = None  # run Pallas kernels interpreted (default: on CPU)
     enable_prefix_caching: bool = True

@@ -13,7 +13,7 @@ On the CPU the runner then packs every Linear for the native matmul (``pack_nati
 at start; ``pallas_kernels.native_matmul``): ``packed`` [ceil(out / 64), in, 64] float32 or int8
 panels (and ``weight_scale`` padded to a whole panel), which the kernel streams once per step at
 memory speed where XLA:CPU's GEMM reads weights at half of it from 8 rows up. With
-``weight_dtype="bfloat16"`` (the engine's ``matmul_dtype``, default on a CPU with AMX) a float
+``weight_dtype="bfloat16"`` (the engine's ``matmul_dtype``, default on a CPU with AMX or AVX512-BF16) a float
 kernel is packed instead as bfloat16 AMX tiles [ceil(out / 64), ceil(in / 32), 2048]: half the
 bytes, and the tile unit's throughput for prefill; x stays float32 (rounded in the kernel). A tensor-parallel
 runner does not pack (XLA's partitioner cannot split a custom call), nor does a TPU/GPU.

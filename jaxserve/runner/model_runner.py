@@ -334,7 +334,7 @@ class RunnerConfig:
     # "auto" (pages in dtype) | "bfloat16" | "int8" | "fp8" (8-bit pages + bfloat16 scales)
     kv_cache_dtype: str = "auto"
     matmul_impl: str = "xla"  # "native": Linear weights packed for the C++ CPU matmul
-    matmul_dtype: str = "float32"  # the native matmul's float weights: "float32" | "bfloat16" (AMX tiles)
+    matmul_dtype: str = "float32"  # the native matmul's float weights: "float32" | "bfloat16" (AMX / AVX512-BF16)
     matmul_reason: str = ""  # why that matmul_impl / matmul_dtype (the start-up log, model info)
     max_logprobs: int = 0  # the top-n alternatives a decode step computes when any row asks for logprobs
     prompt_logprobs: bool = True  # warm up the scoring prefill (prompt logprobs)
@@ -662,7 +662,7 @@ def resolve(
     matmul_dtype, matmul_reason = _resolve_matmul_dtype(cfg, matmul_impl)
     kv_cache_dtype = cfg.kv_cache_dtype
     if kv_cache_dtype == "auto" and cfg.dtype is None and matmul_dtype == "bfloat16":
-        # computing in bfloat16 on the AMX tiles by default: cache in bfloat16 too, as vLLM's CPU
+        # computing in bfloat16 (AMX / AVX512-BF16) by default: cache in bfloat16 too, as vLLM's CPU
         # backend does (half the bytes every decode step reads); dtype="float32" keeps float32 pages
         kv_cache_dtype = "bfloat16"
     bytes_per_token = kv_bytes_per_token(dtype.name, model_cfg, draft_cfg, kv_cache_dtype=kv_cache_dtype)
@@ -764,9 +764,15 @@ def _resolve_matmul(cfg, backend: str) -> str:
     return "xla"
 
 
+def _bf16_unit() -> str:
+    from pallas_kernels import native
+
+    return "AMX bf16 tiles" if native.cpu_isa() == "amx" else "AVX512-BF16 dot products"
+
+
 def _resolve_matmul_dtype(cfg, matmul_impl: str) -> tuple[str, str]:
-    """The native matmul's float weights and why: bfloat16 on the AMX tiles by default where the
-    CPU has them and the user left ``dtype`` unset (an explicit dtype="float32" keeps today's
+    """The native matmul's float weights and why: bfloat16 (AMX tiles or AVX512-BF16 dot products)
+    by default where the CPU has them and the user left ``dtype`` unset (an explicit dtype="float32" keeps today's
     exact path); float32 otherwise. An explicit matmul_dtype="bfloat16" the host cannot run is
     refused (ValueError naming the field)."""
     from pallas_kernels import native_matmul
@@ -779,14 +785,14 @@ def _resolve_matmul_dtype(cfg, matmul_impl: str) -> tuple[str, str]:
     if cfg.matmul_dtype == "bfloat16":
         if why_not:
             raise ValueError(f"matmul_dtype='bfloat16' is unavailable here: {why_not}")
-        return "bfloat16", "matmul_dtype='bfloat16' (AMX tiles)"
+        return "bfloat16", f"matmul_dtype='bfloat16' ({_bf16_unit()})"
     if cfg.matmul_dtype == "float32":
         return "float32", "matmul_dtype='float32'"
     if cfg.dtype is not None:
-        return "float32", f"dtype={cfg.dtype!r} given (matmul_dtype='bfloat16' for the AMX tiles)"
+        return "float32", f"dtype={cfg.dtype!r} given (matmul_dtype='bfloat16' for the CPU's bfloat16 units)"
     if why_not:
         return "float32", why_not
-    return "bfloat16", "default on a CPU with AMX bf16 tiles (matmul_dtype='float32' for the exact float32 path)"
+    return "bfloat16", f"default on a CPU with {_bf16_unit()} (matmul_dtype='float32' for the exact float32 path)"
 
 
 def kv_bytes_per_token(dtype: str, *cfgs: ModelConfig | None, kv_cache_dtype: str = "auto") -> int:

@@ -144,7 +144,7 @@ def decode_step_runner(
 ):
     """A ModelRunner for a random-weight model of this shape (float32; the engine's default
     attention for this backend unless `attention_impl`; KV pages in float32 or `kv_cache_dtype`;
-    weights in float32, or int8 with `quantization`, or bfloat16 AMX tiles with
+    weights in float32, or int8 with `quantization`, or bfloat16 (AMX / AVX512-BF16) with
     matmul_dtype="bfloat16") and its decode rows: `batch` slots, each at
     `context_len` tokens on its own pages. Returns (runner, rows); `runner.decode(rows, 0)` is
     one step. The step kv-math predicts, also timed by scripts/bench_quant.py."""
@@ -270,7 +270,7 @@ def _measure_host_report(
 ) -> int:
     """kv_dtype: fp32 (the CPU's pages), or int8 / fp8 (the engine's kv_cache_dtype, scales counted);
     weight_dtype: fp32, int8 (the engine's quantization="int8") or bf16 (matmul_dtype="bfloat16",
-    the engine's default where the CPU has AMX; elsewhere fp32 is measured and said so).
+    the engine's default where the CPU has AMX or AVX512-BF16; elsewhere fp32 is measured and said so).
 
     A shared host's memory speed swings by 2x within seconds, so one bandwidth reading followed
     by the steps can put any ratio anywhere. Instead every step is compiled first, then `rounds`
@@ -285,7 +285,7 @@ def _measure_host_report(
 
     quantization = "int8" if weight_dtype == "int8" else None
     if weight_dtype == "bf16" and not native_matmul.bf16_available():
-        print(f"bf16 weights need the AMX tiles ({native_matmul.bf16_unavailable_reason()}): measuring fp32")
+        print(f"bf16 weights need AMX or AVX512-BF16 ({native_matmul.bf16_unavailable_reason()}): measuring fp32")
         weight_dtype = "fp32"
     weight_dtype = "int8" if quantization else weight_dtype if weight_dtype == "bf16" else "fp32"
     matmul_dtype = "bfloat16" if weight_dtype == "bf16" else "float32"
@@ -424,7 +424,7 @@ def _parser() -> argparse.ArgumentParser:
         "--measure-host",
         action="store_true",
         help="measure this machine and predict decode steps at batch 1, 8, 32 (KV fp32, or --kv-dtype "
-        "int8/fp8; weights bf16 on the AMX tiles where the CPU has them, else fp32; --weight-dtype fp32, "
+        "int8/fp8; weights bf16 (AMX / AVX512-BF16) where the CPU has them, else fp32; --weight-dtype fp32, "
         "or int8: the engine's quantization)",
     )
     ap.add_argument(

@@ -54,7 +54,8 @@ namespace ffi = xla::ffi;
 #define JM_INLINE inline __attribute__((always_inline))
 #define JM_EXPORT extern "C" __attribute__((visibility("default")))
 
-// Defined in paged_attention.cc (same library): 0 baseline, 1 AVX2+FMA, 2 AVX-512, 3 AVX-512 + AMX.
+// Defined in paged_attention.cc (same library): 0 baseline, 1 AVX2+FMA, 2 AVX-512,
+// 3 AVX-512 + AVX512-BF16, 4 that + AMX.
 extern "C" int jaxserve_cpu_isa();
 
 namespace {
@@ -364,7 +365,7 @@ ffi::Error MatmulQ8Impl(ffi::ThreadPool pool, ffi::BufferR2<ffi::F32> x, ffi::Bu
   return Run(pool, pr, true);
 }
 
-// ---- bfloat16 weights on the AMX tiles ------------------------------------------------------
+// ---- bfloat16 weights on the AMX tiles (or AVX512-BF16) ------------------------------------------------------
 //
 //   y[m, n] = sum_k bf16(x[m, k]) * w[k, n]     (w bfloat16, products and sums in float32)
 //
@@ -386,7 +387,8 @@ ffi::Error MatmulQ8Impl(ffi::ThreadPool pool, ffi::BufferR2<ffi::F32> x, ffi::Bu
 // equals alone, bit for bit.
 //
 // The tiles need the process's permission (arch_prctl, asked in paged_attention.cc's
-// detect_isa()), so this code runs only when jaxserve_cpu_isa() is 3; the library itself is
+// detect_isa()), so this code runs only when jaxserve_cpu_isa() is 4 (at 3, AVX512-BF16 without
+// the tiles, dp_block below reads the same layout); the library itself is
 // still built for any x86-64 (function-level target attributes).
 
 constexpr int64_t kKBlock = 32;              // k per tile step (native_matmul.K_BLOCK)
@@ -404,6 +406,7 @@ struct BfProblem {
 
 #if JM_X86 && JAXSERVE_CAN_AMX
 #define JM_AMX __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bf16,avx512vl,avx512bw,avx2,fma")))
+#define JM_BF16 __attribute__((target("avx512f,avx512bf16,avx512vl,avx512bw,avx512dq,avx2,fma")))
 
 struct alignas(64) TileConfig {
   uint8_t palette, start_row, reserved[14];
@@ -425,7 +428,7 @@ JM_AMX void load_config(int r0, int r1) {
 }
 
 // Rows of x (float32 [rows, K]) -> bfloat16 [rows, ld], zero past K.
-JM_AMX void convert_rows(const float* x, int64_t K, int64_t rows, int64_t ld, uint16_t* a) {
+JM_BF16 void convert_rows(const float* x, int64_t K, int64_t rows, int64_t ld, uint16_t* a) {
   for (int64_t r = 0; r < rows; ++r) {
     const float* xr = x + r * K;
     uint16_t* ar = a + r * ld;
@@ -535,6 +538,66 @@ JM_AMX void bf16_item(const BfProblem& pr, int64_t item, uint16_t* a, float* buf
   }
   _tile_release();
 }
+
+// ---- the same weights by AVX512-BF16 dot products (hosts without the tiles) ----
+//
+// Row kk of tile j of a (panel, k block) is 16 columns x one k pair: exactly the 32 bfloat16
+// lanes VDPBF16PS reads as its second operand, lane c += x[2kk] w[2kk, c] + x[2kk+1] w[2kk+1, c]
+// when the first operand is the row's pair (x[2kk], x[2kk+1]) broadcast as one 32-bit word.  So
+// the AMX layout serves as it is: R rows x the panel's 64 columns in 4R float32 accumulators
+// (R <= 6: 24 of the 32 vector registers), 4 weight vectors per k pair shared by the R rows.  A
+// row's sums run over k in the same order whatever R is: batched equals alone, bit for bit.
+template <int R>
+JM_BF16 void dp_block(const BfProblem& pr, const uint16_t* a, int64_t ld, const uint16_t* wp, int64_t p, int64_t m) {
+  __m512 acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
+  for (int64_t kb = 0; kb < pr.KB; ++kb) {
+    const uint16_t* b = wp + kb * kBlockElems;
+    const uint16_t* ak = a + kb * kKBlock;
+#pragma GCC unroll 4
+    for (int kk = 0; kk < 16; ++kk) {
+      __m512bh bv[4];
+      for (int j = 0; j < 4; ++j) bv[j] = (__m512bh)_mm512_loadu_si512(b + j * kTileElems + kk * 32);
+      for (int r = 0; r < R; ++r) {
+        int32_t pair;
+        std::memcpy(&pair, ak + r * ld + 2 * kk, 4);
+        const __m512bh av = (__m512bh)_mm512_set1_epi32(pair);
+        for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], av, bv[j]);
+      }
+    }
+  }
+  for (int j = 0; j < 4; ++j) {
+    const int64_t c = p * kPanel + 16 * j;
+    if (c >= pr.N) break;
+    const __mmask16 live = c + 16 <= pr.N ? __mmask16(0xffff) : __mmask16((1u << (pr.N - c)) - 1);
+    for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(pr.y + (m + r) * pr.N + c, live, acc[r][j]);
+  }
+}
+
+// One item (as bf16_item): rows in blocks of 6, each over every panel of the item in turn (the
+// panel, KB x 4 KiB, stays in L2 for the next block of rows).
+JM_BF16 void bf16_dp_item(const BfProblem& pr, int64_t item, uint16_t* a) {
+  const int64_t pi = item % pr.panel_items, ri = item / pr.panel_items;
+  const int64_t p0 = pi * pr.panels_per_item, p1 = std::min(pr.P, p0 + pr.panels_per_item);
+  const int64_t m0 = ri * pr.rows_per_item, m1 = std::min(pr.M, m0 + pr.rows_per_item);
+  const int64_t ld = pr.KB * kKBlock;
+  convert_rows(pr.x + m0 * pr.K, pr.K, m1 - m0, ld, a);
+  for (int64_t p = p0; p < p1; ++p) {
+    const uint16_t* wp = pr.w + p * pr.KB * kBlockElems;
+    for (int64_t m = m0; m < m1; m += 6) {
+      const uint16_t* am = a + (m - m0) * ld;
+      switch (std::min<int64_t>(6, m1 - m)) {
+        case 1: dp_block<1>(pr, am, ld, wp, p, m); break;
+        case 2: dp_block<2>(pr, am, ld, wp, p, m); break;
+        case 3: dp_block<3>(pr, am, ld, wp, p, m); break;
+        case 4: dp_block<4>(pr, am, ld, wp, p, m); break;
+        case 5: dp_block<5>(pr, am, ld, wp, p, m); break;
+        default: dp_block<6>(pr, am, ld, wp, p, m); break;
+      }
+    }
+  }
+}
 #endif
 
 // Work split: rows in blocks of at most kBfRowsPerItem (whole 32-row tiles but the last),
@@ -542,10 +605,11 @@ JM_AMX void bf16_item(const BfProblem& pr, int64_t item, uint16_t* a, float* buf
 // kItemElems weights.
 ffi::Error RunBf16(ffi::ThreadPool pool, BfProblem pr) {
   if (pr.M == 0 || pr.N == 0) return ffi::Error::Success();
-  if (jaxserve_cpu_isa() < 3)
+  const int isa = jaxserve_cpu_isa();
+  if (isa < 3)
     return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
-                      "bfloat16 matmul: needs the AMX tiles, which this host lacks or JAXSERVE_CPU_ISA turned off "
-                      "(pack the weights as float32 instead)");
+                      "bfloat16 matmul: needs AVX512-BF16 or the AMX tiles, which this host lacks or "
+                      "JAXSERVE_CPU_ISA turned off (pack the weights as float32 instead)");
 #if JM_X86 && JAXSERVE_CAN_AMX
   const int64_t workers = std::max<int64_t>(1, pool.num_threads());
   const int64_t row_blocks0 = (pr.M + kBfRowsPerItem - 1) / kBfRowsPerItem;
@@ -560,10 +624,13 @@ ffi::Error RunBf16(ffi::ThreadPool pool, BfProblem pr) {
   const int64_t scratch = pr.rows_per_item * pr.KB * kKBlock + 2 * 256;  // x rows in bf16, then 256 floats
   jaxserve_cpu::run_items(
       pool, pr.n_items, [scratch] { return std::unique_ptr<uint16_t[]>(new (std::nothrow) uint16_t[scratch + 32]); },
-      [pr, scratch](std::unique_ptr<uint16_t[]>& sc, int64_t i) {
+      [pr, scratch, isa](std::unique_ptr<uint16_t[]>& sc, int64_t i) {
         if (!sc) return false;
         uint16_t* base = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(sc.get()) + 63) & ~uintptr_t(63));
-        bf16_item(pr, i, base, reinterpret_cast<float*>(base + scratch - 2 * 256));
+        if (isa >= 4)
+          bf16_item(pr, i, base, reinterpret_cast<float*>(base + scratch - 2 * 256));
+        else
+          bf16_dp_item(pr, i, base);
         return true;
       });
   return ffi::Error::Success();

@@ -343,16 +343,28 @@ void plan(Problem& pr, const std::vector<int64_t>& starts, int64_t workers, int6
 // max / sum [khi][tb*G], scores / probabilities [tb*G][clp], one chunk of K and of V widened to
 // float32 [clp][D] (bfloat16 pages), per-query key limits [tb], the element offsets of the
 // tokens of this chunk and the next [2][clp].
+//
+// The bfloat16 dot-product variant (run_item's DP) adds: the scaled queries in bfloat16 [khi][tb*G][D],
+// the probabilities in bfloat16 [tb*G][clp], the chunk's K transposed to k pairs
+// [D/2][clp rounded up to 64] (32-bit words) and its V as key pairs [clp/2][D] (words).
 struct Scratch {
   float* base = nullptr;
   float *q, *acc, *m, *l, *s, *p, *kf, *vf;
   int64_t *lim, *off;
+  uint16_t *qb, *pb;
+  uint32_t *kp, *vp;
+  int64_t kw;  // kp's row stride in words: clp rounded up to 64
   explicit Scratch(const Problem& pr) {
     auto up = [](int64_t n) { return (n + kRound - 1) / kRound * kRound; };
     const int64_t rows = pr.khi * pr.tb * pr.G;
     const int64_t nq = up(rows * pr.D), nm = up(rows), ns = up(pr.tb * pr.G * pr.clp);
     const int64_t nk = up(pr.clp * pr.D), nl = up(pr.tb * 2), no = up(pr.clp * 4);
-    const size_t bytes = size_t(2 * nq + 2 * nm + 2 * ns + 2 * nk + nl + no) * sizeof(float);
+    kw = (pr.clp + 63) / 64 * 64;
+    // in floats (4 bytes): qb and pb are halves, kp [D/2][kw] and vp [clp/2][D] words
+    const int64_t nqb = up((rows * pr.D + 1) / 2), npb = up((pr.tb * pr.G * pr.clp + 1) / 2);
+    const int64_t nkp = up((pr.D + 1) / 2 * kw), nvp = up((pr.clp + 1) / 2 * pr.D);
+    const size_t bytes =
+        size_t(2 * nq + 2 * nm + 2 * ns + 2 * nk + nl + no + nqb + npb + nkp + nvp) * sizeof(float);
     base = static_cast<float*>(std::aligned_alloc(64, (bytes + 63) / 64 * 64));
     if (!base) return;
     std::memset(base, 0, bytes);
@@ -366,6 +378,11 @@ struct Scratch {
     vf = kf + nk;
     lim = reinterpret_cast<int64_t*>(vf + nk);
     off = reinterpret_cast<int64_t*>(vf + nk + nl);
+    float* tail = vf + nk + nl + no;
+    qb = reinterpret_cast<uint16_t*>(tail);
+    pb = reinterpret_cast<uint16_t*>(tail + nqb);
+    kp = reinterpret_cast<uint32_t*>(tail + nqb + npb);
+    vp = reinterpret_cast<uint32_t*>(tail + nqb + npb + nkp);
   }
   ~Scratch() { std::free(base); }
   Scratch(const Scratch&) = delete;
@@ -422,15 +439,185 @@ JS_INLINE void by_row_pairs(int64_t R, Fn&& f) {
   for (; r < R; ++r) f(std::integral_constant<int, 1>{}, r);
 }
 
+#if JS_X86 && JAXSERVE_CAN_AMX
+// ---- bfloat16 dot products (AVX512-BF16's VDPBF16PS) for a bfloat16 pool ----------------------
+//
+// With the pool in bfloat16, the scores and P.V are dot products of bfloat16 pairs: lane c of
+// VDPBF16PS(acc, a, b) gains a[2c] b[2c] + a[2c+1] b[2c+1], products exact and sums in float32.
+// Scores: K of a chunk is transposed to k pairs, kp[dd][j] = (k_j[2dd], k_j[2dd+1]) as one
+// 32-bit word, so one vector holds 16 keys' pair dd and a query's pair, broadcast, scores 16 keys
+// at once with no horizontal sum: the matmul's micro-kernel (matmul.cc dp_block) with the keys as
+// columns, up to 6 query rows sharing each K vector.  P.V: V is interleaved by key pairs, vp[jj][d]
+// = (v_{2jj}[d], v_{2jj+1}[d]), and a row's probability pair, broadcast, weighs 16 dims at once.
+// The queries (scaled) and the probabilities are rounded to bfloat16 (round to nearest even),
+// as FlashAttention does on GPUs; softmax stays float32.  Every row's sums run in the same order
+// whatever the other rows of the item: a query alone equals the query in a chunk, bit for bit.
+#define JS_DP_TARGET "avx512f,avx512vl,avx512bw,avx512dq,avx512bf16,avx2,fma"
+// The entry points are real calls (each does a chunk's worth of work): run_item, compiled without
+// this target, may call but not inline them.
+#define JS_DP __attribute__((noinline, target(JS_DP_TARGET)))
+#define JS_DP_INLINE __attribute__((always_inline, target(JS_DP_TARGET))) inline
+
+// 16 x 16 32-bit words, rows r[0..15] -> columns (in place).
+JS_DP_INLINE void transpose16(__m512i* r) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  // r[4q + m] now holds, in 128-bit lane L, column 4L + m of rows 4q .. 4q + 3; two rounds of
+  // 128-bit lane shuffles gather column c = 4L + m from lane L of r[m], r[4 + m], r[8 + m], r[12 + m].
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
+    t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+    r[i + 4] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0x88);
+    r[i + 12] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0xdd);
+  }
+}
+
+// kp[dd * kw + j] = word dd of key j's row (D bfloat16 = D/2 words) for j < nvalid, zero for
+// j in [nvalid, kw).  Prefetches the next chunk's rows.
+template <int HD>
+JS_DP void pack_k_pairs(const uint16_t* pool, const int64_t* off, const int64_t* off_next, int64_t nvalid,
+                        int64_t n_next, int64_t hoff, uint32_t* kp, int64_t kw) {
+  constexpr int W = HD / 2;  // words per key
+  for (int64_t j0 = 0; j0 < kw; j0 += 16) {
+    for (int wb = 0; wb < W; wb += 16) {
+      __m512i r[16];
+      for (int i = 0; i < 16; ++i) {
+        const int64_t j = j0 + i;
+        if (wb == 0 && j < n_next) prefetch_row(pool + off_next[j] + hoff, HD);
+        r[i] = j < nvalid ? _mm512_loadu_si512(pool + off[j] + hoff + 2 * wb) : _mm512_setzero_si512();
+      }
+      transpose16(r);
+      for (int i = 0; i < 16; ++i) _mm512_storeu_si512(kp + (wb + i) * kw + j0, r[i]);
+    }
+  }
+}
+
+// vp[jj * HD + d] = (v_{2jj}[d], v_{2jj+1}[d]) for the pairs covering nvalid keys (a missing odd
+// key is zero; HD a multiple of 32).  Prefetches the next chunk's rows.
+template <int HD>
+JS_DP void pack_v_pairs(const uint16_t* pool, const int64_t* off, const int64_t* off_next, int64_t nvalid,
+                        int64_t n_next, int64_t hoff, uint32_t* vp) {
+  alignas(64) static constexpr uint16_t kLo[32] = {0, 32, 1, 33, 2,  34, 3,  35, 4,  36, 5,  37, 6,  38, 7,  39,
+                                                   8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  alignas(64) static constexpr uint16_t kHi[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+                                                   24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+  const __m512i lo = _mm512_load_si512(kLo), hi = _mm512_load_si512(kHi);
+  for (int64_t j = 0; j < nvalid; j += 2) {
+    if (j < n_next) prefetch_row(pool + off_next[j] + hoff, HD);
+    if (j + 1 < n_next) prefetch_row(pool + off_next[j + 1] + hoff, HD);
+    const uint16_t* v0 = pool + off[j] + hoff;
+    const uint16_t* v1 = j + 1 < nvalid ? pool + off[j + 1] + hoff : nullptr;
+    uint32_t* dst = vp + (j / 2) * HD;
+    for (int c = 0; c < HD; c += 32) {
+      const __m512i x0 = _mm512_loadu_si512(v0 + c);
+      const __m512i x1 = v1 ? _mm512_loadu_si512(v1 + c) : _mm512_setzero_si512();
+      _mm512_storeu_si512(dst + c, _mm512_permutex2var_epi16(x0, lo, x1));
+      _mm512_storeu_si512(dst + c + 16, _mm512_permutex2var_epi16(x0, hi, x1));
+    }
+  }
+}
+
+// Scores of RB query rows (bfloat16 qb rows, D apart) against the chunk's keys in kp: s rows
+// (stride clp) get the first clp keys.
+template <int HD, int RB>
+JS_DP void dp_scores(const uint16_t* qb, const uint32_t* kp, int64_t kw, int64_t nkeys, int64_t clp, float* s) {
+  for (int64_t k0 = 0; k0 < nkeys; k0 += 64) {
+    __m512 acc[RB][4];
+    for (int i = 0; i < RB; ++i)
+      for (int v = 0; v < 4; ++v) acc[i][v] = _mm512_setzero_ps();
+#pragma GCC unroll 4
+    for (int dd = 0; dd < HD / 2; ++dd) {
+      __m512bh b[4];
+      for (int v = 0; v < 4; ++v) b[v] = (__m512bh)_mm512_loadu_si512(kp + dd * kw + k0 + 16 * v);
+      for (int i = 0; i < RB; ++i) {
+        int32_t pair;
+        std::memcpy(&pair, qb + i * HD + 2 * dd, 4);
+        const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+        for (int v = 0; v < 4; ++v) acc[i][v] = _mm512_dpbf16_ps(acc[i][v], a, b[v]);
+      }
+    }
+    for (int v = 0; v < 4 && k0 + 16 * v < clp; ++v)
+      for (int i = 0; i < RB; ++i) _mm512_storeu_ps(s + i * clp + k0 + 16 * v, acc[i][v]);
+  }
+}
+
+// acc rows (float32, D apart) += P (bfloat16 pb rows, stride clp) . V for `npairs` key pairs.
+template <int HD, int RB>
+JS_DP void dp_weigh(const uint16_t* pb, int64_t clp, const uint32_t* vp, int64_t npairs, float* acc) {
+  constexpr int DV = HD / 16;
+  __m512 a[RB][DV];
+  for (int i = 0; i < RB; ++i)
+    for (int c = 0; c < DV; ++c) a[i][c] = _mm512_loadu_ps(acc + i * HD + 16 * c);
+#pragma GCC unroll 2
+  for (int64_t jj = 0; jj < npairs; ++jj) {
+    __m512bh b[DV];
+    for (int c = 0; c < DV; ++c) b[c] = (__m512bh)_mm512_loadu_si512(vp + jj * HD + 16 * c);
+    for (int i = 0; i < RB; ++i) {
+      int32_t pair;
+      std::memcpy(&pair, pb + i * clp + 2 * jj, 4);
+      const __m512bh p = (__m512bh)_mm512_set1_epi32(pair);
+      for (int c = 0; c < DV; ++c) a[i][c] = _mm512_dpbf16_ps(a[i][c], p, b[c]);
+    }
+  }
+  for (int i = 0; i < RB; ++i)
+    for (int c = 0; c < DV; ++c) _mm512_storeu_ps(acc + i * HD + 16 * c, a[i][c]);
+}
+
+// A row of probabilities (n floats, n a multiple of 16) to bfloat16.
+JS_DP void probs_to_bf16(const float* p, int64_t n, uint16_t* dst) {
+  for (int64_t j = 0; j < n; j += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + j), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(p + j)));
+}
+
+// Calls F<HD, rb>(args...) for R rows in blocks of MAXRB (r0: the block's first row), then the tail.
+#define JS_ROW_BLOCKS(MAXRB, R, CALL)                        \
+  do {                                                       \
+    int64_t r0 = 0;                                          \
+    for (; r0 + (MAXRB) <= (R); r0 += (MAXRB)) CALL(MAXRB);   \
+    switch ((R) - r0) {                                      \
+      case 1: if constexpr ((MAXRB) > 1) CALL(1); break;      \
+      case 2: if constexpr ((MAXRB) > 2) CALL(2); break;      \
+      case 3: if constexpr ((MAXRB) > 3) CALL(3); break;      \
+      case 4: if constexpr ((MAXRB) > 4) CALL(4); break;      \
+      case 5: if constexpr ((MAXRB) > 5) CALL(5); break;      \
+      default: break;                                        \
+    }                                                        \
+  } while (0)
+#endif
+
+// The lambdas of run_item hold its vector arithmetic: they must be inlined into the wrapper that
+// compiles run_item for an instruction set (GCC does not give a lambda its enclosing function's
+// target), or a copy compiled for the baseline could round differently (no fused multiply-add)
+// from an inlined one, and a query alone would no longer equal the query in a chunk.
+#define JS_LAMBDA __attribute__((always_inline))
+
 // One work item.  KT: page element type (float, uint16_t holding bfloat16, or int8_t with a
 // bfloat16 scale per token per KV head, multiplied in while a chunk is widened).  N: vector lanes.
 // HD: the head dim (a multiple of N), or 0 for the scalar path (any head dim).
 // `next_item`: the item this thread takes after this one (-1: none); while it reads its last
 // chunk it prefetches that item's first, when both read the same KV heads.
-template <class KT, int N, int HD>
+// DP: the bfloat16 dot-product variant (bfloat16 pages, HD a multiple of 32, compiled for
+// AVX512-BF16; see dp_scores): K and V are packed into pairs instead of widened to float32.
+template <class KT, int N, int HD, bool DP = false>
 JS_INLINE void run_item(const Problem& pr, int64_t item, int64_t next_item, Scratch& sc) {
   using V = Vf<N>;
   constexpr bool kF32 = std::is_same_v<KT, float>;
+  static_assert(!DP || (std::is_same_v<KT, uint16_t> && N == 16 && HD % 32 == 0 && HD > 0));
   constexpr int DV = HD / N;  // vectors per head
   // Query rows in pairs (scores and P.V below) while a pair's queries and accumulators fit in the
   // registers (up to 4 vectors per head: head dim 64 on AVX-512, 32 on AVX2); one at a time past
@@ -459,6 +646,8 @@ JS_INLINE void run_item(const Problem& pr, int64_t item, int64_t next_item, Scra
           const float* qs = static_cast<const float*>(pr.q) + src;
           for (int64_t d = 0; d < D; ++d) dst[d] = qs[d] * pr.scale;
         }
+        if constexpr (DP)
+          for (int64_t d = 0; d < D; ++d) sc.qb[row * D + d] = to_bf16(dst[d]);
         std::memset(sc.acc + row * D, 0, sizeof(float) * D);
         sc.m[row] = kNeg;
         sc.l[row] = 0.0f;
@@ -509,13 +698,18 @@ JS_INLINE void run_item(const Problem& pr, int64_t item, int64_t next_item, Scra
       float* mk = sc.m + kh * R;
       float* lk = sc.l + kh * R;
 
-      // bfloat16: widen the chunk's K rows to float32 once (float32 rows are read in place).
-      if constexpr (!kF32) widen_rows<KT, N, HD>(kpool, kend, pr.ks, off, off_next, nvalid, n_next, hoff, D, sc.kf);
-      auto krow = [&](int64_t j) -> const float* {
+      // bfloat16: widen the chunk's K rows to float32 once (float32 rows are read in place), or
+      // (DP) transpose them into k pairs.
+#if JS_X86 && JAXSERVE_CAN_AMX
+      if constexpr (DP) pack_k_pairs<HD>(kpool, off, off_next, nvalid, n_next, hoff, sc.kp, sc.kw);
+#endif
+      if constexpr (!kF32 && !DP)
+        widen_rows<KT, N, HD>(kpool, kend, pr.ks, off, off_next, nvalid, n_next, hoff, D, sc.kf);
+      auto krow = [&](int64_t j) JS_LAMBDA -> const float* {
         if constexpr (kF32) return kpool + off[j] + hoff;
         else return sc.kf + j * D;
       };
-      auto vrow = [&](int64_t j) -> const float* {
+      auto vrow = [&](int64_t j) JS_LAMBDA -> const float* {
         if constexpr (kF32) return vpool + off[j] + hoff;
         else return sc.vf + j * D;
       };
@@ -524,14 +718,21 @@ JS_INLINE void run_item(const Problem& pr, int64_t item, int64_t next_item, Scra
       // rows in pairs (kPairs: the G query heads of a KV head, or consecutive queries), so that
       // each K row loaded serves both rows of a pair.  Tokens jj and jj + N/2 meet at the
       // reduction tree's first level (reduce_pair), so only N/2 partial vectors per row stay live.
-      if constexpr (DV > 0) {
-        auto scores = [&](auto rows, int64_t r0) {
+      if constexpr (DP) {
+#if JS_X86 && JAXSERVE_CAN_AMX
+        const uint16_t* qbk = sc.qb + kh * R * D;
+#define JS_SCORES(RB) dp_scores<HD, RB>(qbk + r0 * D, sc.kp, sc.kw, nvalid, clp, sc.s + r0 * clp)
+        JS_ROW_BLOCKS(6, R, JS_SCORES);
+#undef JS_SCORES
+#endif
+      } else if constexpr (DV > 0) {
+        auto scores = [&](auto rows, int64_t r0) JS_LAMBDA {
           constexpr int RB = decltype(rows)::value;
           const bool pf = kF32 && r0 == 0;
           V qv[RB][DV];
           for (int i = 0; i < RB; ++i)
             for (int c = 0; c < DV; ++c) qv[i][c] = vload<N>(qk + (r0 + i) * D + c * N);
-          auto dot = [&](int64_t j, V (&a)[RB]) {
+          auto dot = [&](int64_t j, V (&a)[RB]) JS_LAMBDA {
             if (j >= nvalid) {
               for (int i = 0; i < RB; ++i) a[i] = splat<N>(0.0f);
               return;
@@ -614,13 +815,29 @@ JS_INLINE void run_item(const Problem& pr, int64_t item, int64_t next_item, Scra
         }
       }
 
-      // V rows as float32, as for K.
-      if constexpr (!kF32) widen_rows<KT, N, HD>(vpool, vend, pr.vs, off, off_next, nvalid, n_next, hoff, D, sc.vf);
+      // V rows as float32, as for K (DP: key pairs, and the probabilities in bfloat16).
+#if JS_X86 && JAXSERVE_CAN_AMX
+      if constexpr (DP) {
+        pack_v_pairs<HD>(vpool, off, off_next, nvalid, n_next, hoff, sc.vp);
+        const int64_t np16 = (nvalid + 15) / 16 * 16;
+        for (int64_t r = 0; r < R; ++r) probs_to_bf16(sc.p + r * clp, np16, sc.pb + r * clp);
+      }
+#endif
+      if constexpr (!kF32 && !DP)
+        widen_rows<KT, N, HD>(vpool, vend, pr.vs, off, off_next, nvalid, n_next, hoff, D, sc.vf);
 
       // acc[r] += sum_j P[r][j] v_j, the accumulators in registers (two sets: even and odd j),
       // query rows in pairs as for the scores: each V row loaded serves both.
-      if constexpr (DV > 0) {
-        auto weigh = [&](auto rows, int64_t r0) {
+      if constexpr (DP) {
+#if JS_X86 && JAXSERVE_CAN_AMX
+        constexpr int kRows = HD <= 64 ? 6 : HD == 128 ? 3 : 1;  // kRows x HD / 16 accumulators <= 24
+        const int64_t npairs = (nvalid + 1) / 2;
+#define JS_WEIGH(RB) dp_weigh<HD, RB>(sc.pb + r0 * clp, clp, sc.vp, npairs, ak + r0 * D)
+        JS_ROW_BLOCKS(kRows, R, JS_WEIGH);
+#undef JS_WEIGH
+#endif
+      } else if constexpr (DV > 0) {
+        auto weigh = [&](auto rows, int64_t r0) JS_LAMBDA {
           constexpr int RB = decltype(rows)::value;
           const bool pf = kF32 && r0 == 0;
           const float* pr0 = sc.p + r0 * clp;
@@ -710,11 +927,21 @@ __attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,avx2,fma"))) void item
     const Problem& pr, int64_t i, int64_t next, Scratch& sc) {
   run_item<KT, 16, HD>(pr, i, next, sc);
 }
+#if JAXSERVE_CAN_AMX
+// AVX512-BF16: bfloat16 pages with a head dim the dot-product variant takes run it; the rest
+// their AVX-512 code.
+template <class KT, int HD>
+__attribute__((target(JS_DP_TARGET))) void item_avx512bf16(const Problem& pr, int64_t i, int64_t next, Scratch& sc) {
+  constexpr bool kDp = std::is_same_v<KT, uint16_t> && HD > 0 && HD % 32 == 0;
+  run_item<KT, 16, HD, kDp>(pr, i, next, sc);
+}
+#endif
 #endif
 
-// kAmx: AVX-512 plus the AMX bf16 tiles and AVX512-BF16 (the matmul's bfloat16 weights,
-// matmul.cc); every other kernel runs its AVX-512 code there.
-enum Isa { kGeneric = 0, kAvx2 = 1, kAvx512 = 2, kAmx = 3 };
+// kAvx512Bf16: AVX-512 plus AVX512-BF16 (VDPBF16PS: the matmul's bfloat16 weights by dot products,
+// matmul.cc; AMD Zen 4 and later, Intel Cooper Lake and later); kAmx: that plus the AMX bf16 tiles
+// (the same weights on the tiles).  Every other kernel runs its AVX-512 code on both.
+enum Isa { kGeneric = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3, kAmx = 4 };
 
 #if JS_X86 && JAXSERVE_CAN_AMX
 // Linux hands out the AMX tile state (8 KiB per thread) only to a process that asks first: a
@@ -727,13 +954,17 @@ bool request_amx_tiles() {
   return ok;
 }
 
+bool has_avx512bf16() {
+  unsigned a, b, c, d;
+  if (!__get_cpuid_count(7, 1, &a, &b, &c, &d)) return false;
+  return a >> 5 & 1;
+}
+
 bool has_amx_bf16() {
   unsigned a, b, c, d;
   if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
   const bool tiles = (d >> 24 & 1) && (d >> 22 & 1);  // AMX-TILE, AMX-BF16
-  if (!__get_cpuid_count(7, 1, &a, &b, &c, &d)) return false;
-  const bool avx512bf16 = a >> 5 & 1;
-  return tiles && avx512bf16 && request_amx_tiles();
+  return tiles && request_amx_tiles();
 }
 #endif
 
@@ -743,7 +974,7 @@ int detect_isa() {
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
       __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq"))
 #if JAXSERVE_CAN_AMX
-    return has_amx_bf16() ? kAmx : kAvx512;
+    return !has_avx512bf16() ? kAvx512 : has_amx_bf16() ? kAmx : kAvx512Bf16;
 #else
     return kAvx512;
 #endif
@@ -752,12 +983,18 @@ int detect_isa() {
   return kGeneric;
 }
 
-// JAXSERVE_CPU_ISA=generic|avx2|avx512|amx lowers the best the host has (avx512 turns AMX off).
+// JAXSERVE_CPU_ISA=generic|avx2|avx512|avx512bf16|amx lowers the best the host has (avx512 turns
+// the bfloat16 matmul off, avx512bf16 the AMX tiles).
 int initial_isa() {
   int isa = detect_isa();
   if (const char* env = std::getenv("JAXSERVE_CPU_ISA")) {
     std::string s(env);
-    int want = s == "generic" ? kGeneric : s == "avx2" ? kAvx2 : s == "avx512" ? kAvx512 : s == "amx" ? kAmx : isa;
+    int want = s == "generic"      ? kGeneric
+               : s == "avx2"       ? kAvx2
+               : s == "avx512"     ? kAvx512
+               : s == "avx512bf16" ? kAvx512Bf16
+               : s == "amx"        ? kAmx
+                                   : isa;
     isa = std::min(isa, want);
   }
   return isa;
@@ -771,6 +1008,9 @@ std::atomic<int>& current_isa() {
 template <class KT, int HD>
 ItemFn pick_isa(int isa) {
 #if JS_X86
+#if JAXSERVE_CAN_AMX
+  if (isa >= kAvx512Bf16) return &item_avx512bf16<KT, HD>;
+#endif
   if (isa >= kAvx512) return &item_avx512<KT, HD>;
   if (isa == kAvx2) return &item_avx2<KT, HD>;
 #endif
@@ -1034,7 +1274,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveRaggedPagedAttentionQ8, RaggedQ8Impl,
                                   .Attr<float>("scale")
                                   .Attr<int64_t>("kv_heads_per_item"));
 
-// Which vector code runs: 0 baseline, 1 AVX2+FMA, 2 AVX-512, 3 AVX-512 + AMX bf16 tiles.
+// Which vector code runs: 0 baseline, 1 AVX2+FMA, 2 AVX-512, 3 AVX-512 + AVX512-BF16, 4 that + AMX.
 JS_EXPORT int jaxserve_cpu_isa() { return current_isa().load(); }
 // The best instruction set this host supports.
 JS_EXPORT int jaxserve_cpu_best_isa() { return detect_isa(); }
@@ -1044,8 +1284,8 @@ JS_EXPORT int jaxserve_cpu_set_isa(int isa) {
   return current_isa().load();
 }
 // Bumped whenever the FFI signature changes, so a stale library is not used (3: the int8 pages'
-// scales are bfloat16, float32 before; 4: the ragged handlers).
-JS_EXPORT int jaxserve_cpu_abi_version() { return 4; }
+// scales are bfloat16, float32 before; 4: the ragged handlers; 5: the avx512bf16 level, amx is 4).
+JS_EXPORT int jaxserve_cpu_abi_version() { return 5; }
 
 // The sha256 of the source this library was built from (native.py passes it), so that a source
 // checkout rebuilds a library made from another version of this file.
