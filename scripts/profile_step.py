@@ -63,7 +63,11 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--batch, --context and --steps must be >= 1")
 
     runner, rows = decode_step_runner(
-        resolve_model(args.model), args.batch, args.context, matmul_dtype=args.matmul_dtype, kv_cache_dtype=args.kv_cache_dtype
+        resolve_model(args.model),
+        args.batch,
+        args.context,
+        matmul_dtype=args.matmul_dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     time_decode_steps(runner, rows, 3)  # compile and warm
     trace_dir = tempfile.mkdtemp(prefix="jaxserve-profile-")
