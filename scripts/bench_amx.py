@@ -1,22 +1,26 @@
-"""bfloat16 weights on the AMX tiles against float32, side by side in one process.
+"""bfloat16 (AMX tiles or AVX512-BF16 dot products) against float32, side by side in one process.
 
 Configurations take turns round after round (the machine is shared: its load hits both alike)
 and medians are reported, as ratios first:
 
 1. a large square matmul (``--square``, default 2048): the native kernel on float32 panels and
-   on bfloat16 AMX tiles, GFLOP/s;
+   on bfloat16 (AMX tiles or AVX512-BF16), GFLOP/s;
 2. the prefill of a ``--prompt``-token prompt (default 2,048) on the 56.4M bench model of
    ../shared/workloads/mixed-64.json (random weights; max_position_embeddings raised so that the
-   prompt and one token fit) through ``LLM`` with its defaults (chunks of 512 tokens), prefix
+   prompt and one token fit) through ``LLM`` (prompt chunks of the token budget, 256 on the CPU), prefix
    caching off, a fresh prompt every round; GFLOP/s of its projections (2 x 23.6M x tokens:
    attention's share of the time counted against it);
 3. the decode step alone at batch 1 and 32, every slot at ``--context`` tokens (kv-math's
    ``decode_step_runner``, timed as the engine runs steps), beside its memory bound: the bytes
    it must read (weights but the embedding table, live KV) over a streaming read taken just
    before each timing;
-4. the mixed-64 workload offline with ``LLM(path)`` defaults but ``matmul_dtype`` (as
+4. the mixed-64 workload offline with ``LLM(path)`` defaults against ``dtype="float32"`` (as
    `jaxserve bench throughput --workload-file mixed-64.json --model workload`: every run cold, prefix cache flushed): useful output
    tokens per second, and how many outputs equal float32's.
+
+Throughout, "bfloat16" is ``LLM(path)``'s defaults on such a host (bfloat16 weights and KV pages)
+and "float32" is ``dtype="float32"`` (today's exact float32 path); the decode steps use the same
+weights and pages.
 
     JAX_PLATFORMS=cpu .venv/bin/python scripts/bench_amx.py [--rounds 5] [--json F]
 """
@@ -63,6 +67,12 @@ def bench_square(n: int, rounds: int) -> dict:
     }
 
 
+# "bfloat16" is LLM(path)'s defaults on a host with AMX or AVX512-BF16 (bfloat16 weights and KV
+# pages); "float32" is dtype="float32", the exact float32 path (float32 weights and pages).
+ENGINE_OPTS = {"float32": {"dtype": "float32"}, "bfloat16": {}}
+KV = {"float32": "auto", "bfloat16": "bfloat16"}
+
+
 def bench_prefill(spec: dict, prompt: int, rounds: int) -> dict:
     import numpy as np
     from transformers import LlamaForCausalLM
@@ -83,7 +93,7 @@ def bench_prefill(spec: dict, prompt: int, rounds: int) -> dict:
         )
         del model
         engines = {
-            d: LLM(tmp, matmul_dtype=d, max_slots=1, max_model_len=prompt + 16, enable_prefix_caching=False)
+            d: LLM(tmp, **ENGINE_OPTS[d], max_slots=1, max_model_len=prompt + 16, enable_prefix_caching=False)
             for d in DTYPES
         }
         before = compile_count()  # process-wide: both engines are warm by now
@@ -120,7 +130,7 @@ def bench_decode(spec: dict, batches, context: int, rounds: int, repeats: int) -
     for b in batches:
         runners = {}
         for d in DTYPES:
-            runner, rows = decode_step_runner(shape, b, context, matmul_dtype=d)
+            runner, rows = decode_step_runner(shape, b, context, matmul_dtype=d, kv_cache_dtype=KV[d])
             runner.decode(rows, 0)  # compile
             runners[d] = (runner, rows, step_bytes(runner, b, context))
         times = {d: [] for d in DTYPES}
@@ -163,7 +173,7 @@ def bench_workload(wl: dict, rounds: int) -> dict:
     outs = {}
     with tempfile.TemporaryDirectory() as tmp:
         model_from_spec(wl["model"], Path(tmp))
-        engines = {d: LLM(tmp, matmul_dtype=d) for d in DTYPES}
+        engines = {d: LLM(tmp, **ENGINE_OPTS[d]) for d in DTYPES}
         before = compile_count()
         for _ in range(rounds):
             for d, llm in engines.items():
@@ -193,7 +203,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", help="write results here")
     args = ap.parse_args(argv)
 
-    from pallas_kernels import native_matmul
+    from pallas_kernels import native, native_matmul
 
     if not native_matmul.bf16_available():
         print(f"bfloat16 matmul unavailable: {native_matmul.bf16_unavailable_reason()}")
@@ -206,7 +216,7 @@ def main(argv=None) -> int:
         sq = res["square"] = bench_square(args.square, args.rounds)
         n = args.square
         print(
-            f"square {n}x{n}x{n}: float32 {sq['float32']['gflops']:.0f} GFLOP/s, bfloat16 (AMX) "
+            f"square {n}x{n}x{n}: float32 {sq['float32']['gflops']:.0f} GFLOP/s, bfloat16 ({native.cpu_isa()}) "
             f"{sq['bfloat16']['gflops']:.0f} GFLOP/s: {sq['bfloat16']['gflops'] / sq['float32']['gflops']:.2f}x",
             flush=True,
         )
