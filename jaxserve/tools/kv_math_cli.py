@@ -268,7 +268,8 @@ def _measure_host_report(
     rounds: int = 5,
     repeats: int = 5,
 ) -> int:
-    """kv_dtype: fp32 (the CPU's pages), or int8 / fp8 (the engine's kv_cache_dtype, scales counted);
+    """kv_dtype: fp32, bf16 (the engine's default pages where it computes in bfloat16), or int8 /
+    fp8 (the engine's kv_cache_dtype, scales counted);
     weight_dtype: fp32, int8 (the engine's quantization="int8") or bf16 (matmul_dtype="bfloat16",
     the engine's default where the CPU has AMX or AVX512-BF16; elsewhere fp32 is measured and said so).
 
@@ -279,7 +280,7 @@ def _measure_host_report(
     (`bandwidth_probe`); a timing's ratio is to its bound at that read's bandwidth (and the
     round's matmul rate), and the median over rounds is reported, with the median step and the
     bound at the median bandwidth beside it."""
-    kv_cache_dtype = kv_dtype if kv_dtype in ("int8", "fp8") else "auto"
+    kv_cache_dtype = {"int8": "int8", "fp8": "fp8", "bf16": "bfloat16"}.get(kv_dtype, "auto")
     kv_dtype = kv_dtype if kv_cache_dtype != "auto" else "fp32"
     from pallas_kernels import native_matmul
 
