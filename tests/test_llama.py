@@ -78,3 +78,24 @@ def test_config_reads_rope_scaling_and_biases(hf_models):
     assert qwen.qkv_bias and not qwen.o_bias and qwen.tie_word_embeddings
     hf_inv = hf_models["llama"][1].model.rotary_emb.inv_freq.numpy()
     np.testing.assert_allclose(llama.inv_freq(), hf_inv, rtol=1e-6)
+
+
+def test_untied_lm_head_and_hidden_states(hf_models):
+    """A tied model's untie_lm_head (the runner does it before packing the projections for the
+    native CPU matmul) gives the same logits, and return_hidden gives the final-norm hidden
+    states the logits are the projection of (an EAGLE head's features)."""
+    path, hf = hf_models["qwen2"]
+    model, cfg = load_model(path, dtype=jnp.float32)
+    assert cfg.tie_word_embeddings
+    tokens = jnp.asarray(np.random.default_rng(3).integers(2, cfg.vocab_size, (2, 9)))
+    positions = jnp.broadcast_to(jnp.arange(9), tokens.shape)
+    tied, _, hidden = model(tokens, positions, return_hidden=True)
+    emb = np.asarray(model.embed_tokens.embedding[...])
+    np.testing.assert_allclose(np.asarray(tied), np.asarray(hidden) @ emb.T, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        ref = hf(torch.tensor(np.asarray(tokens)), output_hidden_states=True).hidden_states[-1].numpy()
+    np.testing.assert_allclose(np.asarray(hidden), ref, atol=1e-4)  # transformers' last entry is after the norm
+    model.untie_lm_head()
+    assert model.untied and model.lm_head.kernel[...].shape == (cfg.hidden_size, cfg.vocab_size)
+    untied, _ = model(tokens, positions)
+    np.testing.assert_allclose(np.asarray(untied), np.asarray(tied), rtol=1e-6, atol=1e-6)

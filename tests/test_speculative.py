@@ -36,6 +36,29 @@ def draft_dir(tmp_path_factory):
     return d
 
 
+def make_eagle_head(target, path, seed: int, draft_vocab: int | None = None, std: float = 0.02):
+    """A random EAGLE head for `target` (models/eagle.py) saved to `path`: its draft vocabulary
+    a random subset of the target's (all of it when draft_vocab is None). Any head is
+    lossless; a random one exercises both outcomes of the acceptance rule."""
+    from flax import nnx
+
+    from jaxserve.models import eagle
+    from jaxserve.models.loader import read_config
+
+    cfg = read_config(target)
+    n = draft_vocab or cfg.vocab_size
+    head = eagle.EagleHead(eagle.EagleConfig.for_target(cfg, n), rngs=nnx.Rngs(seed), init_std=std)
+    rng = np.random.default_rng(seed)
+    head.d2t[...] = np.sort(rng.choice(cfg.vocab_size, n, replace=False)).astype(np.int32)
+    eagle.save_head(head, path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def eagle_dir(tok_model, tmp_path_factory):
+    return make_eagle_head(tok_model[0], tmp_path_factory.mktemp("eagle"), seed=5, draft_vocab=200, std=0.3)
+
+
 def _workload(seed, n=10, repetitive=False):
     rng = np.random.default_rng(seed)
     prompts = []
@@ -65,13 +88,14 @@ def plain_int8(tok_model):
         pytest.param("draft", False, id="draft"),
         pytest.param("self", False, id="self"),
         pytest.param("ngram", False, id="ngram"),
+        pytest.param("eagle", False, id="eagle"),
         # target and draft both int8 (weights and KV pages), against the same int8 target alone
         pytest.param("draft", True, id="draft-int8"),
     ],
 )
-def test_greedy_equals_plain_decoding(tok_model, draft_dir, request, spec, int8):
+def test_greedy_equals_plain_decoding(tok_model, draft_dir, eagle_dir, request, spec, int8):
     plain = request.getfixturevalue("plain_int8" if int8 else "plain")
-    model = {"draft": str(draft_dir), "self": str(tok_model[0]), "ngram": "ngram"}[spec]
+    model = {"draft": str(draft_dir), "self": str(tok_model[0]), "ngram": "ngram", "eagle": str(eagle_dir)}[spec]
     llm = LLM(
         tok_model[0], speculative_model=model, num_speculative_tokens=3, num_pages=200, **OPTS, **(INT8 if int8 else {})
     )
@@ -176,13 +200,15 @@ def _chi2_pvalue(counts, probs):
     return stats.chisquare(merged_o, merged_e).pvalue
 
 
-@pytest.mark.parametrize("spec", ["draft", "ngram"])
-def test_sampling_is_lossless(tiny, spec):
+@pytest.mark.parametrize("spec", ["draft", "ngram", "eagle"])
+def test_sampling_is_lossless(tiny, spec, tmp_path):
     t, d, hf = tiny
     prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]  # repeats, so the n-gram proposer proposes too
+    if spec == "eagle":  # 8 of the 12 tokens: q is zero on the rest, the residual must cover them
+        d = make_eagle_head(t, tmp_path / "eagle", seed=6, draft_vocab=8, std=0.6)
     llm = LLM(
         t,
-        speculative_model=str(d) if spec == "draft" else "ngram",
+        speculative_model=str(d) if spec != "ngram" else "ngram",
         num_speculative_tokens=2,
         max_slots=64,
         page_size=8,
@@ -221,3 +247,56 @@ def test_chi_square_rejects_a_wrong_acceptance_rule(tiny, monkeypatch):
     pvalue = _chi2_pvalue(counts, _exact_two_token_probs(hf, prompt, 1.0))
     print(f"wrong rule: chi-square p = {pvalue:.3g}")
     assert pvalue < 1e-3
+
+
+def test_eagle_head_reads_the_targets_features(tok_model, tmp_path):
+    """An "echo" head (fc passes the feature through, the layer adds nothing, the LM head is the
+    target's) drafts argmax(target LM head(feature at the previous position)): the target's own
+    greedy token there. So after the prompt's KV (and features) are filled, its drafts for the
+    row [prompt[-1]] are all the dense target's greedy token at position L-2, and the feature
+    pages hold the dense target's final-norm hidden states; a feature misplaced by a position or
+    never written drafts something else."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jaxserve.models import eagle
+    from jaxserve.models.loader import load_model
+    from jaxserve.runner.step_batch import Chunk
+
+    target, cfg = load_model(tok_model[0], dtype=jnp.float32)
+    h, v, k = cfg.hidden_size, cfg.vocab_size, 3
+    head = eagle.EagleHead(eagle.EagleConfig.for_target(cfg, v), rngs=nnx.Rngs(0))
+    fc = np.zeros((2 * h, h), np.float32)
+    fc[h:] = np.eye(h)
+    head.fc.kernel[...] = jnp.asarray(fc)
+    head.layer.self_attn.o_proj.kernel[...] = jnp.zeros((h, h))
+    head.layer.mlp.down_proj.kernel[...] = jnp.zeros_like(head.layer.mlp.down_proj.kernel[...])
+    lm = target.embed_tokens.embedding[...].T if cfg.tie_word_embeddings else target.lm_head.kernel[...]
+    head.lm_head.kernel[...] = lm
+    eagle.save_head(head, tmp_path / "echo")
+
+    llm = LLM(
+        tok_model[0],
+        speculative_model=str(tmp_path / "echo"),
+        num_speculative_tokens=k,
+        num_pages=64,
+        matmul_dtype="float32",
+        **OPTS,
+        **COLD,
+    )
+    r = llm.core.runner
+    prompt = [int(x) for x in np.random.default_rng(4).integers(3, 500, 21)]
+    n = len(prompt)
+    pages = list(range(1, 1 + -(-(n + k + 1) // OPTS["page_size"])))
+    r.prefill([Chunk(prompt[:-1], 0, pages)])
+    logits, _, hidden = target(jnp.asarray([prompt]), jnp.arange(n)[None], return_hidden=True)
+    d = r.draft
+    ps = OPTS["page_size"]
+    slots = [pages[p // ps] * ps + p % ps for p in range(n - 1)]
+    feats = np.asarray(d.kv[1][0]).reshape(-1, h)[slots]
+    np.testing.assert_allclose(feats, np.asarray(hidden[0, : n - 1]), atol=1e-4)
+    row = Chunk([prompt[-1]] + [0] * k, n - 1, pages, (0.0, 0, 1.0, 0, 0), k)
+    batch = r.batch([row], 1, k + 1, row_len=k + 1)
+    d.kv, drafts, _ = r._propose(d.params, d.kv, batch, do_sample=False)
+    want = int(np.argmax(np.asarray(logits[0, n - 2])))
+    assert np.asarray(drafts)[0].tolist() == [want] * k

@@ -80,7 +80,9 @@ class EngineCore:
         module, self.model_cfg = load_model(path, dtype=self.cfg.dtype, quantization=self.cfg.quantization)
         self.model_path = path
         self.tokenizer = load_tokenizer(path)
+        self._module = module  # an EAGLE head shares its embedding
         draft, draft_cfg = self._load_draft()
+        del self._module
         import jax
         from flax import nnx
 
@@ -110,7 +112,9 @@ class EngineCore:
         if self.spec_k:
             from jaxserve.runner.speculative import SpecStats
 
-            self.speculative_name = "ngram" if draft is None else Path(self.cfg.speculative_model).name
+            self.speculative_name = (
+                "ngram" if draft is None else "eagle" if self.runner.eagle else Path(self.cfg.speculative_model).name
+            )
             self.spec_stats = SpecStats(self.spec_k)
         allocator = PageAllocator(rc.num_pages, self.cfg.page_size)
         self.kv = KVManager(allocator, RadixCache(allocator) if self.cfg.enable_prefix_caching else None)
@@ -159,13 +163,21 @@ class EngineCore:
         spec = self.cfg.speculative_model
         if spec is None or spec == "ngram":
             return None, None
+        from jaxserve.models import eagle
         from jaxserve.models.loader import load_model
 
         if spec == "default":
             raise ValueError(
-                "speculative_model: no draft model ships with the default model; use 'ngram' (prompt lookup) "
-                "or a draft checkpoint that shares the target's tokenizer"
+                "speculative_model: no draft model ships with the default model (an EAGLE head trained on this "
+                "project's 2-core machine made batch-1 decoding slower: docs/default-model.md); use 'ngram' "
+                "(prompt lookup), an EAGLE head (scripts/train_eagle.py) or a draft checkpoint that shares "
+                "the target's tokenizer"
             )
+        if eagle.is_eagle_dir(spec):
+            import jax.numpy as jnp
+
+            dtype = jnp.dtype(self.cfg.dtype) if self.cfg.dtype else self._module.embed_tokens.embedding[...].dtype
+            return eagle.load_head(spec, self._module, self.model_cfg, dtype)
         draft, dcfg = load_model(spec, dtype=self.cfg.dtype, quantization=self.cfg.quantization)
         if dcfg.vocab_size != self.model_cfg.vocab_size:
             raise ValueError(

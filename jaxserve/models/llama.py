@@ -174,6 +174,22 @@ class LlamaForCausalLM(nnx.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         if not cfg.tie_word_embeddings:
             self.lm_head = _linear(cfg.hidden_size, cfg.vocab_size, False, dtype, rngs, init_std)
+        self.untied = False  # untie_lm_head: a tied model's vocabulary projection as a Linear of its own
+
+    def untie_lm_head(self) -> None:
+        """Give a tied model an lm_head of its own, a copy of the embedding transposed, so the
+        native CPU matmul packs it like every projection: the vocabulary projection then streams
+        bfloat16 panels (half the bytes of XLA's float32 dot over the embedding, the largest
+        single read of a small model's step) and takes several rows (a speculative verify's
+        k + 1) without XLA repacking the [V, H] matrix on every call. The lookup keeps the
+        embedding. No-op for an untied model."""
+        if not self.cfg.tie_word_embeddings or self.untied:
+            return
+        emb = self.embed_tokens.embedding[...]
+        head = _linear(self.cfg.hidden_size, self.cfg.vocab_size, False, self.dtype, nnx.Rngs(0), 0.0)
+        head.kernel = nnx.Param(jnp.asarray(emb).T)
+        self.lm_head = head
+        self.untied = True
 
     def __call__(
         self,
@@ -185,6 +201,7 @@ class LlamaForCausalLM(nnx.Module):
         logits_index=None,
         token_index=None,
         num_live_tokens=None,
+        return_hidden: bool = False,
     ):
         """tokens/positions [B, T]. Without a cache: dense causal attention over the batch
         (right padding is harmless under a causal mask). With one, `meta` describes the B*T
@@ -193,7 +210,9 @@ class LlamaForCausalLM(nnx.Module):
         logits_index [B], one position per row (-> [B, V]), or token_index [M], flat indices
         over the B*T tokens (-> [M, V]). num_live_tokens (traced int32): only the first that many
         of the B*T tokens are real (a ragged step's padding follows them); the native CPU matmul
-        skips the rest (`linear.live_rows`)."""
+        skips the rest (`linear.live_rows`). return_hidden: also return the final-norm hidden
+        state of every token [B, T, H] (what the vocabulary projection reads: the features an
+        EAGLE draft head is conditioned on, models/eagle.py)."""
         x = self.embed_tokens(tokens)
         rope_cs = rope_tables(positions, jnp.asarray(self.cfg.inv_freq()), x.dtype)
         new_cache = []
@@ -202,12 +221,16 @@ class LlamaForCausalLM(nnx.Module):
                 x, c = layer(x, rope_cs, None if kv_cache is None else kv_cache[i], meta, attn_fn)
                 new_cache.append(c)
         x = self.norm(x)
+        hidden = x
         if token_index is not None:
             x = x.reshape(-1, x.shape[-1])[token_index]
         elif logits_index is not None:
             x = jnp.take_along_axis(x, logits_index[:, None, None], axis=1)[:, 0]
-        if self.cfg.tie_word_embeddings:
+        if self.cfg.tie_word_embeddings and not self.untied:
             logits = self.embed_tokens.attend(x)
         else:
             logits = self.lm_head(x)
-        return logits.astype(jnp.float32), (None if kv_cache is None else tuple(new_cache))
+        cache = None if kv_cache is None else tuple(new_cache)
+        if return_hidden:
+            return logits.astype(jnp.float32), cache, hidden
+        return logits.astype(jnp.float32), cache

@@ -24,6 +24,7 @@ import numpy as np
 from flax import nnx
 
 from jaxserve import kv_math
+from jaxserve.models import eagle
 from jaxserve.models.model_config import ModelConfig
 from jaxserve.parallel.multihost import to_host
 from jaxserve.runner import attention, host_memory, sampling, step_batch
@@ -73,14 +74,24 @@ def default_argmax(mesh) -> Callable:
     return sampling.argmax
 
 
-def _forward(graphdef, backend: AttentionBackend, params, kv, batch: StepBatch, tokens, token_index):
+def _forward(
+    graphdef, backend: AttentionBackend, params, kv, batch: StepBatch, tokens, token_index, with_hidden: bool = False
+):
     """The model over the batch's flat tokens (one row of N), KV written into the pages inside;
-    logits [M, V] at the flat `token_index` only."""
+    logits [M, V] at the flat `token_index` only (and with_hidden, every token's final-norm
+    hidden state [1, N, H] third)."""
     model = nnx.merge(graphdef, params)
     md = backend.metadata(batch.attn)
     live = batch.attn.query_start_loc[-1]  # the real tokens; the bucket's padding follows them
     return model(
-        tokens[None], batch.positions[None], kv, md, backend.forward, token_index=token_index, num_live_tokens=live
+        tokens[None],
+        batch.positions[None],
+        kv,
+        md,
+        backend.forward,
+        token_index=token_index,
+        num_live_tokens=live,
+        return_hidden=with_hidden,
     )
 
 
@@ -127,6 +138,7 @@ def _ragged_step(
     *,
     num_logprobs: int,
     num_top: int = 1,
+    with_hidden: bool = False,
     argmax_fn: Callable = sampling.argmax,
 ):
     """The step serving runs: every row of the batch (decodes, prompt chunks, a prompt's last
@@ -141,20 +153,24 @@ def _ragged_step(
     loglikelihood) it also scores every token: the log-softmax of its logits gathered at its
     target, the target's rank in the vocabulary (1: the most likely) and the top `num_top`,
     returned fourth as (logprob [N], rank [N], top ids [N, n], top lps [N, n]). That form has
-    executables of its own, so the plain step keeps the vocabulary projection to sampled rows."""
+    executables of its own, so the plain step keeps the vocabulary projection to sampled rows.
+
+    with_hidden (an EAGLE draft head rides along): the last output is (every token's final-norm
+    hidden state [N, H], the tokens as run [N]), the features the head is filled from."""
     tokens = jnp.where(batch.feed >= 0, prev_tokens[jnp.maximum(batch.feed, 0)], batch.tokens)
     at = batch.logits_indices if targets is None else jnp.arange(batch.num_tokens)
-    logits, kv = _forward(graphdef, backend, params, kv, batch, tokens, at)
+    logits, kv, *hidden = _forward(graphdef, backend, params, kv, batch, tokens, at, with_hidden)
+    extra = ((hidden[0][0], tokens),) if with_hidden else ()
     rows = logits if targets is None else logits[batch.logits_indices]
     out = _sample_rows(rows, batch, want_logprobs, num_logprobs=num_logprobs, argmax_fn=argmax_fn)
     fed = jnp.zeros_like(prev_tokens).at[: batch.num_rows].set(out[0])
     if targets is None:
-        return kv, out, fed
+        return (kv, out, fed, *extra)
     logp = jax.nn.log_softmax(logits, axis=-1)  # float32, as the sampled rows' logprobs
     chosen = jnp.take_along_axis(logp, targets[:, None], axis=-1)[:, 0]
     rank = 1 + jnp.sum(logp > chosen[:, None], axis=-1, dtype=jnp.int32)
     top_lp, top_ids = jax.lax.top_k(logp, num_top)
-    return kv, out, fed, (chosen, rank, top_ids.astype(jnp.int32), top_lp)
+    return (kv, out, fed, (chosen, rank, top_ids.astype(jnp.int32), top_lp), *extra)
 
 
 def _copy_pages(kv, src, dst):
@@ -269,6 +285,8 @@ class _Weights:
         if matmul_impl == "native":  # resolve() never picks it under tensor parallelism
             from jaxserve.models.linear import pack_native
 
+            if hasattr(module, "untie_lm_head"):
+                module.untie_lm_head()
             pack_native(module, matmul_dtype)
         self.graphdef, self.params = nnx.split(module)
         self.kv_sharding = None
@@ -282,7 +300,21 @@ class _Weights:
         layer = functools.partial(
             reference.empty_kv_cache, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim, dtype, kv_cache_dtype
         )
-        zeros = jax.jit(lambda: tuple(layer() for _ in range(cfg.num_layers)), out_shardings=self.kv_sharding)
+        # An EAGLE head's pool: its one layer's KV, then the target's features in pages of the same ids.
+        self.eagle = isinstance(module, eagle.EagleHead)
+        if self.eagle:
+            if mesh is not None:
+                raise ValueError("speculative_model: an EAGLE head is not supported with tensor_parallel_size > 1")
+
+            def pool():
+                return (layer(), (eagle.empty_features(num_pages, page_size, cfg.hidden_size, dtype),))
+
+        else:
+
+            def pool():
+                return tuple(layer() for _ in range(cfg.num_layers))
+
+        zeros = jax.jit(pool, out_shardings=self.kv_sharding)
         self.kv = zeros()
         self.huge_pages = host_memory.advise_huge_pages_in_background((self.params, self.kv))  # CPU buffers only
         self.backend = attention.make(attention_impl, interpret)
@@ -308,7 +340,7 @@ class _Weights:
         # logprobs), kept apart so the executables of each are counted and stored by name.
         ragged = jitted(
             functools.partial(_ragged_step, self.graphdef, self.backend, argmax_fn=self.argmax),
-            ("num_logprobs", "num_top"),
+            ("num_logprobs", "num_top", "with_hidden"),
         )
         self.step = Step(f"{name}-step", ragged, store, fixed=2)
         self.score = Step(f"{name}-score", ragged, store, fixed=2)
@@ -426,19 +458,33 @@ class ModelRunner:
             from jaxserve.runner import speculative
 
             t = self.target
-            self._verify = self._speculative_step("verify", speculative.verify, t)
+            static = ("do_sample", "with_hidden")
+            self._verify = self._speculative_step("verify", speculative.verify, t, static)
             # prompt lookup: verification rides in the ragged step with the prompt chunks
             self._verify_ragged = self._speculative_step("verify-ragged", speculative.verify_ragged, t)
-            if self.draft is not None:
+            if self.eagle:
+                d, ps = self.draft, cfg.page_size
+                self._propose = self._speculative_step("propose", speculative.eagle_propose, d, page_size=ps)
+                fill = functools.partial(speculative.eagle_fill, d.graphdef, d.backend, page_size=ps)
+                self._eagle_fill = Step("draft-fill", jax.jit(fill, donate_argnums=(1,)), self.store, fixed=2)
+                self._eagle_write = Step(
+                    "draft-write", jax.jit(speculative.eagle_write, donate_argnums=(0,)), self.store, fixed=1
+                )
+            elif self.draft is not None:
                 self._propose = self._speculative_step("propose", speculative.draft_propose, self.draft)
 
-    def _speculative_step(self, name: str, fn: Callable, w: _Weights) -> Step:
+    @property
+    def eagle(self) -> bool:
+        """The draft is an EAGLE head (models/eagle.py), fed the target's features."""
+        return self.draft is not None and self.draft.eagle
+
+    def _speculative_step(self, name: str, fn: Callable, w: _Weights, static=("do_sample",), **kw) -> Step:
         """fn(graphdef, backend, params, kv, batch, ..., do_sample, argmax_fn) of model w, jitted
         with its KV cache donated (and kept on its sharding), do_sample static."""
-        jitted = functools.partial(fn, w.graphdef, w.backend, argmax_fn=w.argmax)
+        jitted = functools.partial(fn, w.graphdef, w.backend, argmax_fn=w.argmax, **kw)
         return Step(
             name,
-            jax.jit(pin_kv(jitted, w.kv_sharding, 0), donate_argnums=(1,), static_argnames=("do_sample",)),
+            jax.jit(pin_kv(jitted, w.kv_sharding, 0), donate_argnums=(1,), static_argnames=static),
             self.store,
             fixed=2,
         )
@@ -499,11 +545,13 @@ class ModelRunner:
         batch = self.batch(rows, self.rows_for(t), t, feed=feed)
         want = np.bool_(want_logprobs and self.cfg.max_logprobs > 0)
         nlp = self.cfg.max_logprobs
-        for d in self.models[1:]:  # a speculative draft fills its KV over the same rows
-            d.kv, _, _ = d.step(
-                d.params, d.kv, batch, jnp.zeros_like(self._prev_tokens), np.bool_(False), num_logprobs=0
-            )
+        if not self.eagle:
+            for d in self.models[1:]:  # a speculative draft fills its KV over the same rows
+                d.kv, _, _ = d.step(
+                    d.params, d.kv, batch, jnp.zeros_like(self._prev_tokens), np.bool_(False), num_logprobs=0
+                )
         w = self.target
+        eg = {"with_hidden": True} if self.eagle else {}
         scored = []
         if any(x is not None for x in targets):
             padded = np.zeros((t,), np.int32)
@@ -514,12 +562,23 @@ class ModelRunner:
                         raise ValueError(f"targets: {len(x)} for a row of {len(rows[i].tokens)} tokens")
                     padded[qsl[i] : qsl[i] + len(x)] = x
                     scored.append((i, int(qsl[i]), len(x)))
-            w.kv, out, self._prev_tokens, scores = w.score(
-                w.params, w.kv, batch, self._prev_tokens, want, padded, num_logprobs=nlp, num_top=max(1, nlp)
+            w.kv, out, self._prev_tokens, scores, *hidden = w.score(
+                w.params, w.kv, batch, self._prev_tokens, want, padded, num_logprobs=nlp, num_top=max(1, nlp), **eg
             )
+            self._fill_eagle(batch, hidden)
             return PendingStep(out, len(rows), bool(want), scores, tuple(scored))
-        w.kv, out, self._prev_tokens = w.step(w.params, w.kv, batch, self._prev_tokens, want, num_logprobs=nlp)
+        w.kv, out, self._prev_tokens, *hidden = w.step(
+            w.params, w.kv, batch, self._prev_tokens, want, num_logprobs=nlp, **eg
+        )
+        self._fill_eagle(batch, hidden)
         return PendingStep(out, len(rows), bool(want))
+
+    def _fill_eagle(self, batch: StepBatch, hidden: list) -> None:
+        """An EAGLE head's features and KV over a target step's tokens (hidden: the step's last
+        output, (features [N, H], tokens [N]), when it has one)."""
+        if hidden:
+            d = self.draft
+            d.kv = self._eagle_fill(d.params, d.kv, batch, *hidden[0])
 
     def step(self, rows: list[Chunk], want_logprobs: bool = False, targets=()) -> StepResult:
         """`step_async` and wait for its result."""
@@ -572,7 +631,13 @@ class ModelRunner:
             d = self.draft
             d.kv, drafts, q = self._propose(d.params, d.kv, batch, do_sample=do_sample)
         t = self.target
-        t.kv, out, n_out = self._verify(t.params, t.kv, batch, drafts, q, do_sample=do_sample)
+        if self.eagle:  # the target's features at the verified positions feed the head's next proposal
+            t.kv, out, n_out, hidden = self._verify(
+                t.params, t.kv, batch, drafts, q, do_sample=do_sample, with_hidden=True
+            )
+            d.kv = self._eagle_write(d.kv, hidden, batch.attn.slot_mapping)
+        else:
+            t.kv, out, n_out = self._verify(t.params, t.kv, batch, drafts, q, do_sample=do_sample)
         num_drafts = np.asarray([c.num_drafts for c in rows], np.int32)
         return to_host(out)[: len(rows)], to_host(n_out)[: len(rows)], num_drafts
 
@@ -799,7 +864,11 @@ def kv_bytes_per_token(dtype: str, *cfgs: ModelConfig | None, kv_cache_dtype: st
     """KV bytes one token takes in the pool, the target's and a draft's together; an 8-bit
     cache ("int8" / "fp8") counts its bfloat16 per-token-per-head scales too."""
     kv = _KV_DTYPE[dtype] if kv_cache_dtype == "auto" else _KV_DTYPE.get(kv_cache_dtype, kv_cache_dtype)
-    return sum(kv_math.kv_bytes_per_token(c.shape(), kv_dtype=kv) for c in cfgs if c is not None)
+    total = sum(kv_math.kv_bytes_per_token(c.shape(), kv_dtype=kv) for c in cfgs if c is not None)
+    # an EAGLE head's pool also holds the target's feature at every token, in the model's dtype
+    return total + sum(
+        c.hidden_size * jnp.dtype(dtype).itemsize for c in cfgs if c and c.architecture == eagle.ARCHITECTURE
+    )
 
 
 def _pool_pages(cfg, bytes_per_page: int, max_pages_per_seq: int, weight_bytes: int) -> int:

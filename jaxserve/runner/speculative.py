@@ -3,6 +3,9 @@ positions of every slot in one jitted pass, and the rejection rule keeps the out
 distribution exactly the target's.
 
 Proposers:
+- an EAGLE head (models/eagle.py): one layer over the target's own features, its KV and the
+  features in pages of the same ids; it drafts k tokens in one scan, feeding its predicted
+  feature back, and the verify pass writes the target's features for the next step;
 - a draft model with its own paged KV cache (same page ids as the target's, its own
   arrays), run k+1 steps inside one jitted scan: k proposals, then one more step that only
   writes the last proposal's KV so the draft cache always covers what the target accepts;
@@ -26,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxserve.models import eagle
 from jaxserve.runner.sampling import argmax, probs, slot_key
 from jaxserve.runner.step_batch import StepBatch
 from pallas_kernels.reference import RaggedMetadata
@@ -92,12 +96,100 @@ def draft_propose(graphdef, backend, params, kv, batch: StepBatch, *, do_sample:
     return kv, jnp.swapaxes(drafts[:k], 0, 1), q
 
 
-def verify(graphdef, backend, params, kv, batch: StepBatch, drafts, draft_q, *, do_sample: bool, argmax_fn=argmax):
+def eagle_fill(graphdef, backend, params, kv, batch: StepBatch, hidden, tokens, *, page_size: int):
+    """After a target step over `batch` (prompt chunks, decode rows): write the target's
+    features `hidden` [N, H] into the head's feature pages at the tokens' slots, then run the
+    head over the same tokens (each reading the feature at its previous position) so its KV
+    covers them. Returns the head's pool."""
+    head = nnx.merge(graphdef, params)
+    layer_kv, (feats,) = kv
+    a = batch.attn
+    feats = eagle.write_features(feats, hidden, a.slot_mapping)
+    slots, valid = eagle.prev_feature_slots(batch.positions, a.query_start_loc, a.block_tables, page_size)
+    prev = eagle.gather_features(feats, slots, valid)
+    _, layer_kv = head(
+        tokens[None],
+        batch.positions[None],
+        prev[None],
+        layer_kv,
+        backend.metadata(a),
+        backend.forward,
+        num_live_tokens=a.query_start_loc[-1],
+    )
+    return layer_kv, (feats,)
+
+
+def eagle_write(kv, hidden, slot_mapping):
+    """The target's features of a verify pass [N, H] into the head's feature pages."""
+    layer_kv, (feats,) = kv
+    return layer_kv, (eagle.write_features(feats, hidden, slot_mapping),)
+
+
+def eagle_propose(
+    graphdef, backend, params, kv, batch: StepBatch, *, page_size: int, do_sample: bool, argmax_fn=argmax
+):
+    """k + 1 steps of the EAGLE head over the rows' k + 1 positions, as draft_propose: step 0
+    reads the target's feature at the position before the row's last token (from the pages),
+    each later step the head's own predicted feature; each step writes the head's KV at its
+    position. Returns (kv, drafts [S, k] as target ids, q [S, k, V] or None): q is the head's
+    distribution over its draft vocabulary scattered into the target's."""
+    head = nnx.merge(graphdef, params)
+    layer_kv, (feats,) = kv
+    tokens = _rows(batch, batch.tokens)
+    positions = _rows(batch, batch.positions)
+    k = tokens.shape[1] - 1
+    sp, active = batch.sampling, batch.active
+    one_per_row = jnp.arange(batch.num_rows + 1, dtype=jnp.int32)
+    d2t = head.d2t[...]
+    pos0 = positions[:, 0]
+    slots0, valid0 = eagle.prev_feature_slots(pos0, one_per_row, batch.attn.block_tables, page_size)
+    f0 = eagle.gather_features(feats, slots0, valid0 & active)
+    vocab = head.cfg.layer.vocab_size
+
+    def step(carry, xs):
+        layer_kv, tok, f = carry
+        i, pos, slots = xs
+        meta = RaggedMetadata(slots, batch.attn.block_tables, jnp.where(active, pos + 1, 0), one_per_row, pos)
+        g, layer_kv = head(tok[:, None], pos[:, None], f[:, None], layer_kv, backend.metadata(meta), backend.forward)
+        g = g[:, 0]
+        logits = head.logits(g)
+        greedy = d2t[argmax_fn(logits)]
+        if do_sample:
+            qd = probs(logits, sp.temperature, sp.top_k, sp.top_p)
+            keys = jax.vmap(lambda s, c: slot_key(s, c, TAG_DRAFT))(sp.seeds, sp.counters + i)
+            drawn = jax.vmap(lambda key, row: jax.random.categorical(key, jnp.log(row)))(keys, qd).astype(jnp.int32)
+            nxt = jnp.where(sp.temperature > 0, d2t[drawn], greedy)
+            q = jnp.zeros((tok.shape[0], vocab), jnp.float32).at[:, d2t].set(qd)
+        else:
+            q = jnp.zeros((tok.shape[0], 0), jnp.float32)
+            nxt = greedy
+        return (layer_kv, nxt.astype(jnp.int32), g.astype(f.dtype)), (nxt, q)
+
+    xs = (jnp.arange(k + 1), positions.T, _rows(batch, batch.attn.slot_mapping).T)
+    (layer_kv, _, _), (drafts, qs) = jax.lax.scan(step, (layer_kv, tokens[:, 0], f0), xs)
+    q = jnp.swapaxes(qs[:k], 0, 1) if do_sample else None
+    return (layer_kv, (feats,)), jnp.swapaxes(drafts[:k], 0, 1).astype(jnp.int32), q
+
+
+def verify(
+    graphdef,
+    backend,
+    params,
+    kv,
+    batch: StepBatch,
+    drafts,
+    draft_q,
+    *,
+    do_sample: bool,
+    with_hidden: bool = False,
+    argmax_fn=argmax,
+):
     """Score [last, d1..dk] at positions L-1..L-1+k for every slot (rows of k + 1 tokens) and
     apply the acceptance rule. The drafts are `drafts` [S, k] (a draft model's, on the device)
     or, when None, the host's in the rows' tokens[1:], of which batch.num_drafts are real.
     Returns (kv, out_tokens [S, k+1], n_out [S]): the first n_out tokens are emitted (the
-    accepted drafts, then the corrected or bonus token)."""
+    accepted drafts, then the corrected or bonus token); with_hidden, also the target's
+    final-norm hidden state at every position [S * (k + 1), H] (an EAGLE head's features)."""
     tokens = _rows(batch, batch.tokens)
     k = tokens.shape[1] - 1
     if drafts is None:
@@ -107,8 +199,12 @@ def verify(graphdef, backend, params, kv, batch: StepBatch, drafts, draft_q, *, 
         tokens = jnp.concatenate([tokens[:, :1], drafts], axis=1)
     model = nnx.merge(graphdef, params)
     md = backend.metadata(batch.attn)  # rows of k + 1 tokens, flattened row-major as the model does
-    logits, kv = model(tokens, _rows(batch, batch.positions), kv, md, backend.forward)  # [S, T, V]
+    logits, kv, *hidden = model(
+        tokens, _rows(batch, batch.positions), kv, md, backend.forward, return_hidden=with_hidden
+    )  # [S, T, V]
     out, n_out = accept(logits, drafts, draft_q, num_drafts, batch.sampling, do_sample=do_sample, argmax_fn=argmax_fn)
+    if with_hidden:
+        return kv, out, n_out, hidden[0].reshape(-1, hidden[0].shape[-1])
     return kv, out, n_out
 
 

@@ -209,8 +209,9 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_flags(p, compare=False)
     p.add_argument("--draft", default=None, help="a draft checkpoint (same tokenizer); without it only n-gram runs")
     p.add_argument("--k", type=_positive, default=4, help="draft tokens per step (default 4)")
-    p.add_argument("--prompts", choices=("code", "editing"), default="editing", help="code: Python source; "
-                   "editing: a function then the start of its copy (prompt lookup's case)")  # fmt: skip
+    p.add_argument("--prompts", choices=("code", "editing", "chat"), default="editing", help="code: Python source; "
+                   "editing: a function then the start of its copy (prompt lookup's case); chat: questions to an "
+                   "instruct model, rendered with its chat template")  # fmt: skip
     p.add_argument("--num-requests", type=_positive, default=8)
     p.add_argument("--output-len", type=_positive, default=128)
     p.add_argument("--batch", type=_positive, default=1, help="requests in flight at once (default 1)")
@@ -403,10 +404,13 @@ def cmd_speculative(args, argv) -> dict:
     if args.draft:
         sets.append({**base, "speculative_model": args.draft, "num_speculative_tokens": args.k})
     prompts = speculative.prompts(args.prompts, args.num_requests)
-    requests = [Request(p, args.output_len) for p in prompts]
     outputs: dict[tuple[int, int], list] = {}
     with ExitStack() as stack:
         llms, configs = _build_llms(args, stack, sets)
+        if args.prompts == "chat":
+            tok = llms[0].tokenizer
+            prompts = [tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in prompts]
+        requests = [Request(p, args.output_len) for p in prompts]
         for cfg, name in zip(configs, ("plain", "ngram", "draft")):
             cfg.label = name
 

@@ -3,7 +3,10 @@ Python is, so the bench needs no data files).
 
 - code: stretches of library source: a draft model trained on code proposes well here;
 - editing: a function, then the start of its own copy: the output repeats the prompt, the case
-  prompt lookup (n-gram drafting) is for.
+  prompt lookup (n-gram drafting) is for;
+- chat: questions a user asks an instruct model (coding and general), as chat messages the
+  bench renders with the model's chat template. None of them is in the EAGLE head's training
+  prompts (scripts/train_eagle.py builds those from standard-library docstrings).
 """
 
 from __future__ import annotations
@@ -41,5 +44,31 @@ def editing_prompts(n: int) -> list[str]:
     return (out * (n // len(out) + 1))[:n]
 
 
-def prompts(kind: str, n: int) -> list[str]:
-    return code_prompts(n) if kind == "code" else editing_prompts(n)
+CHAT_QUESTIONS = [
+    "Write a Python function that checks whether a string is a palindrome.",
+    "What causes the seasons on Earth?",
+    "Write a Python function that returns the n-th Fibonacci number.",
+    "Explain what a hash table is in two sentences.",
+    "How do I read a text file line by line in Python?",
+    "What is the difference between a list and a tuple in Python?",
+    "Give me three tips for writing clean code.",
+    "Write a Python function that counts the vowels in a string.",
+    "Why is the sky blue?",
+    "Write a function in Python that merges two sorted lists.",
+    "What is photosynthesis?",
+    "How do I sort a dictionary by its values in Python?",
+    "Explain recursion to a beginner.",
+    "Write a Python class for a simple bank account with deposit and withdraw methods.",
+    "What are the main causes of climate change?",
+    "Write a Python function that removes duplicates from a list while keeping the order.",
+]
+
+
+def chat_prompts(n: int) -> list[list[dict]]:
+    out = [[{"role": "user", "content": q}] for q in CHAT_QUESTIONS]
+    return (out * (n // len(out) + 1))[:n]
+
+
+def prompts(kind: str, n: int) -> list:
+    """Prompt texts (chat: message lists, rendered by the caller with the model's template)."""
+    return {"code": code_prompts, "editing": editing_prompts, "chat": chat_prompts}[kind](n)
