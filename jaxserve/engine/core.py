@@ -80,15 +80,13 @@ class EngineCore:
         module, self.model_cfg = load_model(path, dtype=self.cfg.dtype, quantization=self.cfg.quantization)
         self.model_path = path
         self.tokenizer = load_tokenizer(path)
-        self._module = module  # an EAGLE head shares its embedding
-        draft, draft_cfg = self._load_draft()
-        del self._module
+        draft, draft_cfg = self._load_draft(module)
         import jax
         from flax import nnx
 
-        weight_bytes = sum(
-            x.size * x.dtype.itemsize for m in (module, draft) if m is not None for x in jax.tree.leaves(nnx.state(m))
-        )
+        # by identity: an EAGLE head's embedding is the target's array
+        arrays = {id(x): x for m in (module, draft) if m is not None for x in jax.tree.leaves(nnx.state(m))}
+        weight_bytes = sum(x.size * x.dtype.itemsize for x in arrays.values())
         rc = model_runner.resolve(self.model_cfg, draft_cfg, self.cfg, weight_bytes, MAX_LOGPROBS)
         self.runner = model_runner.ModelRunner(module, self.model_cfg, rc, draft, draft_cfg)
         self.max_model_len = rc.max_model_len
@@ -159,7 +157,9 @@ class EngineCore:
             )
         self._compiles_at_warmup = compile_count()
 
-    def _load_draft(self):
+    def _load_draft(self, target):
+        """(draft module, its config) for `speculative_model`, or (None, None): a draft
+        checkpoint, or an EAGLE head, which shares `target`'s embedding."""
         spec = self.cfg.speculative_model
         if spec is None or spec == "ngram":
             return None, None
@@ -176,8 +176,8 @@ class EngineCore:
         if eagle.is_eagle_dir(spec):
             import jax.numpy as jnp
 
-            dtype = jnp.dtype(self.cfg.dtype) if self.cfg.dtype else self._module.embed_tokens.embedding[...].dtype
-            return eagle.load_head(spec, self._module, self.model_cfg, dtype)
+            dtype = jnp.dtype(self.cfg.dtype) if self.cfg.dtype else target.embed_tokens.embedding[...].dtype
+            return eagle.load_head(spec, target, self.model_cfg, dtype)
         draft, dcfg = load_model(spec, dtype=self.cfg.dtype, quantization=self.cfg.quantization)
         if dcfg.vocab_size != self.model_cfg.vocab_size:
             raise ValueError(

@@ -197,7 +197,8 @@ def load_head(path: str | Path, target: nnx.Module, target_cfg: ModelConfig, dty
     d2t = np.asarray(arrays["d2t"])
     if d2t.min() < 0 or d2t.max() >= target_cfg.vocab_size:
         raise ValueError(f"speculative_model: the head's d2t holds ids outside the target's vocabulary ({path})")
-    leaves.append((("embed_tokens", "embedding"), flat[("embed_tokens", "embedding")].replace(emb.astype(dtype))))
+    emb = emb if emb.dtype == dtype else emb.astype(dtype)  # the same array where the dtypes agree
+    leaves.append((("embed_tokens", "embedding"), flat[("embed_tokens", "embedding")].replace(emb)))
     head = nnx.merge(graphdef, nnx.from_flat_state(leaves))
     return head, cfg.layer
 
