@@ -22,7 +22,6 @@ vocabulary (the most frequent target tokens in the training replies).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import hashlib
 import importlib
 import inspect
@@ -368,7 +367,6 @@ def cmd_eval(args) -> None:
 
     ctx = 64
     accepted = []
-    rng = np.random.default_rng(0)
     for a, b in zip(offsets[:-1], offsets[1:]):
         a, b = int(a), int(b)
         # drafting positions inside the reply part (after the prompt): the last 60% of the sequence
@@ -388,12 +386,10 @@ def cmd_eval(args) -> None:
         f"held-out chain drafting, k={k}: {len(acc)} positions, mean tokens per target step "
         f"{1 + acc.mean():.3f}; P(first i accepted) {', '.join(f'{x:.3f}' for x in by_pos)}"
     )
-    del rng
 
 
 def cmd_export(args) -> None:
-    """The trained head in the package: float16 weights (half the size, bfloat16-exact enough)."""
-    import jax.numpy as jnp
+    """The trained head as a shippable copy: float16 weights (half the size)."""
     from safetensors.numpy import load_file, save_file
 
     work, out = Path(args.work), Path(args.out)
@@ -403,7 +399,6 @@ def cmd_export(args) -> None:
     save_file(arrays, str(out / "model.safetensors"))
     cfg = json.loads((work / "head" / "config.json").read_text())
     (out / "config.json").write_text(json.dumps(cfg, indent=1) + "\n")
-    del jnp
     print(f"wrote {out}: {sum(v.nbytes for v in arrays.values()) / 2**20:.1f} MiB")
 
 
@@ -429,7 +424,6 @@ def main() -> None:
     ap.add_argument("--head", default=None)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    dataclasses  # noqa: B018
     {"data": cmd_data, "train": cmd_train, "eval": cmd_eval, "export": cmd_export}[args.command](args)
 
 

@@ -23,7 +23,7 @@ pages beside the head's KV (same page ids as every other cache), so prefix cachi
 copies and preemption treat them like KV. Checkpoint: a directory with `config.json`
 (`"architecture": "EagleHead"`, the layer's shape, `draft_vocab_size`, `target`) and
 `model.safetensors` (transformers-style names, [out, in] weights; `d2t` int32).
-scripts/train_eagle.py trains one; docs/default-model.md says how the shipped one was made.
+scripts/train_eagle.py trains one; docs/default-model.md says how, and why none ships yet.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxserve.models import linear
 from jaxserve.models.linear import Linear
 from jaxserve.models.llama import DecoderLayer, rope_tables
 from jaxserve.models.model_config import ModelConfig
@@ -126,8 +127,6 @@ class EagleHead(nnx.Module):
         position). Without a cache: dense causal attention (training); with one (the head's
         single layer's pages), `meta` as the target's forward takes it. Returns (g [B, T, H],
         the new cache or None): g is the predicted feature; `logits(g)` drafts from it."""
-        from jaxserve.models import linear
-
         x = self.embed_tokens(tokens)
         x = self.fc(jnp.concatenate([x, features.astype(x.dtype)], axis=-1))
         rope_cs = rope_tables(positions, jnp.asarray(self.cfg.layer.inv_freq()), x.dtype)

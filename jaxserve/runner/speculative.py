@@ -63,6 +63,18 @@ def _rows(batch: StepBatch, x):
     return x.reshape(batch.num_rows, -1)
 
 
+def _draw(logits, sp, i, *, do_sample: bool, argmax_fn=argmax):
+    """A proposer's token at draft step i from its logits [S, V']: the argmax for greedy rows,
+    a draw from q = probs(logits) for sampling ones. Returns (indices into V' [S], q [S, V'],
+    or [S, 0] when no row samples)."""
+    if not do_sample:
+        return argmax_fn(logits), jnp.zeros((logits.shape[0], 0), jnp.float32)
+    q = probs(logits, sp.temperature, sp.top_k, sp.top_p)
+    keys = jax.vmap(lambda s, c: slot_key(s, c, TAG_DRAFT))(sp.seeds, sp.counters + i)
+    drawn = jax.vmap(lambda key, row: jax.random.categorical(key, jnp.log(row)))(keys, q).astype(jnp.int32)
+    return jnp.where(sp.temperature > 0, drawn, argmax_fn(logits)), q
+
+
 def draft_propose(graphdef, backend, params, kv, batch: StepBatch, *, do_sample: bool, argmax_fn=argmax):
     """k+1 draft decode steps in one scan over the batch's k+1 positions (the same positions
     and KV slots the target verifies), each a ragged step of one token per row. Returns (kv,
@@ -80,14 +92,7 @@ def draft_propose(graphdef, backend, params, kv, batch: StepBatch, *, do_sample:
         logits, kv = model(
             tok[:, None], pos[:, None], kv, backend.metadata(meta), backend.forward, logits_index=jnp.zeros_like(tok)
         )
-        if do_sample:
-            q = probs(logits, sp.temperature, sp.top_k, sp.top_p)
-            keys = jax.vmap(lambda s, c: slot_key(s, c, TAG_DRAFT))(sp.seeds, sp.counters + i)
-            drawn = jax.vmap(lambda key, row: jax.random.categorical(key, jnp.log(row)))(keys, q).astype(jnp.int32)
-            nxt = jnp.where(sp.temperature > 0, drawn, argmax_fn(logits))
-        else:
-            q = jnp.zeros((tok.shape[0], 0), jnp.float32)
-            nxt = argmax_fn(logits)
+        nxt, q = _draw(logits, sp, i, do_sample=do_sample, argmax_fn=argmax_fn)
         return (kv, nxt), (nxt, q)
 
     xs = (jnp.arange(k + 1), _rows(batch, batch.positions).T, _rows(batch, batch.attn.slot_mapping).T)
@@ -152,18 +157,11 @@ def eagle_propose(
         meta = RaggedMetadata(slots, batch.attn.block_tables, jnp.where(active, pos + 1, 0), one_per_row, pos)
         g, layer_kv = head(tok[:, None], pos[:, None], f[:, None], layer_kv, backend.metadata(meta), backend.forward)
         g = g[:, 0]
-        logits = head.logits(g)
-        greedy = d2t[argmax_fn(logits)]
-        if do_sample:
-            qd = probs(logits, sp.temperature, sp.top_k, sp.top_p)
-            keys = jax.vmap(lambda s, c: slot_key(s, c, TAG_DRAFT))(sp.seeds, sp.counters + i)
-            drawn = jax.vmap(lambda key, row: jax.random.categorical(key, jnp.log(row)))(keys, qd).astype(jnp.int32)
-            nxt = jnp.where(sp.temperature > 0, d2t[drawn], greedy)
-            q = jnp.zeros((tok.shape[0], vocab), jnp.float32).at[:, d2t].set(qd)
-        else:
-            q = jnp.zeros((tok.shape[0], 0), jnp.float32)
-            nxt = greedy
-        return (layer_kv, nxt.astype(jnp.int32), g.astype(f.dtype)), (nxt, q)
+        idx, q = _draw(head.logits(g), sp, i, do_sample=do_sample, argmax_fn=argmax_fn)
+        nxt = d2t[idx].astype(jnp.int32)
+        if do_sample:  # the draft vocabulary's q, scattered into the target's
+            q = jnp.zeros((tok.shape[0], vocab), jnp.float32).at[:, d2t].set(q)
+        return (layer_kv, nxt, g.astype(f.dtype)), (nxt, q)
 
     xs = (jnp.arange(k + 1), positions.T, _rows(batch, batch.attn.slot_mapping).T)
     (layer_kv, _, _), (drafts, qs) = jax.lax.scan(step, (layer_kv, tokens[:, 0], f0), xs)
