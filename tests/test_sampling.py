@@ -7,8 +7,11 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from scipy import stats
 
+from jaxserve.runner import sampling
 from jaxserve.runner.sampling import _filter_top_k_top_p, sample
 from jaxserve.runner.step_batch import SamplingMetadata
 
@@ -19,7 +22,7 @@ def _np_allowed(row, k, p):
     probs = np.exp(row[keep] - row[keep].max())
     probs /= probs.sum()
     before = np.cumsum(probs) - probs
-    return set(keep[before < p].tolist()) or {int(order[0])}
+    return set(keep[(before < p) | (p >= 1)].tolist()) or {int(order[0])}  # p=1 keeps all (no float shortfall)
 
 
 def test_top_k_top_p_sets_match_numpy():
@@ -31,6 +34,36 @@ def test_top_k_top_p_sets_match_numpy():
     for i in range(6):
         allowed = set(np.nonzero(np.isfinite(out[i]))[0].tolist())
         assert allowed == _np_allowed(logits[i], int(top_k[i]), float(top_p[i])), i
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    seed=st.integers(0, 2**31),
+    rows=st.lists(
+        st.tuples(st.sampled_from([0, 1, 7, 255, 256, 257, 900, 1000]), st.sampled_from([1.0, 0.95, 0.5, 0.01])),
+        min_size=1,
+        max_size=5,
+    ),
+    peaked=st.booleans(),
+)
+def test_top_k_top_p_past_the_candidates_match_numpy(seed, rows, peaked):
+    """Rows a vocabulary wider than TOP_CANDIDATES: a top-k past the candidates, and (flat
+    rows) a top-p mass spread past them, take the sort; the rest are decided by the candidates;
+    a batch may mix both. Every row's set is NumPy's."""
+    assert sampling.TOP_CANDIDATES == 256  # the k values above straddle it
+    rng = np.random.default_rng(seed)
+    v = 1000
+    logits = rng.normal(size=(len(rows), v)).astype(np.float32) * (6.0 if peaked else 0.3)
+    logits[:, rng.integers(0, v, 3)] += 1.0  # ties and a few standouts
+    logits = np.round(logits, 2)
+    top_k = np.array([k for k, _ in rows], np.int32)
+    top_p = np.array([p for _, p in rows], np.float32)
+    out = np.asarray(jax.jit(_filter_top_k_top_p)(jnp.asarray(logits), jnp.asarray(top_k), jnp.asarray(top_p)))
+    for i in range(len(rows)):
+        allowed = set(np.nonzero(np.isfinite(out[i]))[0].tolist())
+        want = _np_allowed(logits[i], int(top_k[i]), float(top_p[i]))
+        threshold = min(logits[i][j] for j in want)  # ties with the smallest kept logit stay
+        assert allowed == set(np.nonzero(logits[i] >= threshold)[0].tolist()), i
 
 
 def _run(logits, temp, seeds, counters, top_k=None, top_p=None):

@@ -93,6 +93,8 @@ def _workload_flags(p: argparse.ArgumentParser, *, kind: str, n: int, plen: str,
     g.add_argument("--long-fraction", type=float, default=0.25, help="long-short: share of long prompts (0.25)")
     g.add_argument("--long-len", type=_range, default=(1200, 1800), metavar="LO-HI", help="long-short: 1200-1800")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy; OpenAI clients send 1.0")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0: off)")
     g.add_argument("--rounds", type=_positive, default=rounds, help=f"each configuration once per round ({rounds})")
     p.set_defaults(default_lengths=(_range(plen), _range(olen)))
 
@@ -111,6 +113,8 @@ def _workload_spec(args, vocab: int, **over) -> WorkloadSpec:
         path=args.workload_file,
         seed=args.seed,
         token_range=(3, vocab),
+        temperature=args.temperature,
+        top_p=args.top_p,
     )
     fields.update(over)
     return WorkloadSpec(**fields)

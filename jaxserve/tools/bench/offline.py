@@ -49,7 +49,12 @@ def run_offline(llm, requests: list[Request], *, max_concurrency: int | None = N
             i, r = queue.popleft()
             timer = RequestTimer()
             timer.sent()
-            rid = llm.add_request(r.prompt, SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True))
+            rid = llm.add_request(
+                r.prompt,
+                SamplingParams(
+                    max_tokens=r.output_len, temperature=r.temperature, top_p=r.top_p, ignore_eos=True, seed=i
+                ),
+            )
             timers[rid] = (i, timer)
 
     start = time.perf_counter()

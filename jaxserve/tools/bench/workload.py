@@ -46,10 +46,13 @@ WORDS = (
 
 @dataclasses.dataclass(frozen=True)
 class Request:
-    """One request: a prompt (token ids, or text) and how many tokens to generate (EOS ignored)."""
+    """One request: a prompt (token ids, or text), how many tokens to generate (EOS ignored)
+    and how: greedy unless the workload samples."""
 
     prompt: list[int] | str
     output_len: int
+    temperature: float = 0.0
+    top_p: float = 1.0
 
     @property
     def prompt_len(self) -> int:
@@ -72,6 +75,8 @@ class WorkloadSpec:
     seed: int = 0
     token_range: tuple[int, int] = (3, 32000)  # ids drawn from [low, high): skips BOS/EOS/pad of small vocabularies
     text: bool = False  # prompts as text of random words instead of token ids
+    temperature: float = 0.0  # 0: greedy; OpenAI clients send 1.0 unless told otherwise
+    top_p: float = 1.0
 
     def validate(self) -> None:
         if self.kind not in KINDS:
@@ -88,6 +93,10 @@ class WorkloadSpec:
             raise ValueError(f"long_fraction: must be in [0, 1], got {self.long_fraction}")
         if self.prefix_len < 0:
             raise ValueError(f"prefix_len: must be >= 0, got {self.prefix_len}")
+        if not self.temperature >= 0.0:
+            raise ValueError(f"temperature: must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p: must be in (0, 1], got {self.top_p}")
         lo, hi = self.token_range
         if not 0 <= lo < hi:
             raise ValueError(f"token_range: need 0 <= low < high, got {lo}-{hi}")
@@ -155,17 +164,18 @@ class Workload:
     def round(self, k: int) -> list[Request]:
         """The requests of round k: the same lengths every round, fresh token ids each round."""
         spec = self.spec
+        how = dict(temperature=spec.temperature, top_p=spec.top_p)
         if self._prompts0 is not None and k == 0:
-            return [Request(p, o) for p, (_, o) in zip(self._prompts0, self.lengths)]
+            return [Request(p, o, **how) for p, (_, o) in zip(self._prompts0, self.lengths)]
         rng = np.random.default_rng([spec.seed, k + 1])
         prefix = self._draw(rng, spec.prefix_len if spec.kind == "shared-prefix" else 0)
         out = []
         for i, (p, o) in enumerate(self.lengths):
             if self._prompts0 is not None and isinstance(self._prompts0[i], str):
-                out.append(Request(f"{k} {self._prompts0[i]}", o))
+                out.append(Request(f"{k} {self._prompts0[i]}", o, **how))
             else:
                 ids = prefix + self._draw(rng, p)
-                out.append(Request(" ".join(ids) if spec.text else ids, o))
+                out.append(Request(" ".join(ids) if spec.text else ids, o, **how))
         return out
 
     def _draw(self, rng: np.random.Generator, n: int) -> list:
