@@ -47,6 +47,11 @@ ENGINE_FLAGS = {
         int,
         "token budget of one step: decode rows, then prompt chunks",
     ),
+    "--max-prefill-tokens-while-decoding": (
+        "max_prefill_tokens_while_decoding",
+        int,
+        "prompt tokens a step may carry while sequences decode (bounds the inter-token gap)",
+    ),
     "--dtype": ("dtype", str, "float32 | bfloat16 (default: by backend)"),
     "--quantization": ("quantization", str, "int8: weight-only int8 projections, per-output-channel scales"),
     "--attention-impl": ("attention_impl", str, "xla | pallas (default: by backend)"),

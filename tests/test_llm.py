@@ -88,6 +88,24 @@ def test_preemption_keeps_greedy_outputs(tok_model, small_pool):
     _assert_pool_whole(small)
 
 
+def test_capped_prompt_chunks_keep_greedy_outputs(llm, tok_model):
+    """`max_prefill_tokens_while_decoding` (8 here) cuts prompts into small chunks while others
+    decode, served shortest first: outputs still equal transformers', nothing compiles, every
+    page comes back."""
+    hf = tok_model[1]
+    prompts, outs = _mixed_requests(12, 512, seed=2, max_prompt=60, max_out=30)
+    before = compile_count()
+    llm.scheduler.max_prefill_tokens_while_decoding = 8
+    try:
+        results = llm.generate(prompts, [SamplingParams(max_tokens=m, **GREEDY) for m in outs])
+    finally:
+        llm.scheduler.max_prefill_tokens_while_decoding = None
+    assert compile_count() == before
+    for p, m, r in zip(prompts, outs, results):
+        assert r.token_ids == hf_greedy(hf, p, m)
+    _assert_pool_whole(llm)
+
+
 def test_int8_preemption_keeps_greedy_outputs_and_every_page(small_pool):
     """The same with int8 weights and int8 KV pages: preempted and batched greedy outputs equal
     each request run alone on the same quantized engine (prefix cache flushed, so alone is a

@@ -35,7 +35,11 @@ def _check_ownership(s: Scheduler):
 
 def _fake_step(s: Scheduler, rng: random.Random) -> None:
     """What the engine would do: fill prefills, sample one token per decoding sequence."""
+    decoding = [q for q in s.running if not q.prefilling and not s._last_token_pending(q)]
     plan = s.schedule()
+    cap = s.max_prefill_tokens_while_decoding
+    if cap is not None and decoding and not plan.preempted:  # a stream is waiting on this step
+        assert sum(c.end - c.start for c in plan.prefills) <= cap
     for seq in plan.decodes:
         assert len(seq.pages) >= s.kv.alloc.pages_for(seq.length + s.lookahead), "decode without pages for its tokens"
         assert seq.status is Status.RUNNING
@@ -55,7 +59,7 @@ def _fake_step(s: Scheduler, rng: random.Random) -> None:
 @settings(max_examples=500, deadline=None)
 # Found by hypothesis: a request whose prompt is all in the prefix cache goes straight to
 # decoding and must still reserve its speculative lookahead pages.
-@example(seed=0, num_pages=12, slots=1, ops=["add"] * 5, prefix_caching=True, lookahead=3)
+@example(seed=0, num_pages=12, slots=1, ops=["add"] * 5, prefix_caching=True, lookahead=3, cap=None)
 @given(
     seed=st.integers(0, 10**6),
     num_pages=st.integers(12, 40),
@@ -63,13 +67,22 @@ def _fake_step(s: Scheduler, rng: random.Random) -> None:
     ops=st.lists(st.sampled_from(["add", "step", "step", "step", "abort"]), min_size=1, max_size=120),
     prefix_caching=st.booleans(),
     lookahead=st.sampled_from([0, 0, 3]),
+    cap=st.sampled_from([None, None, 1, 5]),
 )
-def test_random_workloads_keep_invariants_and_finish(seed, num_pages, slots, ops, prefix_caching, lookahead):
+def test_random_workloads_keep_invariants_and_finish(seed, num_pages, slots, ops, prefix_caching, lookahead, cap):
     rng = random.Random(seed)
     page_size, max_len = 4, 40
     alloc = PageAllocator(num_pages, page_size)
     kv = KVManager(alloc, RadixCache(alloc) if prefix_caching else None)
-    s = Scheduler(kv, slots, max_len, max_num_batched_tokens=24, eos_token_ids=[1], lookahead=lookahead)
+    s = Scheduler(
+        kv,
+        slots,
+        max_len,
+        max_num_batched_tokens=24,
+        eos_token_ids=[1],
+        lookahead=lookahead,
+        max_prefill_tokens_while_decoding=cap,
+    )
     seqs: list[Sequence] = []
     for op in ops:
         if op == "add":
@@ -122,3 +135,102 @@ def test_preempts_newest_and_requeues_it_first():
     while s.has_unfinished():
         _fake_step(s, rng)
     assert [len(x.output_ids) for x in (a, b, c)] == [10, 10, 10]
+
+
+def _seq(rid: str, n: int, arrival: int, max_tokens: int = 50) -> Sequence:
+    return Sequence(
+        rid,
+        [3 + (i + arrival) % 40 for i in range(n)],
+        SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+        0,
+        arrival,
+    )
+
+
+def _step(s: Scheduler):
+    plan = s.schedule()
+    s.update(plan, {q.request_id: [(7, None)] for q in plan.decodes})
+    return plan
+
+
+def test_prompt_tokens_while_decoding_are_capped_and_the_budget_returns_when_none_decodes():
+    s = Scheduler(
+        KVManager(PageAllocator(200, 4)), 4, 400, max_num_batched_tokens=64, max_prefill_tokens_while_decoding=8
+    )
+    s.add(_seq("a", 100, 0))
+    plan = _step(s)
+    assert [c.end - c.start for c in plan.prefills] == [64]  # nobody decodes: the whole budget
+    _step(s)  # "a" reaches its last prompt token and samples
+    s.add(_seq("b", 100, 1))
+    for _ in range(5):
+        plan = _step(s)
+        assert [q.request_id for q in plan.decodes][:1] == ["a"]
+        assert sum(c.end - c.start for c in plan.prefills) == 8  # "a" streams: 8 prompt tokens a step
+
+
+def test_the_cap_fills_a_token_bucket_instead_of_spilling_past_it():
+    """Beside 4 decode tokens a cap of 64 prompt tokens would make a 68-token step, padded to
+    128: the step takes 60 and fills the 64 bucket. Never less than half the cap, so prompts
+    keep moving when the decodes nearly fill a bucket."""
+    s = Scheduler(
+        KVManager(PageAllocator(400, 4)),
+        8,
+        600,
+        max_num_batched_tokens=256,
+        max_prefill_tokens_while_decoding=64,
+        token_buckets=(1, 8, 16, 32, 64, 128, 192, 256),
+    )
+    # beside 4 decode tokens 60 fills 64, beside 70 58 fills 128; beside 60 and 100 the bucket in
+    # reach would leave under half the cap (4, 28): the cap
+    assert [s._prefill_cap(n) for n in (4, 70, 64, 0, 60, 100)] == [60, 58, 64, 64, 64, 64]
+    for i in range(4):
+        s.add(_seq(f"d{i}", 5, i, max_tokens=100))
+    _step(s)
+    s.add(_seq("long", 300, 9))
+    plan = _step(s)
+    assert len(plan.decodes) == 4 and sum(c.end - c.start for c in plan.prefills) == 60
+
+
+def test_a_short_prompt_is_not_held_behind_a_long_one():
+    """Shortest remaining prompt first: a short request that arrives while a long prompt is
+    being chunked gets its first token before the long prompt's."""
+    s = Scheduler(
+        KVManager(PageAllocator(400, 4)), 4, 600, max_num_batched_tokens=32, max_prefill_tokens_while_decoding=16
+    )
+    s.add(_seq("stream", 5, 0))
+    _step(s)
+    s.add(_seq("long", 400, 1))
+    _step(s)
+    s.add(_seq("short", 20, 2))
+    first = {}
+    for i in range(60):
+        for q in _step(s).decodes:
+            first.setdefault(q.request_id, i)
+    assert first["short"] < first["long"]
+    assert first["short"] <= 3  # 20 prompt tokens at 16 a step, then its first token
+
+
+def test_a_long_prompt_passed_over_by_shorter_ones_still_progresses():
+    """A steady stream of short prompts cannot starve a long one: after PROMPT_SKIPS steps
+    without a chunk it goes first."""
+    s = Scheduler(
+        KVManager(PageAllocator(4000, 4)), 64, 600, max_num_batched_tokens=64, max_prefill_tokens_while_decoding=4
+    )
+    s.add(_seq("stream", 5, 0, max_tokens=500))
+    _step(s)
+    long = _seq("long", 300, 1)
+    s.add(long)
+    progress = []
+    for i in range(3 * Scheduler.PROMPT_SKIPS):
+        s.add(_seq(f"short{i}", 6, 2 + i, max_tokens=2))  # always a shorter prompt waiting
+        _step(s)
+        progress.append(long.num_computed)
+    assert progress[-1] >= 2 * 4  # at least two chunks of 4 in 3 x PROMPT_SKIPS steps
+    gaps = [
+        j - i
+        for i, j in zip(
+            [k for k in range(1, len(progress)) if progress[k] > progress[k - 1]][:-1],
+            [k for k in range(1, len(progress)) if progress[k] > progress[k - 1]][1:],
+        )
+    ]
+    assert max(gaps, default=0) <= Scheduler.PROMPT_SKIPS + 1

@@ -123,6 +123,8 @@ class EngineCore:
             max_num_batched_tokens=rc.token_buckets[-1],
             eos_token_ids=self._eos_ids(),
             lookahead=self.spec_k,
+            max_prefill_tokens_while_decoding=self.cfg.max_prefill_tokens_while_decoding,
+            token_buckets=rc.token_buckets,
         )
         from jaxserve.engine.structured import Grammars
 

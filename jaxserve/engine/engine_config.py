@@ -19,6 +19,11 @@ class EngineConfig:
     # budget (on the CPU 1 and 8 too), or `token_buckets` as given (the last is the budget).
     max_num_batched_tokens: int | None = None
     token_buckets: tuple[int, ...] | None = None
+    # The prompt tokens one step may carry while any sequence is decoding (None: the whole
+    # budget). A streaming client's inter-token gap is the step's time, and on a CPU every prompt
+    # token in a step costs compute: a small value keeps each step near a decode step's time
+    # (`jaxserve serve` sets 64 on the CPU: docs/serving.md, "Inter-token latency").
+    max_prefill_tokens_while_decoding: int | None = None
     dtype: str | None = None  # "float32" | "bfloat16"; default by backend
     quantization: str | None = None  # None | "int8": weight-only int8, per-output-channel scales
     # "auto" (pages in dtype; bfloat16 on a CPU that computes in bfloat16 by default) | "float32"
@@ -51,7 +56,7 @@ class EngineConfig:
     tool_call_parser: str | None = None
 
     def __post_init__(self):
-        for name in ("max_slots", "page_size", "max_num_batched_tokens"):
+        for name in ("max_slots", "page_size", "max_num_batched_tokens", "max_prefill_tokens_while_decoding"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.kv_cache_dtype not in ("auto", "float32", "bfloat16", "int8", "fp8"):

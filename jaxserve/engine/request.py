@@ -214,6 +214,7 @@ class Sequence:
     finish_reason: str | None = None
     num_cached_prompt_tokens: int = 0
     num_preemptions: int = 0
+    prompt_skips: int = 0  # steps this prompt was passed over by shorter ones (scheduler)
     logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)
     index: int = 0
     parent_id: str | None = None  # None: request_id

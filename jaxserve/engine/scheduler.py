@@ -63,6 +63,8 @@ class Scheduler:
     """Decides which sequences run this step and how much of each; the KV manager decides
     which pages that takes."""
 
+    PROMPT_SKIPS = 16  # steps a prompt may be passed over by shorter ones before it goes first
+
     def __init__(
         self,
         kv: KVManager,
@@ -71,6 +73,8 @@ class Scheduler:
         max_num_batched_tokens: int,
         eos_token_ids: Iterable[int] = (),
         lookahead: int = 0,
+        max_prefill_tokens_while_decoding: int | None = None,
+        token_buckets: tuple[int, ...] = (),
     ):
         self.kv = kv
         self.max_slots = max_slots
@@ -78,6 +82,8 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.eos = frozenset(eos_token_ids)
         self.lookahead = lookahead  # speculative decoding writes k positions past the last token
+        self.max_prefill_tokens_while_decoding = max_prefill_tokens_while_decoding
+        self.token_buckets = token_buckets  # the step's padded sizes (the cap fills one, not spills past it)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.free_slots = list(range(max_slots))
@@ -114,36 +120,75 @@ class Scheduler:
                 preempted.append(victim)
                 if victim is seq:
                     break
-        # 2. The token budget: a decode token for every running sequence first, then running
-        #    prompts' next chunks, oldest first.
+        # 2. The token budget: a decode token for every running sequence first. While any
+        #    sequence decodes, prompt chunks get at most `max_prefill_tokens_while_decoding` of
+        #    what is left: a streaming client's inter-token gap is the step's time.
         running = sorted(self.running, key=lambda s: s.arrival)
         decodes = [s for s in running if not s.prefilling and not self._last_token_pending(s)]
         per_decode = 1 + self.lookahead  # a speculative row: its last token and k drafts
         prefills, budget = [], self.max_num_batched_tokens - len(decodes) * per_decode
-        for seq in running:
-            if seq.prefilling:
-                budget = self._plan_chunk(seq, budget, prefills, decodes, copies)
-        # 3. Admit from the waiting queue, oldest first, while a slot, its pages and prefill
-        #    budget are free. Admitting no more than the budget can prefill means a request
-        #    sharing a prefix with one still prefilling waits a step and then hits the cache.
-        while self.waiting and self.free_slots and not preempted and budget > 0:
-            seq = self.waiting[0]
-            fork = self._fork_source(seq)
-            if fork is False:  # the request's first completion is still prefilling its prompt
+        if decodes and self.max_prefill_tokens_while_decoding is not None:
+            budget = min(budget, self._prefill_cap(len(decodes) * per_decode))
+        # 3. Prompt chunks, the shortest remaining prompt first (a short prompt's first token is
+        #    not held behind a long prompt's chunks), taking the waiting queue's head (oldest
+        #    first) into a free slot when its turn comes. Admitting no more than the budget can
+        #    prefill means a request sharing a prefix with one still prefilling waits a step and
+        #    then hits the cache. A prompt passed over for `PROMPT_SKIPS` steps goes first.
+        prefilling = sorted((s for s in running if s.prefilling), key=self._prompt_order)
+        candidates = {id(s): s for s in prefilling}  # the prompts that want budget this step
+        admitting = not preempted
+        while budget > 0:
+            head = self.waiting[0] if admitting and self.waiting and self.free_slots else None
+            if head is not None and (not prefilling or self._prompt_order(head) < self._prompt_order(prefilling[0])):
+                candidates[id(head)] = head
+                if not self._admit_head(head, copies):
+                    admitting = False
+                    continue
+                if head.prefilling:
+                    budget = self._plan_chunk(head, budget, prefills, decodes, copies)
+                elif self._reserve_lookahead(head, copies):  # the prefix cache held all of it
+                    decodes.append(head)
+                    budget -= 1 + self.lookahead
+            elif prefilling:
+                budget = self._plan_chunk(prefilling.pop(0), budget, prefills, decodes, copies)
+            else:
                 break
-            if fork is not None:
-                if not self.kv.fork(seq, fork, copies):
-                    break
-                self._take_slot(seq)
-            elif not self._admit(seq, copies):
-                break
-            self.waiting.popleft()
-            if seq.prefilling:
-                budget = self._plan_chunk(seq, budget, prefills, decodes, copies)
-            elif self._reserve_lookahead(seq, copies):  # the prefix cache held all of it
-                decodes.append(seq)
-                budget -= 1 + self.lookahead
+        if self.waiting and self.free_slots:
+            candidates[id(self.waiting[0])] = self.waiting[0]
+        planned = {id(c.seq) for c in prefills}
+        for seq in candidates.values():
+            passed_over = id(seq) not in planned and (seq.status is Status.WAITING or seq.prefilling)
+            seq.prompt_skips = seq.prompt_skips + 1 if passed_over else 0
         return StepPlan(prefills, decodes, copies, preempted)
+
+    def _prefill_cap(self, decode_tokens: int) -> int:
+        """The prompt tokens a step beside `decode_tokens` decode tokens may carry: the cap, or
+        down to half of it where that fills a token bucket the step would otherwise spill past
+        (the device pads a step to its bucket, and padded tokens cost work on the CPU)."""
+        cap = self.max_prefill_tokens_while_decoding
+        filled = [b - decode_tokens for b in self.token_buckets if cap // 2 <= b - decode_tokens <= cap]
+        return filled[-1] if filled else cap
+
+    def _prompt_order(self, seq: Sequence) -> tuple[int, int, int]:
+        """Prompts are served shortest remaining first, except one passed over for
+        `PROMPT_SKIPS` steps, which goes first (oldest first): nothing starves."""
+        starved = seq.prompt_skips >= self.PROMPT_SKIPS
+        return (0 if starved else 1, seq.length - 1 - seq.num_computed, seq.arrival)
+
+    def _admit_head(self, seq: Sequence, copies: list) -> bool:
+        """Move the waiting queue's head into a slot (forking a sibling's prompt pages, or
+        admitting it with its prefix-cache hits); False if it cannot run yet."""
+        fork = self._fork_source(seq)
+        if fork is False:  # the request's first completion is still prefilling its prompt
+            return False
+        if fork is not None:
+            if not self.kv.fork(seq, fork, copies):
+                return False
+            self._take_slot(seq)
+        elif not self._admit(seq, copies):
+            return False
+        self.waiting.popleft()
+        return True
 
     def _last_token_pending(self, seq: Sequence) -> bool:
         """Its last token is being sampled on the device and will finish it by length: it
