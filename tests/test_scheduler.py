@@ -178,7 +178,7 @@ def test_the_cap_fills_a_token_bucket_instead_of_spilling_past_it():
         600,
         max_num_batched_tokens=256,
         max_prefill_tokens_while_decoding=64,
-        token_buckets=(1, 8, 16, 32, 64, 128, 192, 256),
+        token_buckets=(1, 8, 16, 32, 64, 128, 256),
     )
     # beside 4 decode tokens 60 fills 64, beside 70 58 fills 128; beside 60 and 100 the bucket in
     # reach would leave under half the cap (4, 28): the cap

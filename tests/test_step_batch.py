@@ -79,12 +79,14 @@ def test_decode_rows_match_slot_mapping():
 
 
 def test_default_token_buckets_by_backend():
-    """On the CPU: 1 and 8, the powers of two, and 1.5x each power from 128 (a step of 16
-    decodes and a 256-token chunk pads to 384, not 512); elsewhere the powers of two."""
+    """On the CPU: 1 and 8, the powers of two, and 1.5x each power from 256 (a step of 16
+    decodes and a 256-token chunk pads to 384, not 512; the default 256 budget gets none, so
+    no executable more at warm-up); elsewhere the powers of two."""
     from jaxserve.engine.engine_config import EngineConfig
     from jaxserve.runner.model_runner import _token_buckets
 
-    assert _token_buckets(EngineConfig(), "cpu") == (1, 8, 16, 32, 64, 128, 192, 256)
+    assert _token_buckets(EngineConfig(), "cpu") == (1, 8, 16, 32, 64, 128, 256)
+    assert _token_buckets(EngineConfig(max_num_batched_tokens=1024), "cpu")[-4:] == (384, 512, 768, 1024)
     assert _token_buckets(EngineConfig(max_num_batched_tokens=512), "cpu")[-3:] == (256, 384, 512)
     assert _token_buckets(EngineConfig(max_num_batched_tokens=64), "cpu") == (1, 8, 16, 32, 64)
     assert _token_buckets(EngineConfig(), "gpu") == (16, 32, 64, 128, 256, 512)

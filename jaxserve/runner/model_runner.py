@@ -789,7 +789,7 @@ DEFAULT_TOKEN_BUDGET = {"cpu": 256}
 def _token_buckets(cfg, backend: str) -> tuple[int, ...]:
     """The ragged step's token buckets: `token_buckets` as given, else powers of two from 16 to
     the budget (`max_num_batched_tokens`), on the CPU with 1 and 8 below them and 1.5x each
-    power from 128 (192, 384, ...) between them (padded tokens cost real work there: 16 decode
+    power from 256 (384, 768, ...) between them (padded tokens cost real work there: 16 decode
     rows beside a 256-token chunk padded to 512 cost 1.33x the chunk, to 384 1.12x; and a lone
     decode is the latency case). The budget must hold a
     decode row of every slot; ValueError naming the field otherwise."""
@@ -804,8 +804,8 @@ def _token_buckets(cfg, backend: str) -> tuple[int, ...]:
     else:
         budget = cfg.max_num_batched_tokens or DEFAULT_TOKEN_BUDGET.get(backend, 512)
         buckets = pow2_buckets(16, max(16, budget))
-        if backend == "cpu":  # padded tokens still cost XLA's elementwise work: past 128, midpoints
-            mids = [b * 3 // 2 for b in buckets if 128 <= b and b * 3 // 2 < buckets[-1]]
+        if backend == "cpu":  # padded tokens still cost XLA's elementwise work: past 256, midpoints
+            mids = [b * 3 // 2 for b in buckets if 256 <= b and b * 3 // 2 < buckets[-1]]
             buckets = tuple(sorted({1, 8, *buckets, *mids}))
         name = "max_num_batched_tokens"
     if buckets[-1] < cfg.max_slots:
