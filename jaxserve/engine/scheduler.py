@@ -8,7 +8,8 @@ plus newest-first preemption means the oldest request always makes progress.
 
 There are no prefill and decode phases: each step has a token budget
 (`max_num_batched_tokens`, vLLM v1's), spent on a decode token for every running sequence
-first, then on prompt chunks, oldest first; a prompt may be split across steps. The plan goes
+first, then on prompt chunks, shortest remaining prompt first (and, while any sequence decodes,
+at most `max_prefill_tokens_while_decoding` of them); a prompt may be split across steps. The plan goes
 to the device as ONE ragged step (runner/step_batch.py): a decode row is one token, a chunk
 many, and a sequence whose chunk reaches its last prompt token samples its first output token
 in the same row.
