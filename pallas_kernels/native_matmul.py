@@ -15,6 +15,11 @@ panel [K, 64] contiguous: the whole array is [P, K, 64], P = ceil(N / 64), zero-
   ([16 k pairs][16 columns][2]: the VNNI layout TDPBF16PS reads); zero-padded past K and N. Runs
   on the AMX tiles only (``bf16_available()``); x is rounded to bfloat16 in the kernel, products
   and sums are float32.
+- ``pack_int8_bf16(q, scale)``: int8 weights [N, K] and scales [N] -> int8 [P, ceil(K / 32), 2048]
+  in ``pack_bf16``'s element order, scales [P * 64]: weight-only int8 on the bfloat16 units
+  (W8A16). The kernel widens the int8 values to bfloat16 (exact: 8 significant bits) and runs
+  the bfloat16 dot products (x rounded to bfloat16 as for ``pack_bf16``), each column's scale
+  applied to its sums. Half the bytes of bfloat16 panels, the bfloat16 units' arithmetic.
 - ``matmul(x, w, scale, n=N)``: x [..., K] float32 -> float32 [..., N]; int8 panels need scale.
 - ``reference``: the same from the unpacked weights in jnp, the oracle.
 
@@ -35,15 +40,21 @@ PANEL = 64  # columns per panel (kPanel in cpu/matmul.cc)
 TARGET_F32 = "jaxserve_matmul_f32"
 TARGET_Q8 = "jaxserve_matmul_q8"
 TARGET_BF16 = "jaxserve_matmul_bf16"
+TARGET_Q8_BF16 = "jaxserve_matmul_q8_bf16"
 K_BLOCK = 32  # k per AMX tile step (kKBlock in cpu/matmul.cc)
 TILE_COLS = 16  # columns per AMX weight tile
-ABI_VERSION = 3  # must match jaxserve_matmul_abi_version() in cpu/matmul.cc
+ABI_VERSION = 4  # must match jaxserve_matmul_abi_version() in cpu/matmul.cc
 
 _kernels = native.MoreKernels(
     "matmul",
     "jaxserve_matmul_abi_version",
     ABI_VERSION,
-    {TARGET_F32: "JaxserveMatmulF32", TARGET_Q8: "JaxserveMatmulQ8", TARGET_BF16: "JaxserveMatmulBF16"},
+    {
+        TARGET_F32: "JaxserveMatmulF32",
+        TARGET_Q8: "JaxserveMatmulQ8",
+        TARGET_BF16: "JaxserveMatmulBF16",
+        TARGET_Q8_BF16: "JaxserveMatmulQ8BF16",
+    },
     "XLA's dot will be used",
 )
 available = _kernels.available  # True when the native matmul is built, loaded and registered (CPU only)
@@ -99,6 +110,16 @@ def pack_int8(q, scale) -> tuple[np.ndarray, np.ndarray]:
     return np.ascontiguousarray(p), s
 
 
+def _pairs(w_kn: np.ndarray) -> np.ndarray:
+    """[K, N] (any dtype) -> [P, ceil(K / 32), 2048] in the AMX pair order, zero-padded."""
+    k, _ = w_kn.shape
+    kb = -(-k // K_BLOCK)
+    p = _panels(np.pad(w_kn, ((0, kb * K_BLOCK - k), (0, 0))))  # [P, KB * 32, 64]
+    p = p.reshape(p.shape[0], kb, K_BLOCK // 2, 2, PANEL // TILE_COLS, TILE_COLS)  # [P, kb, kk, e, j, c]
+    p = p.transpose(0, 1, 4, 2, 5, 3)  # [P, kb, j, kk, c, e]
+    return np.ascontiguousarray(p.reshape(p.shape[0], kb, K_BLOCK * PANEL))
+
+
 def pack_bf16(w) -> np.ndarray:
     """float32 kernel [K, N] -> bfloat16 AMX panels [P, ceil(K / 32), 2048] (rounded to nearest
     even; on the host, once at load): element [p, kb, 512 j + 32 kk + 2 c + e] is
@@ -106,19 +127,43 @@ def pack_bf16(w) -> np.ndarray:
     w = np.asarray(w)
     if w.ndim != 2 or w.dtype != np.float32:
         raise ValueError(f"pack_bf16: a float32 kernel [K, N], got {w.shape} {w.dtype}")
-    k, _ = w.shape
+    return _pairs(w.astype(jnp.bfloat16))
+
+
+def pack_int8_bf16(q, scale) -> tuple[np.ndarray, np.ndarray]:
+    """int8 weights [N, K] and scales [N] -> int8 [P, ceil(K / 32), 2048] (for the bfloat16
+    units, widened in the kernel), scales [P * 64]. Each (panel, k block) holds the same weights
+    as pack_bf16's, but a k pair's 128 bytes are ordered for widening by in-lane shifts: byte
+    [p, kb, 128 kk + 64 l + 4 i + b] is q[64 p + 16 (2 l + b // 2) + 8 (b % 2) + i // 2, 32 kb + 2 kk + i % 2]."""
+    q, scale = np.asarray(q), np.asarray(scale)
+    if q.ndim != 2 or q.dtype != np.int8 or scale.shape != (q.shape[0],):
+        raise ValueError(f"pack_int8_bf16: int8 [N, K] and scales [N], got {q.shape} {q.dtype}, {scale.shape}")
+    k, _ = q.shape[1], q.shape[0]
     kb = -(-k // K_BLOCK)
-    p = _panels(np.pad(w, ((0, kb * K_BLOCK - k), (0, 0))))  # [P, KB * 32, 64]
-    p = p.reshape(p.shape[0], kb, K_BLOCK // 2, 2, PANEL // TILE_COLS, TILE_COLS)  # [P, kb, kk, e, j, c]
-    p = p.transpose(0, 1, 4, 2, 5, 3)  # [P, kb, j, kk, c, e]
-    return np.ascontiguousarray(p.astype(jnp.bfloat16).reshape(p.shape[0], kb, K_BLOCK * PANEL))
+    p = _panels(np.pad(q.T, ((0, kb * K_BLOCK - k), (0, 0))))  # [P, KB * 32, 64]
+    # [P, kb, kk, e, (l, hb, hh, ci)] -> [P, kb, kk, l, (ci, e), (hb, hh)]: cpu/matmul.cc widen_pair_row
+    p = p.reshape(p.shape[0], kb, K_BLOCK // 2, 2, 2, 2, 2, 8).transpose(0, 1, 2, 4, 7, 3, 5, 6)
+    p = np.ascontiguousarray(p.reshape(p.shape[0], kb, K_BLOCK * PANEL))
+    return p, np.pad(scale.astype(np.float32), (0, p.shape[0] * PANEL - scale.shape[0]))
+
+
+def pair_layout(w) -> bool:
+    """Panels in the AMX pair layout [P, ceil(K / 32), 2048]: bfloat16, or int8 for the bfloat16
+    units (the int8 panels for float32 arithmetic are [P, K, 64])."""
+    return w.ndim == 3 and (w.dtype == jnp.bfloat16 or (w.dtype == jnp.int8 and w.shape[2] == K_BLOCK * PANEL))
 
 
 def unpack(w, n: int, k: int | None = None) -> jax.Array:
     """Panels back to the [K, N] matrix (float32; int8 panels as their int8 values, unscaled;
-    bfloat16 panels need K, padded there to a multiple of 32)."""
+    pair-layout panels need K, padded there to a multiple of 32)."""
     w = jnp.asarray(w)
-    if w.dtype == jnp.bfloat16:
+    if pair_layout(w) and w.dtype == jnp.int8:
+        p, kb, _ = w.shape
+        w = w.reshape(p, kb, K_BLOCK // 2, 2, 8, 2, 2, 2).transpose(
+            1, 2, 5, 0, 3, 6, 7, 4
+        )  # [kb, kk, e, P, l, hb, hh, ci]
+        return w.reshape(kb * K_BLOCK, p * PANEL)[:k, :n].astype(jnp.float32)
+    if pair_layout(w):
         p, kb, _ = w.shape
         w = w.reshape(p, kb, PANEL // TILE_COLS, K_BLOCK // 2, TILE_COLS, 2).transpose(1, 3, 5, 0, 2, 4)
         return w.reshape(kb * K_BLOCK, p * PANEL)[:k, :n].astype(jnp.float32)
@@ -130,9 +175,9 @@ def unpack(w, n: int, k: int | None = None) -> jax.Array:
 
 def reference(x, w, scale=None, *, n: int) -> jax.Array:
     """The oracle: x @ unpack(w) (* scale), in float32, by XLA (x rounded to bfloat16 first
-    for bfloat16 panels, as the kernel does)."""
+    for pair-layout panels, bfloat16 or int8, as the kernel does)."""
     x = jnp.asarray(x, jnp.float32)
-    if w.dtype == jnp.bfloat16:
+    if pair_layout(w):
         x = x.astype(jnp.bfloat16).astype(jnp.float32)
     y = jax.lax.dot_general(
         x, unpack(w, n, x.shape[-1]), (((x.ndim - 1,), (0,)), ((), ())), precision=jax.lax.Precision.HIGHEST
@@ -152,8 +197,8 @@ def matmul(x, w, scale=None, *, n: int, live_rows=None) -> jax.Array:
     if x.dtype != jnp.float32:
         x = x.astype(jnp.float32)
     q8 = w.dtype == jnp.int8
-    bf16 = w.dtype == jnp.bfloat16
-    k_rows, width = (-(-x.shape[-1] // K_BLOCK), K_BLOCK * PANEL) if bf16 else (x.shape[-1], PANEL)
+    pairs = pair_layout(w)  # bfloat16, or int8 for the bfloat16 units
+    k_rows, width = (-(-x.shape[-1] // K_BLOCK), K_BLOCK * PANEL) if pairs else (x.shape[-1], PANEL)
     if (
         w.ndim != 3
         or w.shape[2] != width
@@ -165,19 +210,22 @@ def matmul(x, w, scale=None, *, n: int, live_rows=None) -> jax.Array:
     ):
         raise ValueError(
             f"matmul: x [..., K] float, w [ceil(n / {PANEL}), K, {PANEL}] float32 or int8 (with scale "
-            f"[P * {PANEL}]), or bfloat16 [ceil(n / {PANEL}), ceil(K / {K_BLOCK}), {K_BLOCK * PANEL}]; got x {x.shape}, w {w.shape} {w.dtype}, scale "
+            f"[P * {PANEL}]), or bfloat16 or int8 (with scale) [ceil(n / {PANEL}), ceil(K / {K_BLOCK}), "
+            f"{K_BLOCK * PANEL}]; got x {x.shape}, w {w.shape} {w.dtype}, scale "
             f"{None if scale is None else scale.shape}, n {n}"
         )
-    if not (bf16_available() if bf16 else available()):
+    if not (bf16_available() if pairs else available()):
         return reference(x, w, scale, n=n)
     lead, k = x.shape[:-1], x.shape[-1]
     rows = int(np.prod(lead, dtype=np.int64))
     out = jax.ShapeDtypeStruct((rows, n), jnp.float32)
     live = jnp.zeros((0,), jnp.int32) if live_rows is None else jnp.reshape(jnp.asarray(live_rows, jnp.int32), (1,))
+    x2 = x.reshape(rows, k)
     if q8:
-        y = jax.ffi.ffi_call(TARGET_Q8, out)(x.reshape(rows, k), w, jnp.asarray(scale, jnp.float32), live)
-    elif bf16:
-        y = jax.ffi.ffi_call(TARGET_BF16, out)(x.reshape(rows, k), w, live)
+        target = TARGET_Q8_BF16 if pairs else TARGET_Q8
+        y = jax.ffi.ffi_call(target, out)(x2, w, jnp.asarray(scale, jnp.float32), live)
+    elif pairs:
+        y = jax.ffi.ffi_call(TARGET_BF16, out)(x2, w, live)
     else:
-        y = jax.ffi.ffi_call(TARGET_F32, out)(x.reshape(rows, k), w, live)
+        y = jax.ffi.ffi_call(TARGET_F32, out)(x2, w, live)
     return y.reshape(*lead, n)

@@ -9,7 +9,10 @@ On the 56.4M bench model of ../shared/workloads/mixed-64.json (random weights, f
 2. the mixed workload offline (like `jaxserve bench throughput`): useful output tokens per second,
    configurations taking turns;
 3. with ``--matmul``: one projection alone over row counts, XLA's float32 dot against the native
-   kernel on float32 and int8 panels and XLA's dequantize-then-dot, beside the streaming bound.
+   kernel on float32 and int8 panels (and, on a CPU with AMX or AVX512-BF16, bfloat16 panels and
+   int8 widened to bfloat16) and XLA's dequantize-then-dot, beside the streaming bound.
+
+``--configs fp32,bf16,int8-weights,int8-bf16`` compares the matmul precisions on such a CPU.
 
 The int8 KV cache runs only where ``EngineConfig`` has ``kv_cache_dtype``.
 
@@ -30,16 +33,21 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
 DEFAULT_WORKLOAD = REPO.parent / "shared" / "workloads" / "mixed-64.json"
 
-CONFIGS = {  # name -> (quantization, kv_cache_dtype)
-    "fp32": (None, None),
-    "int8-weights": ("int8", None),
-    "int8-kv": (None, "int8"),
-    "both": ("int8", "int8"),
+CONFIGS = {  # name -> (quantization, kv_cache_dtype, matmul_dtype)
+    "fp32": (None, None, "float32"),
+    "int8-weights": ("int8", None, "float32"),
+    "int8-kv": (None, "int8", "float32"),
+    "both": ("int8", "int8", "float32"),
+    # on a CPU with AMX or AVX512-BF16 (--configs to pick them): bfloat16 weights, and int8
+    # weights widened to bfloat16 in the kernel (W8A16: LLM(path, quantization="int8")'s default there)
+    "bf16": (None, None, "bfloat16"),
+    "int8-bf16": ("int8", None, "bfloat16"),
 }
+DEFAULT_CONFIGS = ("fp32", "int8-weights", "int8-kv", "both")
 
 
-def engine_options(quant, kv) -> dict:
-    return {"quantization": quant, "kv_cache_dtype": kv or "auto"}
+def engine_options(quant, kv, matmul_dtype="float32") -> dict:
+    return {"quantization": quant, "kv_cache_dtype": kv or "auto", "matmul_dtype": matmul_dtype}
 
 
 def step_bytes(runner, batch: int, context: int) -> int:
@@ -61,11 +69,11 @@ class StepTimer:
     """One jitted decode step of a random-weight model, every slot at `context` tokens
     (kv-math's `decode_step_runner`: the step `jaxserve kv-math --measure-host` times)."""
 
-    def __init__(self, shape, batch: int, context: int, quant, kv):
+    def __init__(self, shape, batch: int, context: int, quant, kv, matmul_dtype="float32"):
         from jaxserve.tools.kv_math_cli import decode_step_runner
 
         self.runner, self.rows = decode_step_runner(
-            shape, batch, context, kv_cache_dtype=kv or "auto", quantization=quant
+            shape, batch, context, kv_cache_dtype=kv or "auto", quantization=quant, matmul_dtype=matmul_dtype
         )
         self.bytes = step_bytes(self.runner, batch, context)
         self.time()  # compile
@@ -129,8 +137,9 @@ def bench_workload(wl, configs, repeats, max_slots) -> dict:
         model_from_spec(wl["model"], Path(tmp))
         engines = {}
         for name in configs:
-            quant, kv = CONFIGS[name]
-            engines[name] = LLM(tmp, max_slots=max_slots, page_size=16, max_model_len=1024, **engine_options(quant, kv))
+            engines[name] = LLM(
+                tmp, max_slots=max_slots, page_size=16, max_model_len=1024, **engine_options(*CONFIGS[name])
+            )
         from jaxserve.runner.executable_cache import compile_count
 
         times = {name: [] for name in configs}
@@ -157,10 +166,11 @@ def bench_workload(wl, configs, repeats, max_slots) -> dict:
 
 
 def bench_matmul(rows_list, shapes, repeats) -> dict:
-    """One projection alone, four ways taking turns: XLA's float32 dot, the native kernel on
+    """One projection alone, several ways taking turns: XLA's float32 dot, the native kernel on
     float32 panels, the native kernel on int8 panels, XLA's dequantize-then-dot (the TPU/GPU and
-    tensor-parallel form). Each beside the time to stream its weights once at the bandwidth
-    measured before the table."""
+    tensor-parallel form) and, on a CPU with AMX or AVX512-BF16, the native kernel on bfloat16
+    panels and on int8 panels for those units (W8A16). Each beside the time to stream its
+    weights once at the bandwidth measured before the table."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -176,13 +186,20 @@ def bench_matmul(rows_list, shapes, repeats) -> dict:
         wf = rng.standard_normal((k, n)).astype(np.float32)
         q, s = quantization.quantize_int8(wf.T)
         pf, (pq, ps) = nm.pack(wf), nm.pack_int8(q, s)
+        bf16 = nm.bf16_available()
+        if bf16:
+            pb, (pqb, psb) = jnp.asarray(nm.pack_bf16(wf)), map(jnp.asarray, nm.pack_int8_bf16(q, s))
         wf, q, s, pf, pq, ps = map(jnp.asarray, (wf, q, s, pf, pq, ps))
+        native = jax.jit(lambda x, w, sc=None: nm.matmul(x, w, sc, n=n))
         fns = {
             "xla-f32": (jax.jit(lambda x, w: x @ w), (wf,), 4),
-            "native-f32": (jax.jit(lambda x, w: nm.matmul(x, w, n=n)), (pf,), 4),
-            "native-int8": (jax.jit(lambda x, w, sc: nm.matmul(x, w, sc, n=n)), (pq, ps), 1),
+            "native-f32": (native, (pf,), 4),
+            "native-int8": (native, (pq, ps), 1),
             "xla-int8": (jax.jit(quantization.int8_matmul), (q, s), 1),
         }
+        if bf16:  # the bfloat16 units: bfloat16 weights, int8 widened to bfloat16 (W8A16)
+            fns["native-bf16"] = (native, (pb,), 2)
+            fns["native-int8-bf16"] = (native, (pqb, psb), 1)
         for m in rows_list:
             x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
             times = {name: [] for name in fns}
@@ -214,7 +231,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps-per-repeat", type=int, default=3, help="steps per turn (fastest kept)")
     ap.add_argument("--workload-repeats", type=int, default=2)
     ap.add_argument("--max-slots", type=int, default=64)
-    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--configs", default=",".join(DEFAULT_CONFIGS), help=f"any of {', '.join(CONFIGS)}")
     ap.add_argument("--skip-steps", action="store_true")
     ap.add_argument("--skip-workload", action="store_true")
     ap.add_argument("--matmul", action="store_true", help="also time one projection alone over row counts")

@@ -1,8 +1,10 @@
 """Accuracy of quantization on the shipped default model: held-out loss and greedy agreement.
 
-For each combination of weights {fp32, int8, bf16} and KV cache {auto, int8} (the int8 KV cache
-where this checkout's EngineConfig has ``kv_cache_dtype``; bf16: the native matmul's bfloat16
-AMX tiles, ``matmul_dtype="bfloat16"``, on a CPU that has them):
+For each combination of weights {fp32, int8, bf16, int8-bf16} and KV cache {auto, int8} (the int8
+KV cache where this checkout's EngineConfig has ``kv_cache_dtype``; bf16: the native matmul's
+bfloat16 AMX tiles or AVX512-BF16 dot products, ``matmul_dtype="bfloat16"``, on a CPU that has
+them; int8: int8 weights with float32 arithmetic; int8-bf16: int8 weights widened to bfloat16 on
+those units, W8A16, the engine's default for ``quantization="int8"`` on such a CPU):
 
 - held-out loss: mean next-token cross-entropy (nats) over the training script's held-out split
   (Python stdlib files with sha256(path) % 50 == 0, tokenized with the shipped tokenizer, windows
@@ -14,7 +16,7 @@ AMX tiles, ``matmul_dtype="bfloat16"``, on a CPU that has them):
   through the engine (``LLM``): identical completions, tokens equal to fp32's, and the mean
   position of the first difference.
 
-    JAX_PLATFORMS=cpu .venv/bin/python scripts/eval_quant.py [--weights fp32,int8,bf16] [--kv auto,int8]
+    JAX_PLATFORMS=cpu .venv/bin/python scripts/eval_quant.py [--weights fp32,int8,bf16,int8-bf16] [--kv auto,int8]
         [--prompts 64] [--tokens 128] [--keep-full-precision lm_head] [--json F]
 """
 
@@ -173,11 +175,12 @@ def main(argv=None) -> int:
     ref_loss, ref_out = None, None
     for w, k in combos:
         t0 = time.perf_counter()
-        quant = w if w == "int8" else None
+        quant = "int8" if w.startswith("int8") else None
+        on_bf16 = w in ("bf16", "int8-bf16")
         model, cfg = load_model(
             model_dir, dtype=jnp.float32, quantization=quant, keep_full_precision=keep if quant else ()
         )
-        if w == "bf16":  # every projection and the LM head on the AMX tiles, as the engine packs them
+        if on_bf16:  # every projection and the LM head on the bfloat16 units, as the engine packs them
             from jaxserve.models.linear import pack_native
 
             pack_native(model, "bfloat16")
@@ -190,7 +193,7 @@ def main(argv=None) -> int:
         if keep and quant:  # the engine has no such option: greedy agreement is for the default only
             row["greedy"] = "not measured (keep_full_precision is a load_model option, not an engine one)"
         else:
-            opts = {"quantization": quant, "matmul_dtype": "bfloat16" if w == "bf16" else None}
+            opts = {"quantization": quant, "matmul_dtype": "bfloat16" if on_bf16 else None}
             if k != "auto":
                 opts["kv_cache_dtype"] = k
             llm = LLM(model_dir, dtype="float32", max_slots=16, max_model_len=256, **opts)

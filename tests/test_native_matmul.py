@@ -430,3 +430,116 @@ def test_engine_bf16_greedy_mostly_agrees_with_float32(bf16):
     equal = sum(a == b for x, y in zip(outs["float32"], outs["bfloat16"]) for a, b in zip(x, y))
     print(f"bf16 vs fp32 greedy: {equal}/{8 * 24} tokens equal, first tokens {first}")
     assert sum(a == b for a, b in zip(*first)) >= 6 and equal >= 0.5 * 8 * 24
+
+
+# ---- int8 weights on the bfloat16 units (W8A16) -------------------------------------------------
+
+
+def _q8_bf16_case(rows, k, n, seed):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    q = rng.integers(-127, 128, (n, k)).astype(np.int8)
+    s = (rng.random(n) * 0.1 + 0.001).astype(np.float32)
+    w, scale = native_matmul.pack_int8_bf16(q, s)
+    return x, jnp.asarray(w), jnp.asarray(scale), q.T.astype(np.float64), s.astype(np.float64)
+
+
+def _check_q8_bf16(y, x, q_kn, s):
+    """Against bf16(x) @ q * s in float64: an int8 value is exact in bfloat16 and every product
+    exact in float32, so only the float32 sums and the one scale multiply round."""
+    xb = _bf16(x)
+    ref, mag = (xb @ q_kn) * s, (np.abs(xb) @ np.abs(q_kn)) * s
+    assert y.shape == ref.shape and y.dtype == np.float32
+    assert np.all(np.abs(y - ref) <= (x.shape[1] + 3) * EPS32 * mag + 1e-30)
+
+
+@settings(
+    max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+)
+@given(rows=st.integers(1, 80), k=st.integers(1, 300), n=st.integers(1, 200), seed=st.integers(0, 2**31 - 1))
+def test_int8_bf16_matches_numpy(bf16, rows, k, n, seed):
+    """Rows 1-36 widen the int8 panel in registers per block of 6 rows; from 37 it is widened
+    once into bfloat16 scratch (or the AMX tiles take it)."""
+    x, w, scale, q_kn, s = _q8_bf16_case(rows, k, n, seed)
+    for _ in bf16():
+        y = np.asarray(jax.jit(native_matmul.matmul, static_argnames="n")(x, w, scale, n=n))
+        _check_q8_bf16(y, x, q_kn, s)
+
+
+def test_int8_bf16_rows_are_independent_across_widening_paths(bf16):
+    """A row's result is bit-identical whether its call widens in registers (1, 17 rows) or once
+    into scratch (37, 100 rows): the same bfloat16 values in the same order."""
+    x, w, scale, _, _ = _q8_bf16_case(100, 130, 300, 7)
+    f = jax.jit(native_matmul.matmul, static_argnames="n")
+    for _ in bf16():
+        full = np.asarray(f(x, w, scale, n=300))
+        for r in (0, 5, 16, 31, 99):
+            np.testing.assert_array_equal(np.asarray(f(x[r : r + 1], w, scale, n=300))[0], full[r])
+        np.testing.assert_array_equal(np.asarray(f(x[3:20], w, scale, n=300)), full[3:20])
+        np.testing.assert_array_equal(np.asarray(f(x[3:40], w, scale, n=300)), full[3:40])
+
+
+def test_int8_bf16_live_rows(bf16):
+    x, w, scale, _, _ = _q8_bf16_case(50, 70, 130, 4)
+    for _ in bf16():
+        full = np.asarray(native_matmul.matmul(x, w, scale, n=130))
+        for live in (3, 45):
+            got = np.asarray(
+                jax.jit(lambda x, live=live: native_matmul.matmul(x, w, scale, n=130, live_rows=jnp.int32(live)))(x)
+            )
+            np.testing.assert_array_equal(got[:live], full[:live])
+            assert not got[live:].any()
+
+
+def test_int8_bf16_pack_layout():
+    """Byte [p, kb, 128 kk + 64 l + 4 i + b] holds q[64 p + 16 (2 l + b // 2) + 8 (b % 2) + i // 2,
+    32 kb + 2 kk + i % 2] (what cpu/matmul.cc's widen_pair_row shifts out), zero-padded past K
+    and N; unpack inverts it; the scales are padded to whole panels."""
+    rng = np.random.default_rng(0)
+    q = rng.integers(-127, 128, (130, 70)).astype(np.int8)  # [N, K]
+    p, s = native_matmul.pack_int8_bf16(q, np.arange(130, dtype=np.float32))
+    assert p.shape == (3, 3, 2048) and p.dtype == np.int8 and s.shape == (192,) and not s[130:].any()
+    for pi, kb, kk, ll, i, b in ((0, 0, 0, 0, 0, 0), (1, 2, 2, 1, 15, 3), (0, 1, 15, 1, 6, 2), (2, 0, 3, 0, 1, 1)):
+        col, row = 64 * pi + 16 * (2 * ll + b // 2) + 8 * (b % 2) + i // 2, 32 * kb + 2 * kk + i % 2
+        want = q[col, row] if col < 130 and row < 70 else 0
+        assert p[pi, kb, 128 * kk + 64 * ll + 4 * i + b] == want
+    np.testing.assert_array_equal(np.asarray(native_matmul.unpack(p, 130, 70)), q.T.astype(np.float32))
+    assert native_matmul.pair_layout(jnp.asarray(p)) and not native_matmul.pair_layout(
+        jnp.asarray(native_matmul.pack_int8(q, np.ones(130, np.float32))[0])
+    )
+
+
+def test_int8_bf16_off_falls_back_to_the_reference():
+    with _isa("avx512"):
+        x, w, scale, q_kn, s = _q8_bf16_case(5, 40, 70, 3)
+        _check_q8_bf16(np.asarray(native_matmul.matmul(x, w, scale, n=70)), x, q_kn, s)
+
+
+def test_int8_model_on_bf16_units_calls_the_w8a16_kernel(bf16):
+    """An int8 model packed for the bfloat16 units (the engine's default on such a host): logits
+    within bf16 rounding of x of the unpacked int8 model's, one W8A16 call per product, and no
+    float copy of any weight."""
+    from flax import nnx
+
+    from jaxserve.engine.engine_config import EngineConfig
+    from jaxserve.models.linear import pack_native
+    from jaxserve.runner import model_runner
+
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 512, (2, 9)), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(9, dtype=jnp.int32), (2, 9))
+    module = _model("int8")
+    want = np.asarray(module(tokens, positions)[0])
+    assert pack_native(module, "bfloat16") == 2 * 4 + 1
+    packed = [a.get_value() for p, a in nnx.to_flat_state(nnx.state(module)) if str(p[-1]) == "packed"]
+    assert all(a.dtype == jnp.int8 and a.shape[2] == 2048 for a in packed)
+    graphdef, state = nnx.split(module)
+    fwd = jax.jit(lambda st, t, p: nnx.merge(graphdef, st)(t, p)[0])
+    for _ in bf16():
+        got = np.asarray(fwd(state, tokens, positions))
+        assert np.max(np.abs(got - want)) <= 0.02 * np.max(np.abs(want))
+        cfg = _model(None).cfg
+        rc = model_runner.resolve(cfg, None, EngineConfig(num_pages=16, max_model_len=64, quantization="int8"), 0, 0)
+        assert rc.matmul_dtype == "bfloat16" and "W8A16" in rc.matmul_reason
+    hlo = fwd.lower(state, tokens, positions).compile().as_text()
+    assert hlo.count(f'custom_call_target="{native_matmul.TARGET_Q8_BF16}"') == 2 * 4 + 1
+    assert not any(f"f32[{a},{b}]" in hlo for a, b in ((160, 64), (64, 160), (64, 320), (320, 64)))

@@ -40,6 +40,21 @@ PROMPTS = [
 ENGINE = dict(max_slots=4, max_model_len=256, token_buckets=(64,), page_size=16, num_pages=72)
 
 
+def padded_batch_logits(path, ids: list[list[int]]) -> np.ndarray:
+    """float32 logits [len(ids), width, vocab] of jaxserve's model of `path`, the prompts in one
+    right-padded batch (the padding is invisible to the real tokens under the causal mask)."""
+    from flax import nnx
+
+    model, _ = load_model(path, dtype=jnp.float32)
+    width = max(map(len, ids))
+    batch = np.zeros((len(ids), width), np.int32)
+    for i, row in enumerate(ids):
+        batch[i, : len(row)] = row
+    graphdef, state = nnx.split(model)
+    forward = jax.jit(lambda state, x, pos: nnx.merge(graphdef, state)(x, pos)[0])  # one compile, not op by op
+    return np.asarray(forward(state, jnp.asarray(batch), jnp.broadcast_to(jnp.arange(width), batch.shape)))
+
+
 @pytest.fixture(scope="module")
 def gguf_path():
     return default_model()
@@ -79,18 +94,10 @@ def test_the_default_model_is_smollm2_from_the_installed_package(gguf_path, llm)
 def test_logits_match_transformers_reading_the_same_file(gguf_path, hf, hf_tok):
     """Every position of 16 prompts, in one right-padded batch (invisible under the causal mask).
     The dequantized weights are bit-identical to transformers'; what differs is float32 summation
-    order over 30 layers, about 1e-4 on logits of magnitude ~30 (relative 1e-5)."""
-    model, _ = load_model(gguf_path, dtype=jnp.float32)
+    order over 30 layers, about 1e-4 on logits of magnitude ~30 (relative 1e-5): transformers' own
+    float32 logits are as far from its float64 ones (scripts/gguf_logit_noise.py)."""
     ids = [hf_tok(p)["input_ids"] for p in PROMPTS]
-    width = max(map(len, ids))
-    batch = np.zeros((len(ids), width), np.int32)
-    for i, row in enumerate(ids):
-        batch[i, : len(row)] = row
-    from flax import nnx
-
-    graphdef, state = nnx.split(model)
-    forward = jax.jit(lambda state, x, pos: nnx.merge(graphdef, state)(x, pos)[0])  # one compile, not op by op
-    logits = forward(state, jnp.asarray(batch), jnp.broadcast_to(jnp.arange(width), batch.shape))
+    logits = padded_batch_logits(gguf_path, ids)
     worst = 0.0
     for i, row in enumerate(ids):
         with torch.no_grad():

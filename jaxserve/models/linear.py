@@ -15,7 +15,9 @@ panels (and ``weight_scale`` padded to a whole panel), which the kernel streams 
 memory speed where XLA:CPU's GEMM reads weights at half of it from 8 rows up. With
 ``weight_dtype="bfloat16"`` (the engine's ``matmul_dtype``, default on a CPU with AMX or AVX512-BF16) a float
 kernel is packed instead as bfloat16 AMX tiles [ceil(out / 64), ceil(in / 32), 2048]: half the
-bytes, and the tile unit's throughput for prefill; x stays float32 (rounded in the kernel). A tensor-parallel
+bytes, and the tile unit's throughput for prefill; x stays float32 (rounded in the kernel). int8
+weights are then packed in the same blocks for the same units (widened to bfloat16 in the
+kernel, W8A16): a quarter of float32's bytes and bfloat16's arithmetic. A tensor-parallel
 runner does not pack (XLA's partitioner cannot split a custom call), nor does a TPU/GPU.
 
 Loading, tensor-parallel placement (column- or row-parallel; the scales split with their output
@@ -108,8 +110,9 @@ class Linear(nnx.Module):
     def pack_native(self, weight_dtype: str = "float32") -> bool:
         """Replace the kernel (or int8 weight) by panels for the native CPU matmul, in place:
         a float32 kernel as float32 panels or, with weight_dtype="bfloat16", as bfloat16 AMX
-        tiles (int8 weights stay int8). False (nothing changed) for weights it does not take
-        (a bfloat16 model's kernel)."""
+        tiles; int8 weights stay int8, laid out for float32 arithmetic or, with
+        weight_dtype="bfloat16", for the bfloat16 units (widened in the kernel: W8A16). False
+        (nothing changed) for weights it does not take (a bfloat16 model's kernel)."""
         from pallas_kernels import native_matmul
 
         if self.packed_native:
@@ -117,7 +120,8 @@ class Linear(nnx.Module):
         if not self.native_storage():
             return False
         if self.quantization == "int8":
-            w, s = native_matmul.pack_int8(np.asarray(self.weight[...]), np.asarray(self.weight_scale[...]))
+            pack = native_matmul.pack_int8_bf16 if weight_dtype == "bfloat16" else native_matmul.pack_int8
+            w, s = pack(np.asarray(self.weight[...]), np.asarray(self.weight_scale[...]))
             del self.weight
             self.weight_scale = nnx.Param(jnp.asarray(s))
         elif weight_dtype == "bfloat16":

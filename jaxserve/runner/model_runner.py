@@ -725,6 +725,8 @@ def resolve(
     token_buckets = _token_buckets(cfg, backend)
     matmul_impl = _resolve_matmul(cfg, backend)
     matmul_dtype, matmul_reason = _resolve_matmul_dtype(cfg, matmul_impl)
+    if cfg.quantization == "int8" and matmul_dtype == "bfloat16":
+        matmul_reason += "; int8 weights widened to bfloat16 in the kernel (W8A16)"
     kv_cache_dtype = cfg.kv_cache_dtype
     if kv_cache_dtype == "auto" and cfg.dtype is None and matmul_dtype == "bfloat16":
         # computing in bfloat16 (AMX / AVX512-BF16) by default: cache in bfloat16 too, as vLLM's CPU

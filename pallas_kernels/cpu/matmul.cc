@@ -398,7 +398,9 @@ constexpr int64_t kBfRowsPerItem = 128;      // the item's rows in bf16 stay in 
 
 struct BfProblem {
   const float* x;     // [M, K]
-  const uint16_t* w;  // [P, KB, 2048]
+  const uint16_t* w;  // [P, KB, 2048] bfloat16, or null for int8 weights:
+  const int8_t* q;    // [P, KB, 2048] int8 in the same element order (W8A16), or null
+  const float* scale; // [P * 64] with q: each column's scale, applied to its sums
   float* y;           // [M, N]
   int64_t M, K, N, P, KB;
   int64_t rows_per_item, panels_per_item, panel_items, n_items;
@@ -513,9 +515,13 @@ JM_AMX void block32(const BfProblem& pr, const uint16_t* a, int64_t lda, const u
 }
 #undef JM_STORE
 
+JM_BF16 void widen_panel(const int8_t* src, int64_t KB, uint16_t* dst);  // below
+JM_BF16 void scale_columns(const BfProblem& pr, int64_t p, int64_t m0, int64_t m1);
+
 // One item: rows [m0, m1) x panels [p0, p1).  `a`: scratch for rows_per_item x KB * 32 bf16;
-// `buf`: 16 x 16 floats.
-JM_AMX void bf16_item(const BfProblem& pr, int64_t item, uint16_t* a, float* buf) {
+// `buf`: 16 x 16 floats; `wide`: KB x 2048 bf16, where an int8 panel is widened first (its
+// columns' scales applied to y after the panel's tiles).
+JM_AMX void bf16_item(const BfProblem& pr, int64_t item, uint16_t* a, uint16_t* wide, float* buf) {
   const int64_t pi = item % pr.panel_items, ri = item / pr.panel_items;
   const int64_t p0 = pi * pr.panels_per_item, p1 = std::min(pr.P, p0 + pr.panels_per_item);
   const int64_t m0 = ri * pr.rows_per_item, m1 = std::min(pr.M, m0 + pr.rows_per_item);
@@ -523,7 +529,8 @@ JM_AMX void bf16_item(const BfProblem& pr, int64_t item, uint16_t* a, float* buf
   convert_rows(pr.x + m0 * pr.K, pr.K, m1 - m0, ld, a);
   int cur0 = -1, cur1 = -1;
   for (int64_t p = p0; p < p1; ++p) {
-    const uint16_t* wp = pr.w + p * pr.KB * kBlockElems;
+    const uint16_t* wp = pr.q ? wide : pr.w + p * pr.KB * kBlockElems;
+    if (pr.q) widen_panel(pr.q + p * pr.KB * kBlockElems, pr.KB, wide);
     for (int64_t m = m0; m < m1; m += 32) {
       const int r = int(std::min<int64_t>(32, m1 - m)), r0 = std::min(16, r), r1 = r - r0;
       if (r0 != cur0 || r1 != cur1) {
@@ -535,6 +542,7 @@ JM_AMX void bf16_item(const BfProblem& pr, int64_t item, uint16_t* a, float* buf
       else
         block16(pr, a + (m - m0) * ld, lda, wp, p, m, r0, buf);
     }
+    if (pr.q) scale_columns(pr, p, m0, m1);
   }
   _tile_release();
 }
@@ -547,18 +555,90 @@ JM_AMX void bf16_item(const BfProblem& pr, int64_t item, uint16_t* a, float* buf
 // the AMX layout serves as it is: R rows x the panel's 64 columns in 4R float32 accumulators
 // (R <= 6: 24 of the 32 vector registers), 4 weight vectors per k pair shared by the R rows.  A
 // row's sums run over k in the same order whatever R is: batched equals alone, bit for bit.
-template <int R>
-JM_BF16 void dp_block(const BfProblem& pr, const uint16_t* a, int64_t ld, const uint16_t* wp, int64_t p, int64_t m) {
+//
+// int8 weights (W8A16) come one byte each, in blocks of the same shape ([KB, 2048] per panel;
+// within a k pair's 128 bytes in widen_pair_row's order).  An int8 value is exact in bfloat16
+// (8 significant bits), so they widen to the bfloat16 layout's weight vectors and the dot
+// products are the bfloat16 path's; each column's scale
+// multiplies its sums once, at the store.  A call of a few rows widens in registers, k pair by k
+// pair (Q8 below); more rows widen each panel once into a per-thread bf16 copy (widen_panel, L2)
+// that every block of rows then reads as bfloat16 panels: the same values in the same order,
+// so a row's result is the same either way.
+
+// One k pair of an int8 (panel, k block): 128 bytes -> the 4 bfloat16 weight vectors of the
+// bfloat16 layout (tile j's row kk).  The int8 bytes are ordered for this (native_matmul.py
+// pack_int8_bf16): in each 64-byte half l, byte b of 32-bit lane i holds k parity i & 1 of
+// column 16 (2l + b / 2) + 8 (b % 2) + i / 2, so that in-lane shifts sign-extend each byte
+// position into a float vector and a pack of two of them is a tile row in column order: about
+// half the cost of widening bytes across lanes (VPMOVSXBD), which made a row of int8 weights
+// compute-bound here.
+JM_BF16 JM_INLINE void widen_pair_row(const int8_t* src, __m512bh (&bv)[4]) {
+  for (int l = 0; l < 2; ++l) {
+    const __m512i v = _mm512_loadu_si512(src + 64 * l);
+    const __m512 f0 = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 24), 24));
+    const __m512 f1 = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 16), 24));
+    const __m512 f2 = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 8), 24));
+    const __m512 f3 = _mm512_cvtepi32_ps(_mm512_srai_epi32(v, 24));
+    bv[2 * l] = _mm512_cvtne2ps_pbh(f1, f0);
+    bv[2 * l + 1] = _mm512_cvtne2ps_pbh(f3, f2);
+  }
+}
+
+// One int8 panel ([KB, 2048] bytes) -> bfloat16 [KB, 2048] in the bfloat16 layout.
+JM_BF16 void widen_panel(const int8_t* src, int64_t KB, uint16_t* dst) {
+  for (int64_t kb = 0; kb < KB; ++kb)
+    for (int kk = 0; kk < 16; ++kk) {
+      __m512bh bv[4];
+      widen_pair_row(src + kb * kBlockElems + kk * 128, bv);
+      for (int j = 0; j < 4; ++j) _mm512_storeu_si512(dst + kb * kBlockElems + j * kTileElems + kk * 32, (__m512i)bv[j]);
+    }
+}
+
+// y[m0 .. m1, panel p's columns] *= their scales.
+JM_BF16 void scale_columns(const BfProblem& pr, int64_t p, int64_t m0, int64_t m1) {
+  for (int j = 0; j < 4; ++j) {
+    const int64_t c = p * kPanel + 16 * j;
+    if (c >= pr.N) break;
+    const __mmask16 live = c + 16 <= pr.N ? __mmask16(0xffff) : __mmask16((1u << (pr.N - c)) - 1);
+    const __m512 s = _mm512_loadu_ps(pr.scale + c);
+    for (int64_t m = m0; m < m1; ++m) {
+      float* y = pr.y + m * pr.N + c;
+      _mm512_mask_storeu_ps(y, live, _mm512_mul_ps(_mm512_maskz_loadu_ps(live, y), s));
+    }
+  }
+}
+
+// int8 weights: prefetch this far ahead of the k pair being widened (two k blocks): a few rows
+// widen in registers, enough arithmetic per byte that the hardware prefetcher alone let a row
+// fall to 0.8x the float32-arithmetic int8 kernel's streaming rate here.
+constexpr int64_t kQ8Prefetch = 4096;
+// Up to this many rows per item, each block of 6 rows widens the int8 panel again in registers;
+// past it the panel is widened once into bfloat16 scratch that every block reads (or, on AMX,
+// the tiles take it).  Measured with this constant at 6, 12, 36 and unbounded (AVX512-BF16, 2
+// cores, 30 projections of 576 x 3072): widening again beat the scratch copy by 1.3-1.5x from 8
+// to 32 rows, and lost from 64 rows on.
+constexpr int64_t kQ8WidenOnce = 36;
+
+// WT: uint16_t (bfloat16 weights) or int8_t (widened here).  scale: null, or the columns' scales.
+template <int R, class WT>
+JM_BF16 void dp_block(const BfProblem& pr, const uint16_t* a, int64_t ld, const WT* wp, int64_t p, int64_t m,
+                      const float* scale) {
   __m512 acc[R][4];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
   for (int64_t kb = 0; kb < pr.KB; ++kb) {
-    const uint16_t* b = wp + kb * kBlockElems;
+    const WT* b = wp + kb * kBlockElems;
     const uint16_t* ak = a + kb * kKBlock;
 #pragma GCC unroll 4
     for (int kk = 0; kk < 16; ++kk) {
       __m512bh bv[4];
-      for (int j = 0; j < 4; ++j) bv[j] = (__m512bh)_mm512_loadu_si512(b + j * kTileElems + kk * 32);
+      if constexpr (std::is_same_v<WT, int8_t>) {
+        _mm_prefetch(reinterpret_cast<const char*>(b + kk * 128 + kQ8Prefetch), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(b + kk * 128 + kQ8Prefetch + 64), _MM_HINT_T0);
+        widen_pair_row(b + kk * 128, bv);
+      }
+      else
+        for (int j = 0; j < 4; ++j) bv[j] = (__m512bh)_mm512_loadu_si512(b + j * kTileElems + kk * 32);
       for (int r = 0; r < R; ++r) {
         int32_t pair;
         std::memcpy(&pair, ak + r * ld + 2 * kk, 4);
@@ -571,30 +651,48 @@ JM_BF16 void dp_block(const BfProblem& pr, const uint16_t* a, int64_t ld, const 
     const int64_t c = p * kPanel + 16 * j;
     if (c >= pr.N) break;
     const __mmask16 live = c + 16 <= pr.N ? __mmask16(0xffff) : __mmask16((1u << (pr.N - c)) - 1);
-    for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(pr.y + (m + r) * pr.N + c, live, acc[r][j]);
+    const __m512 s = scale ? _mm512_loadu_ps(scale + c) : _mm512_set1_ps(1.0f);
+    for (int r = 0; r < R; ++r)
+      _mm512_mask_storeu_ps(pr.y + (m + r) * pr.N + c, live, scale ? _mm512_mul_ps(acc[r][j], s) : acc[r][j]);
+  }
+}
+
+// Rows m .. m + rows (<= 6) of panel p.
+template <class WT>
+JM_BF16 void dp_rows(const BfProblem& pr, const uint16_t* am, int64_t ld, const WT* wp, int64_t p, int64_t m,
+                     int64_t rows, const float* scale) {
+  switch (rows) {
+    case 1: dp_block<1>(pr, am, ld, wp, p, m, scale); break;
+    case 2: dp_block<2>(pr, am, ld, wp, p, m, scale); break;
+    case 3: dp_block<3>(pr, am, ld, wp, p, m, scale); break;
+    case 4: dp_block<4>(pr, am, ld, wp, p, m, scale); break;
+    case 5: dp_block<5>(pr, am, ld, wp, p, m, scale); break;
+    default: dp_block<6>(pr, am, ld, wp, p, m, scale); break;
   }
 }
 
 // One item (as bf16_item): rows in blocks of 6, each over every panel of the item in turn (the
-// panel, KB x 4 KiB, stays in L2 for the next block of rows).
-JM_BF16 void bf16_dp_item(const BfProblem& pr, int64_t item, uint16_t* a) {
+// panel, KB x 4 KiB, stays in L2 for the next block of rows).  `wide`: KB x 2048 bf16 of scratch
+// for an int8 panel widened once (int8 weights only).
+JM_BF16 void bf16_dp_item(const BfProblem& pr, int64_t item, uint16_t* a, uint16_t* wide) {
   const int64_t pi = item % pr.panel_items, ri = item / pr.panel_items;
   const int64_t p0 = pi * pr.panels_per_item, p1 = std::min(pr.P, p0 + pr.panels_per_item);
   const int64_t m0 = ri * pr.rows_per_item, m1 = std::min(pr.M, m0 + pr.rows_per_item);
   const int64_t ld = pr.KB * kKBlock;
+  const bool widen_once = pr.q && m1 - m0 > kQ8WidenOnce;
   convert_rows(pr.x + m0 * pr.K, pr.K, m1 - m0, ld, a);
   for (int64_t p = p0; p < p1; ++p) {
-    const uint16_t* wp = pr.w + p * pr.KB * kBlockElems;
+    const int64_t off = p * pr.KB * kBlockElems;
+    if (widen_once) widen_panel(pr.q + off, pr.KB, wide);
     for (int64_t m = m0; m < m1; m += 6) {
       const uint16_t* am = a + (m - m0) * ld;
-      switch (std::min<int64_t>(6, m1 - m)) {
-        case 1: dp_block<1>(pr, am, ld, wp, p, m); break;
-        case 2: dp_block<2>(pr, am, ld, wp, p, m); break;
-        case 3: dp_block<3>(pr, am, ld, wp, p, m); break;
-        case 4: dp_block<4>(pr, am, ld, wp, p, m); break;
-        case 5: dp_block<5>(pr, am, ld, wp, p, m); break;
-        default: dp_block<6>(pr, am, ld, wp, p, m); break;
-      }
+      const int64_t rows = std::min<int64_t>(6, m1 - m);
+      if (!pr.q)
+        dp_rows(pr, am, ld, pr.w + off, p, m, rows, nullptr);
+      else if (widen_once)
+        dp_rows(pr, am, ld, static_cast<const uint16_t*>(wide), p, m, rows, pr.scale);
+      else
+        dp_rows(pr, am, ld, pr.q + off, p, m, rows, pr.scale);
     }
   }
 }
@@ -621,16 +719,23 @@ ffi::Error RunBf16(ffi::ThreadPool pool, BfProblem pr) {
   pr.panels_per_item = (pr.P + pr.panel_items - 1) / pr.panel_items;
   pr.panel_items = (pr.P + pr.panels_per_item - 1) / pr.panels_per_item;
   pr.n_items = pr.panel_items * row_blocks;
-  const int64_t scratch = pr.rows_per_item * pr.KB * kKBlock + 2 * 256;  // x rows in bf16, then 256 floats
+  // Per thread: the item's x rows in bf16, an int8 panel widened (int8 weights only), 256 floats.
+  const int64_t rows_elems = pr.rows_per_item * pr.KB * kKBlock;
+  const int64_t wide_elems = pr.q ? pr.KB * kBlockElems : 0;
+  const int64_t scratch = rows_elems + wide_elems + 2 * 256;
+  // Up to kQ8WidenOnce rows, int8 weights widen in registers (dot products) whatever the host:
+  // the tiles would need each panel widened into memory first, a second pass over it.
+  const bool tiles = isa >= 4 && !(pr.q && pr.M <= kQ8WidenOnce);
   jaxserve_cpu::run_items(
       pool, pr.n_items, [scratch] { return std::unique_ptr<uint16_t[]>(new (std::nothrow) uint16_t[scratch + 32]); },
-      [pr, scratch, isa](std::unique_ptr<uint16_t[]>& sc, int64_t i) {
+      [pr, rows_elems, wide_elems, tiles](std::unique_ptr<uint16_t[]>& sc, int64_t i) {
         if (!sc) return false;
         uint16_t* base = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(sc.get()) + 63) & ~uintptr_t(63));
-        if (isa >= 4)
-          bf16_item(pr, i, base, reinterpret_cast<float*>(base + scratch - 2 * 256));
+        uint16_t* wide = base + rows_elems;
+        if (tiles)
+          bf16_item(pr, i, base, wide, reinterpret_cast<float*>(wide + wide_elems));
         else
-          bf16_dp_item(pr, i, base);
+          bf16_dp_item(pr, i, base, wide);
         return true;
       });
   return ffi::Error::Success();
@@ -640,18 +745,23 @@ ffi::Error RunBf16(ffi::ThreadPool pool, BfProblem pr) {
 #endif
 }
 
-ffi::Error MatmulBf16Impl(ffi::ThreadPool pool, ffi::BufferR2<ffi::F32> x, ffi::BufferR3<ffi::BF16> w,
-                          ffi::BufferR1<ffi::S32> live, ffi::ResultBufferR2<ffi::F32> y) {
-  const auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
+// Shapes and the problem for bfloat16 or int8 pair-layout weights (w or q, the other null).
+ffi::Error RunPairs(ffi::ThreadPool pool, const float* x, const uint16_t* w, const int8_t* q, const float* scale,
+                    ffi::BufferR1<ffi::S32> live, float* y, ffi::AnyBuffer::Dimensions xd,
+                    ffi::AnyBuffer::Dimensions wd, ffi::AnyBuffer::Dimensions yd, int64_t scale_len) {
+  const char* what = q ? "int8 matmul (bfloat16 pair layout)" : "bfloat16 matmul";
   if (wd[1] != (xd[1] + kKBlock - 1) / kKBlock || wd[2] != kBlockElems || yd[0] != xd[0] || yd[1] > wd[0] * kPanel ||
-      yd[1] <= (wd[0] - 1) * kPanel)
-    return ffi::Error::InvalidArgument("bfloat16 matmul: x [M, K], w [ceil(N / 64), ceil(K / 32), 2048] -> y [M, N]; "
-                                       "got x " + jaxserve_cpu::dims_str(xd) + ", w " + jaxserve_cpu::dims_str(wd) +
-                                       ", y " + jaxserve_cpu::dims_str(yd));
+      yd[1] <= (wd[0] - 1) * kPanel || (q && scale_len != wd[0] * kPanel))
+    return ffi::Error::InvalidArgument(std::string(what) + ": x [M, K], w [ceil(N / 64), ceil(K / 32), 2048]" +
+                                       (q ? ", scale [ceil(N / 64) * 64]" : "") + " -> y [M, N]; got x " +
+                                       jaxserve_cpu::dims_str(xd) + ", w " + jaxserve_cpu::dims_str(wd) + ", y " +
+                                       jaxserve_cpu::dims_str(yd));
   BfProblem pr{};
-  pr.x = x.typed_data();
-  pr.w = w.typed_data();
-  pr.y = y->typed_data();
+  pr.x = x;
+  pr.w = w;
+  pr.q = q;
+  pr.scale = scale;
+  pr.y = y;
   pr.M = xd[0];
   pr.K = xd[1];
   pr.N = yd[1];
@@ -666,11 +776,25 @@ ffi::Error MatmulBf16Impl(ffi::ThreadPool pool, ffi::BufferR2<ffi::F32> x, ffi::
   return RunBf16(pool, pr);
 }
 
+ffi::Error MatmulBf16Impl(ffi::ThreadPool pool, ffi::BufferR2<ffi::F32> x, ffi::BufferR3<ffi::BF16> w,
+                          ffi::BufferR1<ffi::S32> live, ffi::ResultBufferR2<ffi::F32> y) {
+  return RunPairs(pool, x.typed_data(), reinterpret_cast<const uint16_t*>(w.typed_data()), nullptr, nullptr, live,
+                  y->typed_data(), x.dimensions(), w.dimensions(), y->dimensions(), -1);
+}
+
+ffi::Error MatmulQ8Bf16Impl(ffi::ThreadPool pool, ffi::BufferR2<ffi::F32> x, ffi::BufferR3<ffi::S8> w,
+                            ffi::BufferR1<ffi::F32> scale, ffi::BufferR1<ffi::S32> live,
+                            ffi::ResultBufferR2<ffi::F32> y) {
+  return RunPairs(pool, x.typed_data(), nullptr, w.typed_data(), scale.typed_data(), live, y->typed_data(),
+                  x.dimensions(), w.dimensions(), y->dimensions(), scale.dimensions()[0]);
+}
+
 }  // namespace
 
 JM_EXPORT XLA_FFI_Error* JaxserveMatmulF32(XLA_FFI_CallFrame* call_frame);
 JM_EXPORT XLA_FFI_Error* JaxserveMatmulQ8(XLA_FFI_CallFrame* call_frame);
 JM_EXPORT XLA_FFI_Error* JaxserveMatmulBF16(XLA_FFI_CallFrame* call_frame);
+JM_EXPORT XLA_FFI_Error* JaxserveMatmulQ8BF16(XLA_FFI_CallFrame* call_frame);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMatmulF32, MatmulF32Impl,
                               ffi::Ffi::Bind()
@@ -697,6 +821,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMatmulBF16, MatmulBf16Impl,
                                   .Arg<ffi::BufferR1<ffi::S32>>()    // live rows: [1], or [0] for all
                                   .Ret<ffi::BufferR2<ffi::F32>>());  // y [M, N]
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMatmulQ8BF16, MatmulQ8Bf16Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::BufferR2<ffi::F32>>()   // x [M, K]
+                                  .Arg<ffi::BufferR3<ffi::S8>>()    // w [P, ceil(K / 32), 2048], pair layout
+                                  .Arg<ffi::BufferR1<ffi::F32>>()   // scale [P * 64]
+                                  .Arg<ffi::BufferR1<ffi::S32>>()   // live rows: [1], or [0] for all
+                                  .Ret<ffi::BufferR2<ffi::F32>>());  // y [M, N]
+
 // Bumped whenever these kernels' FFI signatures or the packed layout change, so that a stale
 // library is not used.
-JM_EXPORT int jaxserve_matmul_abi_version() { return 3; }  // 2: the bfloat16 (AMX) target; 3: live rows
+JM_EXPORT int jaxserve_matmul_abi_version() { return 4; }  // 2: the bfloat16 (AMX) target; 3: live rows; 4: int8 in the pair layout
