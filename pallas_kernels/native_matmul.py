@@ -11,10 +11,11 @@ panel [K, 64] contiguous: the whole array is [P, K, 64], P = ceil(N / 64), zero-
   and their per-channel scales [N] -> int8 [P, K, 64] with each row's 64 bytes interleaved (byte
   4i + j holds column 16j + i: what the kernel's widening reads in order) and scales [P * 64].
 - ``pack_bf16(w)``: float32 kernel [K, N] -> bfloat16 [P, ceil(K / 32), 2048]: each panel cut along
-  K into blocks of 32, each block 4 AMX weight tiles of 16 columns holding k in pairs
-  ([16 k pairs][16 columns][2]: the VNNI layout TDPBF16PS reads); zero-padded past K and N. Runs
-  on the AMX tiles only (``bf16_available()``); x is rounded to bfloat16 in the kernel, products
-  and sums are float32.
+  K into blocks of 32, each block [16 k pairs][64 columns][2] (row kk of AMX weight tile j, the
+  VNNI pairs TDPBF16PS reads, is columns 16j..16j+15 of k pair kk: a strided tile load; a k
+  pair's 64 columns are contiguous for the dot-product path); zero-padded past K and N. Runs
+  on AMX or AVX512-BF16 only (``bf16_available()``); x is rounded to bfloat16 in the kernel,
+  products and sums are float32.
 - ``pack_int8_bf16(q, scale)``: int8 weights [N, K] and scales [N] -> int8 [P, ceil(K / 32), 2048]
   in ``pack_bf16``'s element order, scales [P * 64]: weight-only int8 on the bfloat16 units
   (W8A16). The kernel widens the int8 values to bfloat16 (exact: 8 significant bits) and runs
@@ -43,7 +44,7 @@ TARGET_BF16 = "jaxserve_matmul_bf16"
 TARGET_Q8_BF16 = "jaxserve_matmul_q8_bf16"
 K_BLOCK = 32  # k per AMX tile step (kKBlock in cpu/matmul.cc)
 TILE_COLS = 16  # columns per AMX weight tile
-ABI_VERSION = 4  # must match jaxserve_matmul_abi_version() in cpu/matmul.cc
+ABI_VERSION = 5  # must match jaxserve_matmul_abi_version() in cpu/matmul.cc
 
 _kernels = native.MoreKernels(
     "matmul",
@@ -116,13 +117,13 @@ def _pairs(w_kn: np.ndarray) -> np.ndarray:
     kb = -(-k // K_BLOCK)
     p = _panels(np.pad(w_kn, ((0, kb * K_BLOCK - k), (0, 0))))  # [P, KB * 32, 64]
     p = p.reshape(p.shape[0], kb, K_BLOCK // 2, 2, PANEL // TILE_COLS, TILE_COLS)  # [P, kb, kk, e, j, c]
-    p = p.transpose(0, 1, 4, 2, 5, 3)  # [P, kb, j, kk, c, e]
+    p = p.transpose(0, 1, 2, 4, 5, 3)  # [P, kb, kk, j, c, e]
     return np.ascontiguousarray(p.reshape(p.shape[0], kb, K_BLOCK * PANEL))
 
 
 def pack_bf16(w) -> np.ndarray:
-    """float32 kernel [K, N] -> bfloat16 AMX panels [P, ceil(K / 32), 2048] (rounded to nearest
-    even; on the host, once at load): element [p, kb, 512 j + 32 kk + 2 c + e] is
+    """float32 kernel [K, N] -> bfloat16 panels [P, ceil(K / 32), 2048] (rounded to nearest
+    even; on the host, once at load): element [p, kb, 128 kk + 32 j + 2 c + e] is
     w[32 kb + 2 kk + e, 64 p + 16 j + c]."""
     w = np.asarray(w)
     if w.ndim != 2 or w.dtype != np.float32:
@@ -165,7 +166,7 @@ def unpack(w, n: int, k: int | None = None) -> jax.Array:
         return w.reshape(kb * K_BLOCK, p * PANEL)[:k, :n].astype(jnp.float32)
     if pair_layout(w):
         p, kb, _ = w.shape
-        w = w.reshape(p, kb, PANEL // TILE_COLS, K_BLOCK // 2, TILE_COLS, 2).transpose(1, 3, 5, 0, 2, 4)
+        w = w.reshape(p, kb, K_BLOCK // 2, PANEL // TILE_COLS, TILE_COLS, 2).transpose(1, 2, 5, 0, 3, 4)
         return w.reshape(kb * K_BLOCK, p * PANEL)[:k, :n].astype(jnp.float32)
     if w.dtype == jnp.int8:
         w = w.reshape(*w.shape[:2], 16, 4).transpose(0, 1, 3, 2).reshape(w.shape)

@@ -308,15 +308,16 @@ def test_bf16_live_rows(bf16):
 
 
 def test_bf16_pack_layout():
-    """Element [p, kb, 512 j + 32 kk + 2 c + e] holds w[32 kb + 2 kk + e, 64 p + 16 j + c] (the
-    VNNI pairs of one AMX weight tile), zero-padded past K and N; unpack inverts it."""
+    """Element [p, kb, 128 kk + 32 j + 2 c + e] holds w[32 kb + 2 kk + e, 64 p + 16 j + c] (row kk
+    of AMX weight tile j: a k pair's 64 columns are contiguous), zero-padded past K and N; unpack
+    inverts it."""
     rng = np.random.default_rng(0)
     w = rng.standard_normal((70, 130)).astype(np.float32)
     p = native_matmul.pack_bf16(w)
     assert p.shape == (3, 3, 2048) and p.dtype == jnp.bfloat16
     pf = p.astype(np.float32)
     for pi, kb, j, kk, c, e in ((0, 0, 0, 0, 0, 1), (1, 2, 3, 1, 15, 0), (0, 1, 2, 7, 4, 1)):
-        assert pf[pi, kb, 512 * j + 32 * kk + 2 * c + e] == _bf16(w)[32 * kb + 2 * kk + e, 64 * pi + 16 * j + c]
+        assert pf[pi, kb, 128 * kk + 32 * j + 2 * c + e] == _bf16(w)[32 * kb + 2 * kk + e, 64 * pi + 16 * j + c]
     np.testing.assert_array_equal(np.asarray(native_matmul.unpack(p, 130, 70)), _bf16(w).astype(np.float32))
     full = np.asarray(native_matmul.unpack(p, 192, 96))
     assert np.all(full[70:] == 0) and np.all(full[:, 130:] == 0)

@@ -370,10 +370,14 @@ ffi::Error MatmulQ8Impl(ffi::ThreadPool pool, ffi::BufferR2<ffi::F32> x, ffi::Bu
 //   y[m, n] = sum_k bf16(x[m, k]) * w[k, n]     (w bfloat16, products and sums in float32)
 //
 // Layout (pallas_kernels/native_matmul.py pack_bf16): the same panels of 64 columns, each cut
-// along K into blocks of 32 (K zero-padded to KB = ceil(K / 32) blocks), each block 4 AMX "B"
-// tiles of 16 columns: tile j holds 16 rows of k pairs x 16 columns x 2, element
-// [kk][c][e] = w[32 kb + 2 kk + e, 64 p + 16 j + c] (the VNNI pairs TDPBF16PS reads).  The whole
-// array is [P, KB, 2048] bfloat16; a panel is one contiguous run read front to back.
+// along K into blocks of 32 (K zero-padded to KB = ceil(K / 32) blocks), each block 16 k pairs x
+// 64 columns x 2: element [kk][j][c][e] = w[32 kb + 2 kk + e, 64 p + 16 j + c].  Row kk of AMX
+// "B" tile j (16 columns x one k pair, the VNNI pairs TDPBF16PS reads) is the 64 bytes at
+// 128 kk + 32 j, so a tile load takes its 16 rows at a stride of 256 bytes, and the dot-product
+// path reads a k pair's four weight vectors as one contiguous 256 bytes: the panel in order.  (With
+// each tile's rows contiguous instead, one row of x read the weights as four streams a KiB apart,
+// at half the memory's speed on an AVX512-BF16 host.)  The whole array is [P, KB, 2048] bfloat16; a
+// panel is one contiguous run read front to back.
 //
 // Each work item converts its rows of x to bfloat16 once (round to nearest even, zero past K)
 // into a per-thread scratch, then for each of its panels and each block of up to 32 rows runs
@@ -393,7 +397,8 @@ ffi::Error MatmulQ8Impl(ffi::ThreadPool pool, ffi::BufferR2<ffi::F32> x, ffi::Bu
 
 constexpr int64_t kKBlock = 32;              // k per tile step (native_matmul.K_BLOCK)
 constexpr int64_t kBlockElems = kPanel * kKBlock;  // bf16 elements per (panel, k block): 2048
-constexpr int64_t kTileElems = 512;          // one B tile: 16 k pairs x 16 columns x 2
+constexpr int64_t kTileCols = 32;           // bf16 elements of one B tile row: 16 columns x 2
+constexpr int64_t kPairRowBytes = 256;       // one k pair of the panel: 64 columns x 2 bf16
 constexpr int64_t kBfRowsPerItem = 128;      // the item's rows in bf16 stay in L2
 
 struct BfProblem {
@@ -470,13 +475,13 @@ JM_AMX void block16(const BfProblem& pr, const uint16_t* a, int64_t lda, const u
   for (int64_t kb = 0; kb < pr.KB; ++kb) {
     const uint16_t* b = wp + kb * kBlockElems;
     _tile_loadd(4, a + kb * kKBlock, lda);
-    _tile_loadd(5, b, 64);
+    _tile_loadd(5, b, kPairRowBytes);
     _tile_dpbf16ps(0, 4, 5);
-    _tile_loadd(6, b + kTileElems, 64);
+    _tile_loadd(6, b + kTileCols, kPairRowBytes);
     _tile_dpbf16ps(1, 4, 6);
-    _tile_loadd(7, b + 2 * kTileElems, 64);
+    _tile_loadd(7, b + 2 * kTileCols, kPairRowBytes);
     _tile_dpbf16ps(2, 4, 7);
-    _tile_loadd(5, b + 3 * kTileElems, 64);
+    _tile_loadd(5, b + 3 * kTileCols, kPairRowBytes);
     _tile_dpbf16ps(3, 4, 5);
   }
   const int64_t c = p * kPanel;
@@ -496,11 +501,11 @@ JM_AMX void block32(const BfProblem& pr, const uint16_t* a, int64_t lda, const u
     _tile_zero(2);
     _tile_zero(3);
     for (int64_t kb = 0; kb < pr.KB; ++kb) {
-      const uint16_t* b = wp + kb * kBlockElems + 2 * half * kTileElems;
+      const uint16_t* b = wp + kb * kBlockElems + 2 * half * kTileCols;
       _tile_loadd(4, a + kb * kKBlock, lda);
-      _tile_loadd(6, b, 64);
+      _tile_loadd(6, b, kPairRowBytes);
       _tile_dpbf16ps(0, 4, 6);
-      _tile_loadd(7, b + kTileElems, 64);
+      _tile_loadd(7, b + kTileCols, kPairRowBytes);
       _tile_dpbf16ps(1, 4, 7);
       _tile_loadd(5, a1 + kb * kKBlock, lda);
       _tile_dpbf16ps(2, 5, 6);
@@ -590,7 +595,7 @@ JM_BF16 void widen_panel(const int8_t* src, int64_t KB, uint16_t* dst) {
     for (int kk = 0; kk < 16; ++kk) {
       __m512bh bv[4];
       widen_pair_row(src + kb * kBlockElems + kk * 128, bv);
-      for (int j = 0; j < 4; ++j) _mm512_storeu_si512(dst + kb * kBlockElems + j * kTileElems + kk * 32, (__m512i)bv[j]);
+      for (int j = 0; j < 4; ++j) _mm512_storeu_si512(dst + kb * kBlockElems + kk * kPanel * 2 + j * kTileCols, (__m512i)bv[j]);
     }
 }
 
@@ -638,7 +643,7 @@ JM_BF16 void dp_block(const BfProblem& pr, const uint16_t* a, int64_t ld, const 
         widen_pair_row(b + kk * 128, bv);
       }
       else
-        for (int j = 0; j < 4; ++j) bv[j] = (__m512bh)_mm512_loadu_si512(b + j * kTileElems + kk * 32);
+        for (int j = 0; j < 4; ++j) bv[j] = (__m512bh)_mm512_loadu_si512(b + kk * kPanel * 2 + j * kTileCols);
       for (int r = 0; r < R; ++r) {
         int32_t pair;
         std::memcpy(&pair, ak + r * ld + 2 * kk, 4);
@@ -832,4 +837,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMatmulQ8BF16, MatmulQ8Bf16Impl,
 
 // Bumped whenever these kernels' FFI signatures or the packed layout change, so that a stale
 // library is not used.
-JM_EXPORT int jaxserve_matmul_abi_version() { return 4; }  // 2: the bfloat16 (AMX) target; 3: live rows; 4: int8 in the pair layout
+JM_EXPORT int jaxserve_matmul_abi_version() { return 5; }  // 2: the bfloat16 (AMX) target; 3: live rows; 4: int8 in the pair layout; 5: k-pair-major blocks
