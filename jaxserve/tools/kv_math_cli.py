@@ -65,11 +65,17 @@ def write_plot(p: Plan, path: str | Path) -> None:
 
 
 # --------------------------------------------------------------------------- host measurement
-def measure_host(size_bytes: int = 512 * 1024 * 1024, repeats: int = 5) -> dict[str, float]:
+def measure_host(
+    size_bytes: int = 512 * 1024 * 1024, repeats: int = 5, matmul_dtype: str = "float32"
+) -> dict[str, float]:
     """Measure the bandwidth and FLOP/s that predict_decode_step needs, on this machine.
 
     Bandwidth is the faster of a numpy sum (one core) and a jitted jax sum (all cores),
-    since the engine streams weights through XLA; best of ``repeats`` runs.
+    since the engine streams weights through XLA; best of ``repeats`` runs. The matmul rate
+    (512 x 4096 x 4096) is XLA's float32 dot; with ``matmul_dtype="bfloat16"`` (where the native
+    bfloat16 matmul runs) also the native kernel on bfloat16 panels, and ``matmul_flops`` is the
+    rate of the requested dtype: a step computing in bfloat16 is bounded by that rate, not by
+    float32's.
     """
     import jax
     import jax.numpy as jnp
@@ -97,13 +103,22 @@ def measure_host(size_bytes: int = 512 * 1024 * 1024, repeats: int = 5) -> dict[
     lhs, rhs = jnp.ones((512, 4096), jnp.float32), jnp.ones((4096, 4096), jnp.float32)
     mm = jax.jit(jnp.matmul)
     flops = 2 * 512 * 4096 * 4096 / best(lambda: mm(lhs, rhs).block_until_ready())
-    return {
+    out = {
         "memory_bandwidth": max(bw_numpy, bw_jax),
         "memory_bandwidth_numpy": bw_numpy,
         "memory_bandwidth_jax": bw_jax,
         "matmul_flops_fp32": flops,
-        "seconds": time.perf_counter() - start,
+        "matmul_flops": flops,
     }
+    from pallas_kernels import native_matmul
+
+    if matmul_dtype == "bfloat16" and native_matmul.bf16_available():
+        panels = jnp.asarray(native_matmul.pack_bf16(np.ones((4096, 4096), np.float32)))
+        mm16 = jax.jit(lambda x, w: native_matmul.matmul(x, w, n=4096))
+        out["matmul_flops_bf16"] = out["matmul_flops"] = (
+            2 * 512 * 4096 * 4096 / best(lambda: mm16(lhs, panels).block_until_ready())
+        )
+    return {**out, "seconds": time.perf_counter() - start}
 
 
 def bandwidth_probe(size_bytes: int = 256 * 1024 * 1024, repeats: int = 3):
@@ -304,7 +319,7 @@ def _measure_host_report(
     near = {key: [] for key in steps}  # (bandwidth read right before the timing, its round's host)
     probe = bandwidth_probe()
     for _ in range(rounds):
-        h = measure_host()
+        h = measure_host(matmul_dtype=matmul_dtype)
         hosts.append(h)
         for (b, name), (runner, rows) in runners.items():
             near[b, name].append({**h, "memory_bandwidth": probe()})
@@ -314,7 +329,13 @@ def _measure_host_report(
                 steps[b, "waited"].append(time_decode_steps(runner, rows, repeats))
     host = {
         k: statistics.median(h[k] for h in hosts)
-        for k in ("memory_bandwidth", "memory_bandwidth_numpy", "memory_bandwidth_jax", "matmul_flops_fp32")
+        for k in (
+            "memory_bandwidth",
+            "memory_bandwidth_numpy",
+            "memory_bandwidth_jax",
+            "matmul_flops_fp32",
+            "matmul_flops",
+        )
     }
     host["seconds"] = sum(h["seconds"] for h in hosts)
     host["memory_bandwidth_rounds"] = [h["memory_bandwidth"] for h in hosts]
@@ -326,7 +347,7 @@ def _measure_host_report(
             b,
             context_len,
             h["memory_bandwidth"],
-            h["matmul_flops_fp32"],
+            h["matmul_flops"],
             weight_dtype=weight_dtype,
             kv_dtype=kv_dtype,
         )
@@ -367,7 +388,13 @@ def _measure_host_report(
     print(
         f"host: memory bandwidth {host['memory_bandwidth'] / GB:.1f} GB/s, median of {rounds} rounds ({seen}; numpy sum "
         f"{host['memory_bandwidth_numpy'] / GB:.1f}, jax sum {host['memory_bandwidth_jax'] / GB:.1f}), "
-        f"fp32 matmul {host['matmul_flops_fp32'] / 1e9:.0f} GFLOP/s; read before each timing: median "
+        f"fp32 matmul {host['matmul_flops_fp32'] / 1e9:.0f} GFLOP/s"
+        + (
+            f", bf16 matmul {host['matmul_flops'] / 1e9:.0f} GFLOP/s (the compute bound)"
+            if matmul_dtype == "bfloat16"
+            else ""
+        )
+        + "; read before each timing: median "
         f"{statistics.median(host['memory_bandwidth_near_steps']) / GB:.1f}, lowest "
         f"{min(host['memory_bandwidth_near_steps']) / GB:.1f} GB/s"
     )
