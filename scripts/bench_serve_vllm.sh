@@ -4,8 +4,8 @@
 #
 #   scripts/bench_serve_vllm.sh MODEL_DIR VLLM_PYTHON [extra jaxserve serve flags...]
 #
-# MODEL_DIR needs a tokenizer both servers load (docs/benchmarks-log.md: a word-level one was
-# added to the random 56.4M Llama). RATE (2), ROUNDS (2), REQUESTS (48) from the environment.
+# MODEL_DIR needs a tokenizer both servers load: scripts/add_word_tokenizer.py gives the random
+# 56.4M Llama (/tmp/jaxserve-bench-56m, copied) a word-level one. RATE (2), ROUNDS (2), REQUESTS (48) from the environment.
 set -u
 model=$1 vllm_python=$2
 shift 2
