@@ -398,7 +398,8 @@ ffi::Error MatmulQ8Impl(ffi::ThreadPool pool, ffi::BufferR2<ffi::F32> x, ffi::Bu
 constexpr int64_t kKBlock = 32;              // k per tile step (native_matmul.K_BLOCK)
 constexpr int64_t kBlockElems = kPanel * kKBlock;  // bf16 elements per (panel, k block): 2048
 constexpr int64_t kTileCols = 32;           // bf16 elements of one B tile row: 16 columns x 2
-constexpr int64_t kPairRowBytes = 256;       // one k pair of the panel: 64 columns x 2 bf16
+constexpr int64_t kPairRow = 2 * kPanel;     // elements of one k pair of a panel: 64 columns x 2
+constexpr int64_t kPairRowBytes = 2 * kPairRow;  // ... in bfloat16: a tile load's row stride
 constexpr int64_t kBfRowsPerItem = 128;      // the item's rows in bf16 stay in L2
 
 struct BfProblem {
@@ -594,8 +595,8 @@ JM_BF16 void widen_panel(const int8_t* src, int64_t KB, uint16_t* dst) {
   for (int64_t kb = 0; kb < KB; ++kb)
     for (int kk = 0; kk < 16; ++kk) {
       __m512bh bv[4];
-      widen_pair_row(src + kb * kBlockElems + kk * 128, bv);
-      for (int j = 0; j < 4; ++j) _mm512_storeu_si512(dst + kb * kBlockElems + kk * kPanel * 2 + j * kTileCols, (__m512i)bv[j]);
+      widen_pair_row(src + kb * kBlockElems + kk * kPairRow, bv);
+      for (int j = 0; j < 4; ++j) _mm512_storeu_si512(dst + kb * kBlockElems + kk * kPairRow + j * kTileCols, (__m512i)bv[j]);
     }
 }
 
@@ -638,12 +639,12 @@ JM_BF16 void dp_block(const BfProblem& pr, const uint16_t* a, int64_t ld, const 
     for (int kk = 0; kk < 16; ++kk) {
       __m512bh bv[4];
       if constexpr (std::is_same_v<WT, int8_t>) {
-        _mm_prefetch(reinterpret_cast<const char*>(b + kk * 128 + kQ8Prefetch), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(b + kk * 128 + kQ8Prefetch + 64), _MM_HINT_T0);
-        widen_pair_row(b + kk * 128, bv);
+        _mm_prefetch(reinterpret_cast<const char*>(b + kk * kPairRow + kQ8Prefetch), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(b + kk * kPairRow + kQ8Prefetch + 64), _MM_HINT_T0);
+        widen_pair_row(b + kk * kPairRow, bv);
       }
       else
-        for (int j = 0; j < 4; ++j) bv[j] = (__m512bh)_mm512_loadu_si512(b + kk * kPanel * 2 + j * kTileCols);
+        for (int j = 0; j < 4; ++j) bv[j] = (__m512bh)_mm512_loadu_si512(b + kk * kPairRow + j * kTileCols);
       for (int r = 0; r < R; ++r) {
         int32_t pair;
         std::memcpy(&pair, ak + r * ld + 2 * kk, 4);
