@@ -270,6 +270,13 @@ def cpu_isa() -> str:
     return "unavailable" if lib is None else ISAS[lib.jaxserve_cpu_isa()]
 
 
+def best_cpu_isa() -> str:
+    """The best instruction set this host has, whatever JAXSERVE_CPU_ISA or set_cpu_isa chose
+    (what set_cpu_isa can raise the kernels back to); "unavailable" without the kernels."""
+    lib = _load()
+    return "unavailable" if lib is None else ISAS[lib.jaxserve_cpu_best_isa()]
+
+
 def set_cpu_isa(name: str) -> str:
     """Use at most this instruction set (for testing every variant on one host); returns the
     one now in use. The default is the best the host has (JAXSERVE_CPU_ISA lowers it:

@@ -74,7 +74,7 @@ def bf16_unavailable_reason() -> str | None:
         return None
     if not available():
         return unavailable_reason()
-    best = native.ISAS[native._load().jaxserve_cpu_best_isa()]
+    best = native.best_cpu_isa()
     if best in native.BF16_ISAS:
         return f"AMX / AVX512-BF16 are turned off (JAXSERVE_CPU_ISA or native.set_cpu_isa; the host has {best})"
     return f"this CPU has neither AMX nor AVX512-BF16 (best instruction set: {best})"

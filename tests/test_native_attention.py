@@ -359,7 +359,7 @@ def test_ragged_every_vector_variant(dtype):
 
 def _dp_isa() -> str:
     """avx512bf16 (the bfloat16 dot-product variant) where this host has it; skips elsewhere."""
-    best = native.ISAS[native._load().jaxserve_cpu_best_isa()]
+    best = native.best_cpu_isa()
     if native.ISAS.index(best) < native.ISAS.index("avx512bf16"):
         pytest.skip(f"this host has no AVX512-BF16 (best: {best}): a variant test")
     return "avx512bf16"

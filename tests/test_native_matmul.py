@@ -220,7 +220,7 @@ def _isa(name):
 
 def _bf16_isas() -> list[str]:
     """The bfloat16 matmul variants this host runs: avx512bf16 (dot products) and, with AMX, amx."""
-    best = native.ISAS[native._load().jaxserve_cpu_best_isa()] if native_matmul.available() else "unavailable"
+    best = native.best_cpu_isa() if native_matmul.available() else "unavailable"
     return [i for i in native.BF16_ISAS if best in native.BF16_ISAS and native.ISAS.index(i) <= native.ISAS.index(best)]
 
 
@@ -343,7 +343,7 @@ def test_environment_variable_turns_bf16_off():
     env = {k: v for k, v in os.environ.items() if k != "JAXSERVE_CPU_ISA"}
     run = lambda e: subprocess.run([sys.executable, "-c", code], env=e, capture_output=True, text=True, check=True)  # noqa: E731
     assert run({**env, "JAXSERVE_CPU_ISA": "avx512"}).stdout.split() == ["avx512", "False"]
-    best = native.ISAS[native._load().jaxserve_cpu_best_isa()]
+    best = native.best_cpu_isa()
     assert run(env).stdout.split() == [best, str(best in native.BF16_ISAS)]
 
 

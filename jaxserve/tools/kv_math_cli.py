@@ -8,6 +8,7 @@ a tool at the top of the stack, so it may build an engine to time it.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -113,12 +114,25 @@ def measure_host(
     from pallas_kernels import native_matmul
 
     if matmul_dtype == "bfloat16" and native_matmul.bf16_available():
-        panels = jnp.asarray(native_matmul.pack_bf16(np.ones((4096, 4096), np.float32)))
-        mm16 = jax.jit(lambda x, w: native_matmul.matmul(x, w, n=4096))
+        mm16, panels = _bf16_square()
         out["matmul_flops_bf16"] = out["matmul_flops"] = (
             2 * 512 * 4096 * 4096 / best(lambda: mm16(lhs, panels).block_until_ready())
         )
     return {**out, "seconds": time.perf_counter() - start}
+
+
+@functools.cache
+def _bf16_square():
+    """measure_host's bfloat16 matmul and its 4096 x 4096 panels, packed once per process (every
+    round of --measure-host measures again; packing 16M weights again each time is ~0.3 s)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from pallas_kernels import native_matmul
+
+    panels = jnp.asarray(native_matmul.pack_bf16(np.ones((4096, 4096), np.float32)))
+    return jax.jit(lambda x, w: native_matmul.matmul(x, w, n=4096)), panels
 
 
 def bandwidth_probe(size_bytes: int = 256 * 1024 * 1024, repeats: int = 3):
