@@ -99,3 +99,96 @@ def test_untied_lm_head_and_hidden_states(hf_models):
     assert model.untied and model.lm_head.kernel[...].shape == (cfg.hidden_size, cfg.vocab_size)
     untied, _ = model(tokens, positions)
     np.testing.assert_allclose(np.asarray(untied), np.asarray(tied), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("hidden", [576, 512, 100])
+def test_rms_norm_is_row_count_invariant(hidden):
+    """A row's norm is bit for bit the same alone as among 300 rows (XLA's own reduce summed
+    in a shape-dependent order: 93 of 300 rows of width 576 differed in the last bit), and
+    within float32 rounding of the float64 norm."""
+    from jaxserve.models.llama import RMSNorm
+
+    rng = np.random.default_rng(0)
+    norm = RMSNorm(hidden, 1e-5, jnp.float32)
+    norm.weight[...] = jnp.asarray(rng.standard_normal(hidden, dtype=np.float32))
+    x = rng.standard_normal((300, hidden), dtype=np.float32) * 3
+    h = rng.standard_normal((300, hidden), dtype=np.float32)
+    f = jax.jit(lambda x, h: norm(x + h))  # the residual add fused in, as in a decoder layer
+    alone = np.concatenate([np.asarray(f(x[None, i : i + 1], h[None, i : i + 1]))[0] for i in range(300)])
+    for n in (2, 8, 16, 64, 300):
+        np.testing.assert_array_equal(np.asarray(f(x[None, :n], h[None, :n]))[0], alone[:n])
+    y = (x + h).astype(np.float64)
+    want = y / np.sqrt((y * y).mean(-1, keepdims=True) + 1e-5) * np.asarray(norm.weight[...], np.float64)
+    np.testing.assert_allclose(alone, want, rtol=2e-6, atol=2e-6)
+
+
+def test_a_tokens_logits_do_not_depend_on_its_step(tmp_path):
+    """The CPU serving path (native matmul panels, native paged attention): the logits and KV
+    of four tokens run as one row padded to a 16-token step equal, bit for bit, those of the
+    same tokens run one per 1-token step. Speculative verification (a row of k + 1) is then
+    exactly plain decoding's arithmetic, so in bfloat16, where a last-bit difference becomes a
+    0.4% one at the next matmul's input, greedy output still cannot change (test_speculative)."""
+    from conftest import make_hf_model
+    from flax import nnx
+
+    from jaxserve.models.linear import pack_native
+    from jaxserve.runner import attention
+    from pallas_kernels import native, reference
+    from pallas_kernels.reference import RaggedMetadata
+
+    assert native.available(), native.unavailable_reason()
+    # SmolLM2's widths (where XLA's reduce order showed): hidden 576, 9 heads of 64, 3 KV heads
+    make_hf_model(
+        "llama",
+        tmp_path,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        initializer_range=0.05,
+    )
+    model, cfg = load_model(tmp_path, dtype=jnp.float32)
+    model.untie_lm_head()
+    assert pack_native(model, "float32") > 0
+    graphdef, params = nnx.split(model)
+    backend = attention.make("native")
+    ps, width = 16, 8
+
+    @jax.jit
+    def step(params, kv, tokens, md, live):
+        m = nnx.merge(graphdef, params)
+        n = tokens.shape[0]
+        logits, kv = m(
+            tokens[None], md.positions[None], kv, md, backend.forward, token_index=jnp.arange(n), num_live_tokens=live
+        )
+        return logits, kv
+
+    def run(kv, toks, start, bucket):
+        t = len(toks)
+        pad = lambda a: np.pad(np.asarray(a, np.int32), (0, bucket - t))  # noqa: E731
+        pos = np.arange(start, start + t)
+        md = RaggedMetadata(
+            slot_mapping=jnp.asarray(pad(ps + pos)),  # pages 1, 2, ...; padding writes the dummy page 0
+            block_tables=jnp.asarray(np.arange(1, width + 1, dtype=np.int32)[None]),
+            seq_lens=jnp.asarray([start + t], jnp.int32),
+            query_start_loc=jnp.asarray([0, t], jnp.int32),
+            positions=jnp.asarray(pad(pos)),
+        )
+        logits, kv = step(params, kv, jnp.asarray(pad(toks)), md, jnp.int32(t))
+        return np.asarray(logits)[:t], kv
+
+    rng = np.random.default_rng(4)
+    context, new = rng.integers(2, cfg.vocab_size, 40).tolist(), rng.integers(2, cfg.vocab_size, 4).tolist()
+    pool = lambda: tuple(
+        reference.empty_kv_cache(width + 1, ps, cfg.num_kv_heads, cfg.head_dim, jnp.float32)
+        for _ in range(cfg.num_layers)
+    )  # noqa: E731
+    kv_row, kv_one = run(pool(), context, 0, 64)[1], run(pool(), context, 0, 64)[1]
+    row, kv_row = run(kv_row, new, len(context), 16)
+    one = []
+    for i, t in enumerate(new):
+        logits, kv_one = run(kv_one, [t], len(context) + i, 1)
+        one.append(logits[0])
+    np.testing.assert_array_equal(row, np.stack(one))
+    for a, b in zip(jax.tree.leaves(kv_row), jax.tree.leaves(kv_one)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -120,6 +120,49 @@ def test_greedy_equals_plain_decoding(tok_model, draft_dir, eagle_dir, request, 
     assert llm.allocator.num_free == llm.allocator.capacity
 
 
+@pytest.fixture
+def bf16_host():
+    """The host's bfloat16 matmul switched on for one test (the suite runs with it off: conftest
+    sets JAXSERVE_CPU_ISA=avx512), back off after it: engines built later get float32."""
+    from pallas_kernels import native
+
+    best = native.best_cpu_isa()
+    if best not in native.BF16_ISAS:
+        pytest.skip(f"this host has neither AVX512-BF16 nor AMX (best: {best})")
+    before = native.cpu_isa()
+    native.set_cpu_isa(best)
+    yield best
+    native.set_cpu_isa(before)
+
+
+def test_greedy_equals_plain_decoding_in_bfloat16(bf16_host, tmp_path):
+    """With bfloat16 weights and KV pages (the default on such a host) prompt lookup's greedy
+    output is still plain decoding's, token for token. A bfloat16 matmul rounds its input to an
+    8-bit mantissa, so a last-bit difference between a token's activations in a verify row
+    and in a decode step became a 0.4% one; before the norm summed in a fixed order
+    (llama.mean_square) this workload diverged (SmolLM2's widths: hidden 576, 9 heads)."""
+    make_hf_model(
+        "llama",
+        tmp_path,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        num_hidden_layers=4,
+        initializer_range=0.05,
+    )
+    opts = dict(max_slots=4, page_size=16, max_model_len=256, num_pages=80, token_buckets=(1, 8, 16, 64), **COLD)
+    plain = LLM(tmp_path, **opts)
+    assert plain.runner.cfg.matmul_dtype == "bfloat16"
+    ngram = LLM(tmp_path, speculative_model="ngram", num_speculative_tokens=3, **opts)
+    prompts, params = _workload(3, n=8, repetitive=True)
+    params = [SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)] * len(prompts)
+    for p in prompts:  # one at a time: batch 1, where a verify row and a decode step differ most
+        want = plain.generate([p], params[:1])[0].token_ids
+        assert ngram.generate([p], params[:1])[0].token_ids == want
+    assert ngram.stats()["spec_target_steps"] > 0
+
+
 def test_greedy_with_preemption(tok_model, draft_dir, plain):
     llm = LLM(tok_model[0], speculative_model=str(draft_dir), num_speculative_tokens=4, num_pages=30, **OPTS, **COLD)
     prompts, params = _workload(2, n=12)
