@@ -31,6 +31,7 @@ from jaxserve.kv_math import (
     _positive_int,
     decode_step_bounds,
     plan,
+    predict_decode_step_phases,
     resolve_model,
 )
 
@@ -370,19 +371,27 @@ def _measure_host_report(
     for b in batches:
         mem, comp = bounds(b, host)
 
-        def ratio(key: tuple) -> float:  # each timing against the bound at the bandwidth read just before it
-            return statistics.median(t / max(bounds(b, h)) for t, h in zip(steps[key], near[key]))
+        def phases(h: dict) -> float:
+            return predict_decode_step_phases(
+                model, b, context_len, h["memory_bandwidth"], h["matmul_flops"], weight_dtype, kv_dtype
+            )
+
+        def ratio(key: tuple, bound=lambda h: max(bounds(b, h))) -> float:
+            """Each timing against the bound at the bandwidth read just before it."""
+            return statistics.median(t / bound(h) for t, h in zip(steps[key], near[key]))
 
         row = {
             "batch": b,
             "memory_bound_s": mem,
             "compute_bound_s": comp,
             "predicted_s": max(mem, comp),
+            "predicted_phases_s": phases(host),
             "measured_engine_s": statistics.median(steps[b, "engine"]),
             "measured_engine_waited_s": statistics.median(steps[b, "waited"]),
             "measured_engine_xla_s": statistics.median(steps[b, "xla"]),
         }
         row["measured_over_predicted"] = ratio((b, "engine"))
+        row["measured_over_phases"] = ratio((b, "engine"), phases)
         row["waited_over_predicted"] = ratio((b, "waited"))
         row["xla_over_predicted"] = ratio((b, "xla"))
         rows.append(row)
@@ -419,18 +428,20 @@ def _measure_host_report(
     )
     print(
         f"{'batch':>6} {'memory':>12} {'compute':>12} {'predicted':>12} {'engine':>12} {'ratio':>7} "
-        f"{'waited':>12} {'ratio':>7} {'engine, xla':>17} {'ratio':>7}"
+        f"{'waited':>12} {'ratio':>7} {'engine, xla':>17} {'ratio':>7} {'phases':>12} {'engine/phases':>14}"
     )
     for r in rows:
         print(
             f"{r['batch']:>6} {_ms(r['memory_bound_s']):>12} {_ms(r['compute_bound_s']):>12} "
             f"{_ms(r['predicted_s']):>12} {_ms(r['measured_engine_s']):>12} {r['measured_over_predicted']:>6.1f}x "
             f"{_ms(r['measured_engine_waited_s']):>12} {r['waited_over_predicted']:>6.1f}x "
-            f"{_ms(r['measured_engine_xla_s']):>17} {r['xla_over_predicted']:>6.1f}x"
+            f"{_ms(r['measured_engine_xla_s']):>17} {r['xla_over_predicted']:>6.1f}x "
+            f"{_ms(r['predicted_phases_s']):>12} {r['measured_over_phases']:>13.1f}x"
         )
     print(
         "engine: steps as the engine runs them, each dispatched before the last one's tokens are read back; "
-        "waited: each step built, run and read back before the next"
+        "waited: each step built, run and read back before the next; phases: the projections at their own "
+        "roofline, max(weights, FLOPs), plus the attention's KV read (kv_math.predict_decode_step_phases)"
     )
     return 0
 
