@@ -294,30 +294,21 @@ def predict_decode_step(
     flops: float,
     weight_dtype: str = "fp32",
     kv_dtype: str = "fp32",
+    *,
+    phases: bool = False,
 ) -> float:
-    """Single-device lower bound, for comparing with a measured engine step on this host."""
-    return max(
-        decode_step_bounds(model, batch, context_len, bandwidth, flops, weight_dtype=weight_dtype, kv_dtype=kv_dtype)
-    )
-
-
-def predict_decode_step_phases(
-    model: ModelShape,
-    batch: int,
-    context_len: int,
-    bandwidth: float,
-    flops: float,
-    weight_dtype: str = "fp32",
-    kv_dtype: str = "fp32",
-) -> float:
-    """Single-device step time as the sum of its two phases, each at its own roofline: the
-    projections at max(weight bytes / bandwidth, their FLOPs / peak), then the attention at its
-    KV bytes / bandwidth. A step runs them one after the other (separate kernels; on a CPU the
-    same cores), so when the projections are compute-bound the KV read cannot hide behind them,
-    which max(memory, compute) over the whole step assumes. Equal to `predict_decode_step` while
-    the projections are memory-bound; larger once batch makes them compute-bound."""
+    """Single-device step time, for comparing with a measured engine step on this host: the
+    roofline max(memory, compute) of the whole step (a lower bound), or with `phases` the sum of
+    its two phases, each at its own roofline: the projections at max(weight bytes / bandwidth,
+    their FLOPs / peak), then the attention at its KV bytes / bandwidth. A step runs them one
+    after the other (separate kernels; on a CPU the same cores), so when the projections are
+    compute-bound the KV read cannot hide behind them, which the whole-step max assumes. The two
+    agree while the projections are memory-bound; the sum is larger once batch makes them
+    compute-bound."""
     kw = dict(weight_dtype=weight_dtype, kv_dtype=kv_dtype)
     mem, comp = decode_step_bounds(model, batch, context_len, bandwidth, flops, **kw)
+    if not phases:
+        return max(mem, comp)
     weights_only, _ = decode_step_bounds(model, batch, 0, bandwidth, flops, **kw)
     return max(weights_only, comp) + (mem - weights_only)
 

@@ -37,6 +37,11 @@ TEST_MODEL = Path(__file__).resolve().parents[1] / "assets" / "models" / "defaul
 TEST_DRAFT = TEST_MODEL.parent / "draft"
 
 
+# SmolLM2-135M's widths (hidden 576, 9 heads of 64, 3 KV heads): where XLA's reduce order once
+# made a token's norm depend on its step (llama.mean_square).
+SMOLLM2_WIDTHS = dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3)
+
+
 def make_hf_model(kind: str, path, seed: int = 0, max_shard_size: str | None = None, **overrides):
     """A small random transformers model with peaked outputs (large initializer range) so
     that argmax comparisons mean something; saved with save_pretrained to `path`."""

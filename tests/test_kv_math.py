@@ -200,7 +200,7 @@ def test_predict_decode_step() -> None:
     )
 
 
-def test_predict_decode_step_phases() -> None:
+def test_predict_decode_step_by_phases() -> None:
     """The projections at their own roofline plus the KV read: the max roofline while the
     weights' bytes dominate their FLOPs (batch 1), their FLOP time plus the KV time once the
     FLOPs do (a slow compute peak), never below the max roofline."""
@@ -208,11 +208,15 @@ def test_predict_decode_step_phases() -> None:
     weights = m.streamed_params * 4
     kv = lambda b: b * 512 * (2 * 8 * 4 * 64 * 4)  # noqa: E731
     flops = lambda b: 2 * m.streamed_params * b  # noqa: E731
-    assert km.predict_decode_step_phases(m, 1, 512, 50e9, 200e9) == pytest.approx((weights + kv(1)) / 50e9)
-    assert km.predict_decode_step_phases(m, 32, 512, 50e9, 20e9) == pytest.approx(flops(32) / 20e9 + kv(32) / 50e9)
+    assert km.predict_decode_step(m, 1, 512, 50e9, 200e9, phases=True) == pytest.approx((weights + kv(1)) / 50e9)
+    assert km.predict_decode_step(m, 32, 512, 50e9, 20e9, phases=True) == pytest.approx(
+        flops(32) / 20e9 + kv(32) / 50e9
+    )
     for b in (1, 8, 32, 256):
         for peak in (20e9, 200e9, 2e12):
-            assert km.predict_decode_step_phases(m, b, 512, 50e9, peak) >= km.predict_decode_step(m, b, 512, 50e9, peak)
+            assert km.predict_decode_step(m, b, 512, 50e9, peak, phases=True) >= km.predict_decode_step(
+                m, b, 512, 50e9, peak
+            )
 
 
 # ------------------------------------------------------------------ configs

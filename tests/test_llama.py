@@ -128,7 +128,7 @@ def test_a_tokens_logits_do_not_depend_on_its_step(tmp_path):
     same tokens run one per 1-token step. Speculative verification (a row of k + 1) is then
     exactly plain decoding's arithmetic, so in bfloat16, where a last-bit difference becomes a
     0.4% one at the next matmul's input, greedy output still cannot change (test_speculative)."""
-    from conftest import make_hf_model
+    from conftest import SMOLLM2_WIDTHS, make_hf_model
     from flax import nnx
 
     from jaxserve.models.linear import pack_native
@@ -137,16 +137,7 @@ def test_a_tokens_logits_do_not_depend_on_its_step(tmp_path):
     from pallas_kernels.reference import RaggedMetadata
 
     assert native.available(), native.unavailable_reason()
-    # SmolLM2's widths (where XLA's reduce order showed): hidden 576, 9 heads of 64, 3 KV heads
-    make_hf_model(
-        "llama",
-        tmp_path,
-        hidden_size=576,
-        intermediate_size=1536,
-        num_attention_heads=9,
-        num_key_value_heads=3,
-        initializer_range=0.05,
-    )
+    make_hf_model("llama", tmp_path, **SMOLLM2_WIDTHS, initializer_range=0.05)
     model, cfg = load_model(tmp_path, dtype=jnp.float32)
     model.untie_lm_head()
     assert pack_native(model, "float32") > 0

@@ -9,7 +9,7 @@ import collections
 import numpy as np
 import pytest
 import torch
-from conftest import make_hf_model
+from conftest import SMOLLM2_WIDTHS, make_hf_model
 from scipy import stats
 
 from jaxserve import LLM, SamplingParams
@@ -141,16 +141,7 @@ def test_greedy_equals_plain_decoding_in_bfloat16(bf16_host, tmp_path):
     8-bit mantissa, so a last-bit difference between a token's activations in a verify row
     and in a decode step became a 0.4% one; before the norm summed in a fixed order
     (llama.mean_square) this workload diverged (SmolLM2's widths: hidden 576, 9 heads)."""
-    make_hf_model(
-        "llama",
-        tmp_path,
-        hidden_size=576,
-        intermediate_size=1536,
-        num_attention_heads=9,
-        num_key_value_heads=3,
-        num_hidden_layers=4,
-        initializer_range=0.05,
-    )
+    make_hf_model("llama", tmp_path, **SMOLLM2_WIDTHS, num_hidden_layers=4, initializer_range=0.05)
     opts = dict(max_slots=4, page_size=16, max_model_len=256, num_pages=80, token_buckets=(1, 8, 16, 64), **COLD)
     plain = LLM(tmp_path, **opts)
     assert plain.runner.cfg.matmul_dtype == "bfloat16"

@@ -31,7 +31,7 @@ from jaxserve.kv_math import (
     _positive_int,
     decode_step_bounds,
     plan,
-    predict_decode_step_phases,
+    predict_decode_step,
     resolve_model,
 )
 
@@ -372,9 +372,8 @@ def _measure_host_report(
         mem, comp = bounds(b, host)
 
         def phases(h: dict) -> float:
-            return predict_decode_step_phases(
-                model, b, context_len, h["memory_bandwidth"], h["matmul_flops"], weight_dtype, kv_dtype
-            )
+            bw, peak = h["memory_bandwidth"], h["matmul_flops"]
+            return predict_decode_step(model, b, context_len, bw, peak, weight_dtype, kv_dtype, phases=True)
 
         def ratio(key: tuple, bound=lambda h: max(bounds(b, h))) -> float:
             """Each timing against the bound at the bandwidth read just before it."""
@@ -441,7 +440,7 @@ def _measure_host_report(
     print(
         "engine: steps as the engine runs them, each dispatched before the last one's tokens are read back; "
         "waited: each step built, run and read back before the next; phases: the projections at their own "
-        "roofline, max(weights, FLOPs), plus the attention's KV read (kv_math.predict_decode_step_phases)"
+        "roofline, max(weights, FLOPs), plus the attention's KV read (kv_math.predict_decode_step, phases=True)"
     )
     return 0
 
