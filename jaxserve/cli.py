@@ -69,6 +69,11 @@ ENGINE_FLAGS = {
     "--tensor-parallel-size": ("tensor_parallel_size", int, "chips in the tensor-parallel mesh"),
     "--speculative-model": ("speculative_model", str, 'a draft checkpoint directory, or "ngram"'),
     "--num-speculative-tokens": ("num_speculative_tokens", int, "draft tokens per step"),
+    "--speculative-disable-by-batch-size": (
+        "speculative_disable_by_batch_size",
+        int,
+        "steps with more decoding sequences run plain (default: 16 // (k + 1) on the CPU)",
+    ),
     "--compilation-cache-dir": ("compilation_cache_dir", str, "persistent XLA compilation cache directory"),
     "--tool-call-parser": (
         "tool_call_parser",

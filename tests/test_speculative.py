@@ -16,7 +16,11 @@ from jaxserve import LLM, SamplingParams
 from jaxserve.runner import speculative
 from jaxserve.runner.executable_cache import compile_count
 
-OPTS = dict(max_slots=6, page_size=8, max_model_len=160, token_buckets=(16, 32, 64))
+# Speculative engines here speculate at every batch (the CPU default runs steps with more than
+# 16 // (k + 1) decoding sequences plain: test_speculation_off_above_a_batch_size).
+OPTS = dict(
+    max_slots=6, page_size=8, max_model_len=160, token_buckets=(16, 32, 64), speculative_disable_by_batch_size=6
+)
 # Only test_greedy_equals_plain_decoding counts compiles (its speculative engine is warmed up);
 # every other engine here skips warm-up and compiles just the shapes its workload runs (most of
 # a warm-up is sampling and batch-size variants these tests never use).
@@ -164,6 +168,29 @@ def test_greedy_with_preemption(tok_model, draft_dir, plain):
     assert llm.allocator.num_free == llm.allocator.capacity
 
 
+def test_speculation_off_above_a_batch_size(tok_model, plain):
+    """speculative_disable_by_batch_size: a step with more decoding sequences runs plain, one
+    with fewer speculates, in the same engine and the same requests; greedy output is plain
+    decoding's either way and every page comes back. On the CPU the default is 16 // (k + 1)."""
+    assert (
+        LLM(
+            tok_model[0], speculative_model="ngram", num_speculative_tokens=3, max_slots=6, warmup=False
+        ).runner.cfg.speculative_disable_by_batch_size
+        == 4
+    )
+    opts = {**OPTS, "speculative_disable_by_batch_size": 2}
+    llm = LLM(tok_model[0], speculative_model="ngram", num_speculative_tokens=3, num_pages=200, **opts, **COLD)
+    prompts, params = _workload(4, repetitive=True)
+    got = [o.token_ids for o in llm.generate(prompts, params)]
+    assert got == [o.token_ids for o in plain.generate(prompts, params)]
+    st = llm.stats()
+    assert st["spec_plain_steps"] > 0 and st["spec_target_steps"] > 0
+    llm.flush_prefix_cache()
+    assert llm.allocator.num_free == llm.allocator.capacity
+    with pytest.raises(ValueError, match="speculative_disable_by_batch_size"):
+        LLM(tok_model[0], speculative_model="ngram", speculative_disable_by_batch_size=0, warmup=False)
+
+
 def test_seeded_sampling_reproducible_with_speculation(tok_model, draft_dir):
     llm = LLM(tok_model[0], speculative_model=str(draft_dir), num_speculative_tokens=3, num_pages=200, **OPTS, **COLD)
     p = SamplingParams(max_tokens=20, temperature=0.8, seed=5, ignore_eos=True)
@@ -250,6 +277,7 @@ def test_sampling_is_lossless(tiny, spec, tmp_path):
         num_pages=300,
         token_buckets=(64,),  # one step holds a row for each of the 64 slots
         enable_prefix_caching=False,
+        speculative_disable_by_batch_size=64,
         **COLD,
     )
     counts = _sampled_pairs(llm, prompt, 1.0)
@@ -275,6 +303,7 @@ def test_chi_square_rejects_a_wrong_acceptance_rule(tiny, monkeypatch):
         num_pages=300,
         token_buckets=(64,),  # one step holds a row for each of the 64 slots
         enable_prefix_caching=False,
+        speculative_disable_by_batch_size=64,
         **COLD,
     )
     counts = _sampled_pairs(llm, prompt, 1.0)

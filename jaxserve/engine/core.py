@@ -114,6 +114,9 @@ class EngineCore:
                 "ngram" if draft is None else "eagle" if self.runner.eagle else Path(self.cfg.speculative_model).name
             )
             self.spec_stats = SpecStats(self.spec_k)
+        # Steps with more decoding sequences than this run plain (EngineConfig's comment).
+        self.spec_max_batch = rc.speculative_disable_by_batch_size
+        self.spec_plain_steps = 0  # steps run plain because of it
         allocator = PageAllocator(rc.num_pages, self.cfg.page_size)
         self.kv = KVManager(allocator, RadixCache(allocator) if self.cfg.enable_prefix_caching else None)
         self.scheduler = Scheduler(
@@ -341,6 +344,7 @@ class EngineCore:
             "grammar_mask_steps": self.mask_steps,
             "overlapped_steps": self.overlapped_steps,
             **(self.spec_stats.as_dict() if self.spec_stats else {}),
+            **({"spec_plain_steps": self.spec_plain_steps} if self.spec_stats else {}),
         }
 
     def model_info(self) -> ModelInfo:
@@ -389,7 +393,11 @@ class EngineCore:
         if plan.copies:
             self.runner.copy_pages(plan.copies)
         touched: list[Sequence] = []
-        if plan.decodes and self.spec_k and not any(s.params.plain_decode_only for s in plan.decodes):
+        speculate = plan.decodes and self.spec_k and not any(s.params.plain_decode_only for s in plan.decodes)
+        if speculate and self.spec_max_batch is not None and len(plan.decodes) > self.spec_max_batch:
+            speculate = False
+            self.spec_plain_steps += 1
+        if speculate:
             rows = self._lookup_rows(plan)
             if rows is not None:  # prompt lookup: one ragged step verifies the decodes beside the chunks
                 touched = self.scheduler.update(plan, self._speculate_ragged(plan.decodes, rows))

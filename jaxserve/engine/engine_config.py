@@ -42,6 +42,11 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     speculative_model: str | None = None  # a draft checkpoint directory, or "ngram" (prompt lookup)
     num_speculative_tokens: int = 4
+    # A step with more decoding sequences than this runs as a plain step (vLLM's option of the same
+    # name): verifying k + 1 tokens a sequence pays where a step is memory-bound, and loses where
+    # its rows make it compute-bound. Default: on the CPU 16 // (k + 1) (a CPU step turns
+    # compute-bound at about 16 rows: 4 sequences at k = 3), elsewhere None (always speculate).
+    speculative_disable_by_batch_size: int | None = None
     tensor_parallel_size: int = 1
     # Dispatch each decode step before reading the previous one's tokens (host work hidden
     # behind the device); off for speculative decoding. Outputs are the same either way.
@@ -56,7 +61,13 @@ class EngineConfig:
     tool_call_parser: str | None = None
 
     def __post_init__(self):
-        for name in ("max_slots", "page_size", "max_num_batched_tokens", "max_prefill_tokens_while_decoding"):
+        for name in (
+            "max_slots",
+            "page_size",
+            "max_num_batched_tokens",
+            "max_prefill_tokens_while_decoding",
+            "speculative_disable_by_batch_size",
+        ):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.kv_cache_dtype not in ("auto", "float32", "bfloat16", "int8", "fp8"):

@@ -371,6 +371,9 @@ class RunnerConfig:
     max_logprobs: int = 0  # the top-n alternatives a decode step computes when any row asks for logprobs
     prompt_logprobs: bool = True  # warm up the scoring prefill (prompt logprobs)
     num_speculative_tokens: int = 0  # k of a speculative step; 0 = no speculation
+    # a step with more decoding sequences runs plain (EngineConfig's field, resolved: on the CPU
+    # CPU_COMPUTE_BOUND_ROWS // (k + 1) by default); None: always speculate
+    speculative_disable_by_batch_size: int | None = None
     tensor_parallel_size: int = 1
     # Speculative batch buckets are powers of two from 8 rows (on TPU/GPU a sublane tile: fewer
     # rows cost the same). On the CPU every padded row costs its share of the matmuls, so a lone
@@ -756,6 +759,9 @@ def resolve(
             )
         attention_impl = "xla"  # the CPU default falls back to the XLA path, which reads fp8 pages
     spec_k = cfg.num_speculative_tokens if cfg.speculative_model else 0
+    spec_max_batch = cfg.speculative_disable_by_batch_size
+    if spec_max_batch is None and spec_k and backend == "cpu":  # a CPU step is compute-bound from ~16 rows
+        spec_max_batch = max(1, CPU_COMPUTE_BOUND_ROWS // (spec_k + 1))
     return RunnerConfig(
         max_slots=cfg.max_slots,
         page_size=ps,
@@ -772,6 +778,7 @@ def resolve(
         max_logprobs=min(max_logprobs, model_cfg.vocab_size),
         prompt_logprobs=cfg.enable_prompt_logprobs,
         num_speculative_tokens=spec_k,
+        speculative_disable_by_batch_size=spec_max_batch,
         tensor_parallel_size=cfg.tensor_parallel_size,
         single_row_bucket=backend == "cpu",
         compilation_cache_dir=cfg.compilation_cache_dir,
@@ -786,6 +793,11 @@ def resolve(
 # carries: 256 keeps the decode rows riding with a prompt chunk within a few decode steps'
 # time, and a long prompt's first token within a few hundred ms (docs/benchmarks.md).
 DEFAULT_TOKEN_BUDGET = {"cpu": 256}
+# Rows from which a CPU decode step is compute-bound rather than memory-bound (kv-math's
+# crossover on the 2-core development hosts: docs/architecture.md). A speculative step verifying
+# more rows than this costs about what its rows cost, so it no longer pays: n-gram at batch 8,
+# k = 3 (32 rows) ran 0.76x plain on SmolLM2 (docs/benchmarks-log.md, 2026-12-04).
+CPU_COMPUTE_BOUND_ROWS = 16
 
 
 def _token_buckets(cfg, backend: str) -> tuple[int, ...]:
