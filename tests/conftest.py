@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -35,6 +36,30 @@ import pytest  # noqa: E402
 # checkout. The default model (SmolLM2-135M-Instruct, 30 layers) is for users; tests name these.
 TEST_MODEL = Path(__file__).resolve().parents[1] / "assets" / "models" / "default" / "target"
 TEST_DRAFT = TEST_MODEL.parent / "draft"
+
+
+@contextlib.contextmanager
+def cpu_isa(name: str):
+    """The native kernels at most at instruction set `name` inside the block (yields the one now
+    in use), the previous one restored after it."""
+    from pallas_kernels import native
+
+    before = native.cpu_isa()
+    try:
+        yield native.set_cpu_isa(name)
+    finally:
+        native.set_cpu_isa(before)
+
+
+def bf16_isas() -> list[str]:
+    """The bfloat16 matmul variants this host runs, slowest first: avx512bf16 (dot products)
+    and, with AMX, amx; empty on other hosts (the suite itself runs with them off)."""
+    from pallas_kernels import native, native_matmul
+
+    best = native.best_cpu_isa() if native_matmul.available() else "unavailable"
+    if best not in native.BF16_ISAS:
+        return []
+    return [i for i in native.BF16_ISAS if native.ISAS.index(i) <= native.ISAS.index(best)]
 
 
 # SmolLM2-135M's widths (hidden 576, 9 heads of 64, 3 KV heads): where XLA's reduce order once

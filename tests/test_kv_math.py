@@ -347,20 +347,17 @@ def test_measure_host_small() -> None:
 def test_measure_host_bf16_rate_is_the_compute_bound() -> None:
     """With bfloat16 weights the compute bound is the native bfloat16 matmul's rate (where it
     runs; the float32 rate where it does not, as the suite's default ISA has it)."""
-    from pallas_kernels import native, native_matmul
+    from conftest import bf16_isas, cpu_isa
 
-    before = native.cpu_isa()
-    try:
-        best = native.ISAS.index(native.best_cpu_isa())
-        for isa in ("avx512", *[i for i in native.BF16_ISAS if native.ISAS.index(i) <= best]):
-            native.set_cpu_isa(isa)
+    from pallas_kernels import native_matmul
+
+    for isa in ("avx512", *bf16_isas()):
+        with cpu_isa(isa):
             host = kv_math_cli.measure_host(size_bytes=8 * 1024 * 1024, repeats=1, matmul_dtype="bfloat16")
             if native_matmul.bf16_available():
                 assert host["matmul_flops"] == host["matmul_flops_bf16"] > 0
             else:
                 assert "matmul_flops_bf16" not in host and host["matmul_flops"] == host["matmul_flops_fp32"]
-    finally:
-        native.set_cpu_isa(before)
 
 
 def test_bandwidth_probe_reads_its_array_each_call() -> None:

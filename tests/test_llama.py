@@ -170,10 +170,11 @@ def test_a_tokens_logits_do_not_depend_on_its_step(tmp_path):
 
     rng = np.random.default_rng(4)
     context, new = rng.integers(2, cfg.vocab_size, 40).tolist(), rng.integers(2, cfg.vocab_size, 4).tolist()
-    pool = lambda: tuple(
-        reference.empty_kv_cache(width + 1, ps, cfg.num_kv_heads, cfg.head_dim, jnp.float32)
-        for _ in range(cfg.num_layers)
-    )  # noqa: E731
+
+    def pool():
+        layer = lambda: reference.empty_kv_cache(width + 1, ps, cfg.num_kv_heads, cfg.head_dim, jnp.float32)  # noqa: E731
+        return tuple(layer() for _ in range(cfg.num_layers))
+
     kv_row, kv_one = run(pool(), context, 0, 64)[1], run(pool(), context, 0, 64)[1]
     row, kv_row = run(kv_row, new, len(context), 16)
     one = []

@@ -13,12 +13,11 @@ with AMX off (conftest); these tests turn it on around themselves (``amx`` fixtu
 
 from __future__ import annotations
 
-import contextlib
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import bf16_isas, cpu_isa
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -209,32 +208,17 @@ def test_engine_packs_on_the_cpu_and_not_when_told():
 # ---- bfloat16 weights on the AMX tiles ---------------------------------------------------------
 
 
-@contextlib.contextmanager
-def _isa(name):
-    before = native.cpu_isa()
-    try:
-        yield native.set_cpu_isa(name)
-    finally:
-        native.set_cpu_isa(before)
-
-
-def _bf16_isas() -> list[str]:
-    """The bfloat16 matmul variants this host runs: avx512bf16 (dot products) and, with AMX, amx."""
-    best = native.best_cpu_isa() if native_matmul.available() else "unavailable"
-    return [i for i in native.BF16_ISAS if best in native.BF16_ISAS and native.ISAS.index(i) <= native.ISAS.index(best)]
-
-
 @pytest.fixture
 def bf16():
     """The bfloat16 matmul on for one test, every variant the host has in turn (the suite runs
     with it off: conftest): call the fixture's value to get an iterator of ISA names."""
-    isas = _bf16_isas()
+    isas = bf16_isas()
     if not isas:
         pytest.skip(f"this host has neither AVX512-BF16 nor AMX ({native_matmul.bf16_unavailable_reason()})")
 
     def each():
         for isa in isas:
-            with _isa(isa) as got:
+            with cpu_isa(isa) as got:
                 assert got == isa
                 yield isa
 
@@ -326,7 +310,7 @@ def test_bf16_pack_layout():
 def test_bf16_off_falls_back_to_the_reference():
     """With AMX off (this suite's default) bfloat16 panels still give the right answer, through
     XLA (native_matmul.reference), and bf16_available() says why not."""
-    with _isa("avx512"):
+    with cpu_isa("avx512"):
         assert not native_matmul.bf16_available() and native_matmul.bf16_unavailable_reason()
         x, w = _bf16_case(5, 40, 70, 3)
         _check_bf16(np.asarray(native_matmul.matmul(x, native_matmul.pack_bf16(w), n=70)), x, w)
@@ -359,7 +343,7 @@ def test_engine_precision_follows_the_host():
     cfg = _model(None).cfg
     opts = dict(num_pages=16, max_model_len=64)
     resolve = lambda **o: model_runner.resolve(cfg, None, EngineConfig(**opts, **o), 0, 0)  # noqa: E731
-    with _isa("avx512"):
+    with cpu_isa("avx512"):
         rc = resolve()
         assert (rc.matmul_impl, rc.matmul_dtype) == ("native", "float32") and "AMX" in rc.matmul_reason
         assert rc.kv_cache_dtype == "auto"  # float32 pages
@@ -372,9 +356,9 @@ def test_engine_precision_follows_the_host():
         EngineConfig(matmul_dtype="float16")
     with pytest.raises(ValueError, match="matmul_dtype"):
         resolve(matmul_impl="xla", matmul_dtype="bfloat16")
-    if not _bf16_isas():
+    if not bf16_isas():
         return  # the rest needs a bfloat16 unit; the float32 side above is what such a host runs
-    with _isa(_bf16_isas()[-1]):
+    with cpu_isa(bf16_isas()[-1]):
         assert resolve().matmul_dtype == "bfloat16"
         assert resolve().kv_cache_dtype == "bfloat16"  # caches in bfloat16 too, as it computes
         assert resolve(dtype="float32").kv_cache_dtype == resolve(matmul_dtype="float32").kv_cache_dtype == "auto"
@@ -420,7 +404,7 @@ def test_engine_bf16_greedy_mostly_agrees_with_float32(bf16):
     prompts = [[int(t) for t in rng.integers(3, 4000, 16)] for _ in range(8)]
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     outs = {}
-    with _isa(_bf16_isas()[-1]):  # the host's best bfloat16 unit on for the engines below
+    with cpu_isa(bf16_isas()[-1]):  # the host's best bfloat16 unit on for the engines below
         for md in ("float32", "bfloat16"):
             # no warm-up: only the steps this test runs are compiled (test_llm covers warm-up)
             llm = LLM(TEST_MODEL, matmul_dtype=md, warmup=False, max_slots=8, max_model_len=48, token_buckets=(16,))
@@ -511,7 +495,7 @@ def test_int8_bf16_pack_layout():
 
 
 def test_int8_bf16_off_falls_back_to_the_reference():
-    with _isa("avx512"):
+    with cpu_isa("avx512"):
         x, w, scale, q_kn, s = _q8_bf16_case(5, 40, 70, 3)
         _check_q8_bf16(np.asarray(native_matmul.matmul(x, w, scale, n=70)), x, q_kn, s)
 

@@ -9,7 +9,7 @@ import collections
 import numpy as np
 import pytest
 import torch
-from conftest import SMOLLM2_WIDTHS, make_hf_model
+from conftest import SMOLLM2_WIDTHS, bf16_isas, cpu_isa, make_hf_model
 from scipy import stats
 
 from jaxserve import LLM, SamplingParams
@@ -128,15 +128,11 @@ def test_greedy_equals_plain_decoding(tok_model, draft_dir, eagle_dir, request, 
 def bf16_host():
     """The host's bfloat16 matmul switched on for one test (the suite runs with it off: conftest
     sets JAXSERVE_CPU_ISA=avx512), back off after it: engines built later get float32."""
-    from pallas_kernels import native
-
-    best = native.best_cpu_isa()
-    if best not in native.BF16_ISAS:
-        pytest.skip(f"this host has neither AVX512-BF16 nor AMX (best: {best})")
-    before = native.cpu_isa()
-    native.set_cpu_isa(best)
-    yield best
-    native.set_cpu_isa(before)
+    isas = bf16_isas()
+    if not isas:
+        pytest.skip("this host has neither AVX512-BF16 nor AMX")
+    with cpu_isa(isas[-1]) as got:
+        yield got
 
 
 def test_greedy_equals_plain_decoding_in_bfloat16(bf16_host, tmp_path):
