@@ -164,27 +164,36 @@ def test_greedy_with_preemption(tok_model, draft_dir, plain):
     assert llm.allocator.num_free == llm.allocator.capacity
 
 
-def test_speculation_off_above_a_batch_size(tok_model, plain):
+@pytest.mark.parametrize("spec", ["ngram", "self", "eagle"])
+def test_speculation_off_above_a_batch_size(tok_model, eagle_dir, plain, spec):
     """speculative_disable_by_batch_size: a step with more decoding sequences runs plain, one
     with fewer speculates, in the same engine and the same requests; greedy output is plain
-    decoding's either way and every page comes back. On the CPU the default is 16 // (k + 1)."""
-    assert (
-        LLM(
-            tok_model[0], speculative_model="ngram", num_speculative_tokens=3, max_slots=6, warmup=False
-        ).runner.cfg.speculative_disable_by_batch_size
-        == 4
-    )
+    decoding's either way and every page comes back. Those plain steps overlap (async
+    scheduling: each dispatched before the last one's tokens are read; a draft fills its KV
+    with the fed tokens, so a draft equal to the target is still always right). On the CPU the
+    default is 16 // (k + 1)."""
+    model = {"ngram": "ngram", "self": str(tok_model[0]), "eagle": str(eagle_dir)}[spec]
+    if spec == "ngram":
+        assert (
+            LLM(
+                tok_model[0], speculative_model=model, num_speculative_tokens=3, max_slots=6, warmup=False
+            ).runner.cfg.speculative_disable_by_batch_size
+            == 4
+        )
+        with pytest.raises(ValueError, match="speculative_disable_by_batch_size"):
+            LLM(tok_model[0], speculative_model=model, speculative_disable_by_batch_size=0, warmup=False)
     opts = {**OPTS, "speculative_disable_by_batch_size": 2}
-    llm = LLM(tok_model[0], speculative_model="ngram", num_speculative_tokens=3, num_pages=200, **opts, **COLD)
+    llm = LLM(tok_model[0], speculative_model=model, num_speculative_tokens=3, num_pages=200, **opts, **COLD)
     prompts, params = _workload(4, repetitive=True)
     got = [o.token_ids for o in llm.generate(prompts, params)]
     assert got == [o.token_ids for o in plain.generate(prompts, params)]
     st = llm.stats()
     assert st["spec_plain_steps"] > 0 and st["spec_target_steps"] > 0
+    assert st["overlapped_steps"] > 0
+    if spec == "self":  # its KV filled right in the overlapped steps: k + 1 tokens a step
+        assert st["spec_mean_accepted"] > 3.0
     llm.flush_prefix_cache()
     assert llm.allocator.num_free == llm.allocator.capacity
-    with pytest.raises(ValueError, match="speculative_disable_by_batch_size"):
-        LLM(tok_model[0], speculative_model="ngram", speculative_disable_by_batch_size=0, warmup=False)
 
 
 def test_seeded_sampling_reproducible_with_speculation(tok_model, draft_dir):

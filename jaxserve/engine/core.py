@@ -139,8 +139,10 @@ class EngineCore:
         self._rng = np.random.default_rng(self.cfg.seed)
         self._lock = threading.Lock()
         # Async scheduling (vLLM's async scheduling, SGLang's overlap scheduler): the decode
-        # step in flight. Speculative steps need every token on the host, so they run without.
-        self.overlap = self.cfg.async_scheduling and not self.spec_k
+        # step in flight. A speculative step needs every token on the host, so the step in
+        # flight is read before one; a speculative engine's plain steps (a batch above
+        # speculative_disable_by_batch_size) overlap like any other.
+        self.overlap = self.cfg.async_scheduling
         self._pending: _PendingStep | None = None
         self.overlapped_steps = 0  # decode steps dispatched while the previous one was in flight
         if self.runner.is_follower:
@@ -389,22 +391,29 @@ class EngineCore:
                     self.scheduler.add(seq)
             elif op == "abort":  # every completion of the request
                 finished_now.extend(self.scheduler.abort(arg))
+        touched: list[Sequence] = []
+        if self._pending is not None and self._may_speculate():
+            # a speculative step proposes from every token: read the step in flight first, so
+            # the plan below sees them (lengths, pages for the lookahead, who finished)
+            touched += self._resolve(self._pending)
+            self._pending = None
         plan = self.scheduler.schedule()
         if plan.copies:
             self.runner.copy_pages(plan.copies)
-        touched: list[Sequence] = []
         speculate = plan.decodes and self.spec_k and not any(s.params.plain_decode_only for s in plan.decodes)
-        if speculate and self.spec_max_batch is not None and len(plan.decodes) > self.spec_max_batch:
+        if speculate and (
+            self._pending is not None or (self.spec_max_batch is not None and len(plan.decodes) > self.spec_max_batch)
+        ):
             speculate = False
             self.spec_plain_steps += 1
         if speculate:
             rows = self._lookup_rows(plan)
             if rows is not None:  # prompt lookup: one ragged step verifies the decodes beside the chunks
-                touched = self.scheduler.update(plan, self._speculate_ragged(plan.decodes, rows))
+                touched += self.scheduler.update(plan, self._speculate_ragged(plan.decodes, rows))
             else:  # a draft model proposes on the device first; prompt logprobs; more tokens than a step
                 if plan.prefills:
                     self._prefill(plan.prefills)
-                touched = self.scheduler.update(plan, self._speculate(plan.decodes))
+                touched += self.scheduler.update(plan, self._speculate(plan.decodes))
         else:  # logprobs, grammars, penalties, biases and min_p/min_tokens run in the ragged step
             # Async scheduling: dispatch this step, then read the previous one's tokens while
             # the device runs it. A step whose rows need their tokens on the host before the
@@ -424,6 +433,16 @@ class EngineCore:
         # one's read at once): one output each
         once = list({id(s): s for s in touched + finished_now}.values())
         return [self._output(seq) for seq in once] + rejected
+
+    def _may_speculate(self) -> bool:
+        """Whether the next step may speculate: a speculative engine whose decoding sequences
+        are no more than speculative_disable_by_batch_size (a prompt finishing its prefill may
+        still push the step over it; that step then runs plain)."""
+        if not self.spec_k:
+            return False
+        if self.spec_max_batch is None:
+            return True
+        return sum(1 for s in self.scheduler.running if not s.prefilling) <= self.spec_max_batch
 
     @staticmethod
     def _next_tokens(c) -> list[int]:

@@ -49,7 +49,8 @@ class EngineConfig:
     speculative_disable_by_batch_size: int | None = None
     tensor_parallel_size: int = 1
     # Dispatch each decode step before reading the previous one's tokens (host work hidden
-    # behind the device); off for speculative decoding. Outputs are the same either way.
+    # behind the device); a speculative step reads the one before it first (it proposes from
+    # every token). Outputs are the same either way.
     async_scheduling: bool = True
     # The scoring prefill of requests with prompt_logprobs (lm-eval's loglikelihood): compiled at
     # warm-up, one executable per prefill bucket; off, such requests are refused.

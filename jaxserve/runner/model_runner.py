@@ -549,10 +549,9 @@ class ModelRunner:
         want = np.bool_(want_logprobs and self.cfg.max_logprobs > 0)
         nlp = self.cfg.max_logprobs
         if not self.eagle:
-            for d in self.models[1:]:  # a speculative draft fills its KV over the same rows
-                d.kv, _, _ = d.step(
-                    d.params, d.kv, batch, jnp.zeros_like(self._prev_tokens), np.bool_(False), num_logprobs=0
-                )
+            for d in self.models[1:]:  # a speculative draft fills its KV over the same rows (fed
+                # tokens are the target's: its last step's ids)
+                d.kv, _, _ = d.step(d.params, d.kv, batch, self._prev_tokens, np.bool_(False), num_logprobs=0)
         w = self.target
         eg = {"with_hidden": True} if self.eagle else {}
         scored = []
