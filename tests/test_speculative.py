@@ -31,6 +31,31 @@ def test_ngram_propose():
     assert speculative.ngram_propose([1, 2, 3, 9, 1, 2, 3], 3) == [9, 1, 2]
     assert speculative.ngram_propose([5, 6, 7, 5, 6, 8, 5, 6], 2) == [8, 5]  # most recent match wins
     assert speculative.ngram_propose([1, 2, 3, 4], 3) == []
+    assert speculative.ngram_propose([1, 2, 3, 9, 5, 3], 2) == [9, 5]  # a 1-token match
+    assert speculative.ngram_propose([1, 2, 3, 9, 5, 3], 2, max_n=3, min_n=2) == []
+
+
+def test_prompt_lookup_lengths(tok_model, plain):
+    """prompt_lookup_min/max reach the proposer: a 3-token minimum proposes less often than 1
+    (the output is plain decoding's either way), and a max below the min is refused."""
+    prompts, params = _workload(4, repetitive=True)
+    want = [o.token_ids for o in plain.generate(prompts, params)]
+    proposed = {}
+    for lo in (1, 3):
+        llm = LLM(
+            tok_model[0],
+            speculative_model="ngram",
+            num_speculative_tokens=3,
+            prompt_lookup_min=lo,
+            num_pages=200,
+            **OPTS,
+            **COLD,
+        )
+        assert [o.token_ids for o in llm.generate(prompts, params)] == want
+        proposed[lo] = llm.core.spec_stats.proposed[0]
+    assert 0 < proposed[3] < proposed[1]
+    with pytest.raises(ValueError, match="prompt_lookup_max"):
+        LLM(tok_model[0], speculative_model="ngram", prompt_lookup_min=3, prompt_lookup_max=2, warmup=False)
 
 
 @pytest.fixture(scope="module")

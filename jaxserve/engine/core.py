@@ -434,6 +434,13 @@ class EngineCore:
         once = list({id(s): s for s in touched + finished_now}.values())
         return [self._output(seq) for seq in once] + rejected
 
+    def _propose(self, seq: Sequence) -> list[int]:
+        """Prompt lookup's drafts for a sequence (EngineConfig's prompt_lookup_min/max)."""
+        from jaxserve.runner.speculative import ngram_propose
+
+        c = self.cfg
+        return ngram_propose(seq.all_ids, self.spec_k, c.prompt_lookup_max, c.prompt_lookup_min)
+
     def _may_speculate(self) -> bool:
         """Whether the next step may speculate: a speculative engine whose decoding sequences
         are no more than speculative_disable_by_batch_size (a prompt finishing its prefill may
@@ -569,15 +576,13 @@ class EngineCore:
         [its prompt's last chunk..., last token, drafts...] (sampling rows first, in plan.decodes'
         order), then the chunks of prompts still being filled. None where that step does not
         apply: a draft model, a chunk to score, or more tokens than the largest bucket."""
-        from jaxserve.runner.speculative import ngram_propose
-
         if self.runner.draft is not None or any(c.seq.wants_prompt_logprobs for c in plan.prefills):
             return None
         chunk_of = {id(c.seq): c for c in plan.prefills}
         rows = []
         for s in plan.decodes:
             c = chunk_of.pop(id(s), None)
-            drafts = ngram_propose(s.all_ids, self.spec_k)
+            drafts = self._propose(s)
             start = s.length - 1 if c is None else c.start
             row = self._chunk(s, s.all_ids[start:] + drafts, None, start)
             rows.append(dataclasses.replace(row, num_drafts=len(drafts)))
@@ -596,9 +601,7 @@ class EngineCore:
 
     def _speculate(self, seqs: list[Sequence]) -> dict[str, list[tuple[int, None]]]:
         if self.runner.draft is None:
-            from jaxserve.runner.speculative import ngram_propose
-
-            rows = [self._chunk(s, [s.all_ids[-1]] + ngram_propose(s.all_ids, self.spec_k)) for s in seqs]
+            rows = [self._chunk(s, [s.all_ids[-1]] + self._propose(s)) for s in seqs]
         else:
             rows = [self._chunk(s, [s.all_ids[-1]]) for s in seqs]
         out, n_out, num_drafts = self.runner.speculate(rows)

@@ -47,6 +47,12 @@ class EngineConfig:
     # its rows make it compute-bound. Default: on the CPU 16 // (k + 1) (a CPU step turns
     # compute-bound at about 16 rows: 4 sequences at k = 3), elsewhere None (always speculate).
     speculative_disable_by_batch_size: int | None = None
+    # Prompt lookup ("ngram", vLLM's options of the same names): drafts follow the most recent
+    # earlier occurrence of the longest suffix of prompt_lookup_max down to prompt_lookup_min
+    # tokens. A longer minimum proposes less often and is right more often (a 1-token match
+    # in chat is a poor guess, and a verify row costs more than a decode row on a CPU).
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 3
     tensor_parallel_size: int = 1
     # Dispatch each decode step before reading the previous one's tokens (host work hidden
     # behind the device); a speculative step reads the one before it first (it proposes from
@@ -68,6 +74,7 @@ class EngineConfig:
             "max_num_batched_tokens",
             "max_prefill_tokens_while_decoding",
             "speculative_disable_by_batch_size",
+            "prompt_lookup_min",
         ):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -90,5 +97,9 @@ class EngineConfig:
 
         if self.tool_call_parser not in (None, *PARSERS):
             raise ValueError(f"tool_call_parser must be one of {', '.join(PARSERS)}, got {self.tool_call_parser!r}")
+        if self.prompt_lookup_max < self.prompt_lookup_min:
+            raise ValueError(
+                f"prompt_lookup_max must be >= prompt_lookup_min ({self.prompt_lookup_min}), got {self.prompt_lookup_max}"
+            )
         if self.speculative_model not in (None, "ngram") and self.num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
