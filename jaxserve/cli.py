@@ -69,7 +69,7 @@ ENGINE_FLAGS = {
     "--tensor-parallel-size": ("tensor_parallel_size", int, "chips in the tensor-parallel mesh"),
     "--speculative-model": ("speculative_model", str, 'a draft checkpoint directory, or "ngram"'),
     "--num-speculative-tokens": ("num_speculative_tokens", int, "draft tokens per step"),
-    "--prompt-lookup-min": ("prompt_lookup_min", int, "prompt lookup: the shortest suffix matched (1)"),
+    "--prompt-lookup-min": ("prompt_lookup_min", int, "prompt lookup: the shortest suffix matched (2)"),
     "--prompt-lookup-max": ("prompt_lookup_max", int, "prompt lookup: the longest suffix matched (3)"),
     "--speculative-disable-by-batch-size": (
         "speculative_disable_by_batch_size",

@@ -308,6 +308,7 @@ def test_sampling_is_lossless(tiny, spec, tmp_path):
         token_buckets=(64,),  # one step holds a row for each of the 64 slots
         enable_prefix_caching=False,
         speculative_disable_by_batch_size=64,
+        prompt_lookup_min=1,  # a 1-token match proposes: the prompt's repeats are single tokens
         **COLD,
     )
     counts = _sampled_pairs(llm, prompt, 1.0)
@@ -334,6 +335,7 @@ def test_chi_square_rejects_a_wrong_acceptance_rule(tiny, monkeypatch):
         token_buckets=(64,),  # one step holds a row for each of the 64 slots
         enable_prefix_caching=False,
         speculative_disable_by_batch_size=64,
+        prompt_lookup_min=1,  # a 1-token match proposes: the prompt's repeats are single tokens
         **COLD,
     )
     counts = _sampled_pairs(llm, prompt, 1.0)
