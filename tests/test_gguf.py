@@ -288,6 +288,21 @@ def test_int8_and_convert_take_a_gguf(written, tmp_path, capsys):
     assert (tmp_path / "conv" / "jaxserve_meta.json").is_file() and "converted" in capsys.readouterr().out
 
 
+def test_kv_math_takes_a_gguf(written, capsys):
+    """`jaxserve kv-math --model x.gguf` reads the shape from the file's metadata: the same as
+    from the config.json of the model it was written from (before, a UnicodeDecodeError)."""
+    from jaxserve.kv_math import ModelShape
+    from jaxserve.tools import kv_math_cli
+
+    path, hf = written["Q8_0"]
+    shape = kv_math_cli._model_shape(str(path))
+    want = ModelShape.from_hf_config(hf.config, name=shape.name)
+    assert shape == want
+    assert kv_math_cli.main(["--model", str(path), "--accelerator", "h100", "--context", "1024"]) == 0
+    out = capsys.readouterr().out
+    assert path.stem in out and "max concurrent requests" in out
+
+
 def test_default_model_missing_names_the_install_command_and_default_draft_is_refused(monkeypatch):
     from conftest import TEST_MODEL
 

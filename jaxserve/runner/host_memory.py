@@ -9,7 +9,8 @@ This changes no value, only how memory is mapped; where the call is unsupported 
 older kernel, THP "never") nothing happens.
 
 Measured on the development VM (docs/benchmarks.md): paged attention over a 512 MiB pool
-3.5-8% faster, the batch-32 decode step of the 56.4M bench model 2% faster.
+3.5-8% faster, the batch-32 decode step of the 56.4M bench model 2% faster, its batch-1 step
+about 12% (2.6-3.6 ms against 3.4-3.9 ms, three pairs of processes, 2026-12-04).
 
 The buffers must stay where they are: the engine donates its KV pool to every step and XLA
 writes the result in place, so the pool keeps its address (and its huge pages) while serving.

@@ -403,6 +403,14 @@ def _measure_host_report(
             "weight_dtype": weight_dtype,
             "rounds": rounds,
             "steps": rows,
+            # every timing with the bandwidth read just before it: what each ratio is made of
+            "timings": {
+                f"batch {b} {name}": [
+                    {"step_s": t, "memory_bandwidth": h["memory_bandwidth"]}
+                    for t, h in zip(steps[b, name], near[b, name])
+                ]
+                for b, name in steps
+            },
         }
         print(json.dumps(out, indent=2))
         return 0
@@ -451,7 +459,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--model",
         default="llama-3.1-8b",
-        help=f"preset ({', '.join(PRESETS)}), checkpoint dir, config.json or workload JSON",
+        help=f"preset ({', '.join(PRESETS)}), checkpoint dir, config.json, GGUF file or workload JSON",
     )
     ap.add_argument("--accelerator", default="h100", help=", ".join(ACCELERATORS))
     ap.add_argument("--chips", type=int, default=1, help="chips in the tensor-parallel group")
@@ -488,6 +496,16 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _model_shape(spec: str) -> ModelShape:
+    """kv_math.resolve_model, and a GGUF file's shape from its metadata (kv_math reads JSON
+    configs only: it imports nothing of jaxserve, the GGUF reader lives with the models)."""
+    from jaxserve.models import gguf
+
+    if not gguf.is_gguf(spec):
+        return resolve_model(spec)
+    return gguf.read_config(spec).shape()
+
+
 def main(argv: list[str] | None = None) -> int:
     """Exit codes: 0 ok, 1 the configuration does not fit, 2 bad usage."""
     try:
@@ -495,7 +513,7 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:  # argparse has printed its message; hand back its code instead of exiting
         return int(e.code or 0)
     try:
-        model = resolve_model(args.model)
+        model = _model_shape(args.model)
         if args.measure_host:
             if args.weight_dtype not in ("bf16", "fp32", "int8"):
                 raise ValueError(
