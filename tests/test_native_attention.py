@@ -414,6 +414,35 @@ def test_bf16_dot_product_variant_query_alone_equals_chunk(ratio, d):
     close(alone, vector, jnp.bfloat16)
 
 
+@pytest.mark.parametrize("variant", ["avx512", "avx512bf16"])
+def test_long_rows_split_into_partitions(variant):
+    """Keys past 1,024 are split into partitions of 1,024 (from key 0), one work item each,
+    merged at the end (split-K: a batch-1 decode over a long context gives every thread work).
+    Rows of 3,000, 1,030 and 2,049 keys (40 queries each; the 1,030 row's straddle the first
+    partition's edge) match the oracle, and every query gives the same bits alone as among the
+    others: a query's arithmetic depends on its row alone, not on the step around it."""
+    isa = _dp_isa() if variant == "avx512bf16" else "avx512"
+    dtype = jnp.bfloat16 if variant == "avx512bf16" else jnp.float32
+    rng = np.random.default_rng(21)
+    lens, t = [3000, 1030, 2049], 40
+    try:
+        assert native.set_cpu_isa(isa) == isa
+        got = _check(rng, lens, t, 3, 3, 64, 16, dtype, 1)
+        k, v, k_bad, v_bad, bt = page_pool(np.random.default_rng(21), lens, 16, 3, 64, dtype, extra_cols=1)
+        q = randn(np.random.default_rng(22), (3, t, 9, 64), dtype)
+        cl = jnp.asarray(lens, jnp.int32)
+        pos = cl[:, None] - t + jnp.arange(t, dtype=jnp.int32)[None, :]
+        chunk = np.asarray(_native(q, k_bad, v_bad, bt, cl, pos, 0.125).astype(jnp.float32))
+        for b in range(3):
+            for j in (0, 17, 33, t - 1):
+                one = (slice(b, b + 1), slice(j, j + 1))
+                alone = _native(q[one], k_bad, v_bad, bt[b : b + 1], cl[b : b + 1], pos[one], 0.125)
+                np.testing.assert_array_equal(np.asarray(alone.astype(jnp.float32))[0, 0], chunk[b, j])
+    finally:
+        native.set_cpu_isa("avx512")
+    assert got.shape == (3, t, 9, 64)
+
+
 def test_ragged_equals_dense_and_rows_alone_bit_for_bit():
     """The dense entry point is the ragged one with query_start_loc[b] = b * T, and a row's
     result does not depend on the other rows of the call (nor on how its queries were cut into

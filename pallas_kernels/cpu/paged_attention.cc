@@ -18,8 +18,9 @@
 // accumulation is float32; the output has q's dtype.
 //
 // Work split: one work item = (row, a block of KV heads, a block of up to 32 consecutive
-// queries of the row), listed on the host side of the handler (plan()) and sorted so that the
-// costliest (long query blocks over long contexts) are taken first.  The item walks the row's
+// queries of the row, and past 1,024 keys a partition of them: kSplitChunks), listed on the host
+// side of the handler (plan()) and sorted so that the costliest (long query blocks over long
+// contexts) are taken first; a split row's partitions are merged once every item is done.  The item walks the row's
 // pages in block-table order, a chunk of whole pages (64 tokens) at a time: it reads each K and V
 // vector of its KV heads once and uses it for all G query heads of that KV head and all queries
 // of the block, with an online softmax per chunk; while it reads a chunk it prefetches the next,
@@ -227,9 +228,12 @@ JS_INLINE Vf<N> vexp(Vf<N> x) {
 }
 
 // One work item: row b, its queries [n0, n0 + nt) of the flat token array, KV heads
-// [kh0, kh0 + min(khi, KVH - kh0)).
+// [kh0, kh0 + min(khi, KVH - kh0)), the softmax chunks [c0, c1) of its keys.  part >= 0: one
+// partition of a long row's keys (kSplitChunks chunks from a multiple of it), whose unnormalised
+// result goes to partials slot `part`, merged with its siblings after every item is done.
 struct WorkItem {
   int64_t b, n0, nt, kh0;
+  int64_t c0 = 0, c1 = INT64_MAX, part = -1;
 };
 
 struct Problem {
@@ -250,6 +254,8 @@ struct Problem {
   int64_t tb;            // the most queries in one item
   const WorkItem* items;  // n_items of them, in the order they are taken
   int64_t n_items;
+  float* partials;        // per partition slot: its rows' (m, l, acc[D]), D + 2 floats each
+  const int64_t* part_off;  // slot -> offset into partials
   int64_t cps, cl, clp;  // pages per softmax chunk, its tokens, rounded up to kRound
 };
 
@@ -259,6 +265,12 @@ constexpr int64_t kChunkTokens = 64;
 // Queries per item: at most kMaxQueries (the scratch and the scores of a chunk stay in L1/L2);
 // down to kMinQueries when a few long rows must be cut finer to give every thread work.
 constexpr int64_t kMaxQueries = 32, kMinQueries = 8;
+// Keys past this many chunks (1,024 keys of 64-token chunks) are split into partitions of this
+// many chunks, each its own item, merged at the end (flash-decoding's split-K): a batch-1 decode
+// over a long context otherwise has as many items as KV-head blocks (SmolLM2: 3 on 2 threads, a
+// third of the time one thread idles).  The partitions start at multiples of it from key 0 and
+// depend on the row alone, so a query's arithmetic is the same whatever the step around it.
+constexpr int64_t kSplitChunks = 16;
 
 // Query t of the item sees keys [0, its limit): below the row's context and at or before its
 // position.  Writes every query's limit to lim (if not null); returns the largest, past which no
@@ -274,10 +286,16 @@ JS_INLINE int64_t item_limits(const Problem& pr, const WorkItem& ip, int64_t* li
   return maxlim;
 }
 
+// The items a long row's keys were split into: the whole item, its first partials slot, how many.
+struct SplitGroup {
+  WorkItem it;
+  int64_t first, parts;
+};
+
 // The work items for `workers` threads (the caller and workers - 1 pool tasks); row r owns the
 // tokens [starts[r], starts[r + 1]).  Sets pr's plan fields; pr.items points into `sorted`.
 void plan(Problem& pr, const std::vector<int64_t>& starts, int64_t workers, int64_t kv_heads_per_item,
-          std::vector<WorkItem>& sorted) {
+          std::vector<WorkItem>& sorted, std::vector<SplitGroup>& groups) {
   pr.cps = std::max<int64_t>(1, kChunkTokens / pr.ps);
   pr.cl = pr.cps * pr.ps;
   pr.clp = (pr.cl + kRound - 1) / kRound * kRound;
@@ -319,7 +337,22 @@ void plan(Problem& pr, const std::vector<int64_t>& starts, int64_t workers, int6
     for (int64_t kh0 = 0; kh0 < pr.KVH; kh0 += pr.khi)
       for (int64_t i = 0, n0 = starts[r]; i < nb; ++i) {
         const int64_t nt = base + (i < extra ? 1 : 0);
-        items.push_back({r, n0, nt, kh0});
+        WorkItem it{r, n0, nt, kh0};
+        const int64_t nchunks = (item_limits(pr, it, nullptr) + pr.cl - 1) / pr.cl;
+        if (nchunks <= kSplitChunks) {
+          items.push_back(it);
+        } else {
+          const int64_t first = int64_t(groups.size() ? groups.back().first + groups.back().parts : 0);
+          const int64_t parts = (nchunks + kSplitChunks - 1) / kSplitChunks;
+          groups.push_back({it, first, parts});
+          for (int64_t q = 0; q < parts; ++q) {
+            WorkItem pi = it;
+            pi.c0 = q * kSplitChunks;
+            pi.c1 = pi.c0 + kSplitChunks;
+            pi.part = first + q;
+            items.push_back(pi);
+          }
+        }
         n0 += nt;
         pr.tb = std::max(pr.tb, nt);
       }
@@ -330,13 +363,50 @@ void plan(Problem& pr, const std::vector<int64_t>& starts, int64_t workers, int6
   for (size_t i = 0; i < items.size(); ++i) {
     const WorkItem& it = items[i];
     const int64_t nkh = std::min(pr.khi, pr.KVH - it.kh0);
-    cost[i] = {-item_limits(pr, it, nullptr) * nkh * (16 + it.nt * pr.G), int64_t(i)};
+    const int64_t keys = std::max<int64_t>(
+        0, std::min(item_limits(pr, it, nullptr), it.c1 == INT64_MAX ? INT64_MAX : it.c1 * pr.cl) - it.c0 * pr.cl);
+    cost[i] = {-keys * nkh * (16 + it.nt * pr.G), int64_t(i)};
   }
   std::sort(cost.begin(), cost.end());  // ties keep the listing order (the index breaks them)
   sorted.resize(items.size());
   for (size_t i = 0; i < items.size(); ++i) sorted[i] = items[size_t(cost[i].second)];
   pr.items = sorted.data();
   pr.n_items = int64_t(sorted.size());
+}
+
+// A split row's result from its partitions, in partition order: with M the largest running max
+// among those that saw a key, out = sum_i e^(m_i - M) acc_i / sum_i e^(m_i - M) l_i.  A query whose
+// keys all fall in one partition gets exactly what the unsplit kernel writes (e^0 = 1).
+void merge_partitions(const Problem& pr, const SplitGroup& g) {
+  const int64_t D = pr.D, G = pr.G, nt = g.it.nt;
+  const int64_t nkh = std::min(pr.khi, pr.KVH - g.it.kh0), rows = nkh * nt * G;
+  std::vector<float> sum(static_cast<size_t>(D), 0.0f);
+  for (int64_t row = 0; row < rows; ++row) {
+    float mx = kNeg;
+    for (int64_t q = 0; q < g.parts; ++q) {
+      const float* p = pr.partials + pr.part_off[g.first + q] + row * (D + 2);
+      if (p[1] > 0.0f) mx = std::max(mx, p[0]);
+    }
+    float l = 0.0f;
+    std::fill(sum.begin(), sum.end(), 0.0f);
+    for (int64_t q = 0; q < g.parts; ++q) {
+      const float* p = pr.partials + pr.part_off[g.first + q] + row * (D + 2);
+      if (!(p[1] > 0.0f)) continue;
+      const float w = std::exp(p[0] - mx);
+      l += w * p[1];
+      for (int64_t d = 0; d < D; ++d) sum[size_t(d)] += w * p[2 + d];
+    }
+    const int64_t kh = row / (nt * G), t = row / G % nt, gg = row % G;
+    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+    const int64_t dst = ((g.it.n0 + t) * pr.H + (g.it.kh0 + kh) * G + gg) * D;
+    if (pr.q_bf16) {
+      uint16_t* o = static_cast<uint16_t*>(pr.out) + dst;
+      for (int64_t d = 0; d < D; ++d) o[d] = to_bf16(sum[size_t(d)] * inv);
+    } else {
+      float* o = static_cast<float*>(pr.out) + dst;
+      for (int64_t d = 0; d < D; ++d) o[d] = sum[size_t(d)] * inv;
+    }
+  }
 }
 
 // Per-worker scratch, 64-byte aligned: scaled queries and accumulators [khi][tb*G][D], running
@@ -661,7 +731,9 @@ JS_INLINE void run_item(const Problem& pr, int64_t item, int64_t next_item, Scra
   const int64_t pstride = ps * tstride;
   const int32_t* bt = pr.bt + b * pr.P;
   const int64_t cl = pr.cl, clp = pr.clp;
-  const int64_t nchunks = (maxlim + cl - 1) / cl;
+  // This item's chunks: all of the keys it sees, or its partition's share of them.
+  const int64_t nchunks = std::min(ip.c1, (maxlim + cl - 1) / cl);
+  const int64_t cfirst = std::min(ip.c0, nchunks);
 
   // Element offsets (KV head 0) of the tokens of chunk c of a row (block table `row_bt`, keys
   // below `lim`); returns how many there are.
@@ -680,13 +752,13 @@ JS_INLINE void run_item(const Problem& pr, int64_t item, int64_t next_item, Scra
     if (next_item < 0) return 0;
     const WorkItem& np = pr.items[next_item];
     if (np.kh0 != kh0 || std::min(pr.khi, KVH - np.kh0) != nkh) return 0;
-    return std::max<int64_t>(0, fill_row(pr.bt + np.b * pr.P, item_limits(pr, np, nullptr), 0, dst));
+    return std::max<int64_t>(0, fill_row(pr.bt + np.b * pr.P, item_limits(pr, np, nullptr), np.c0, dst));
   };
   int64_t* off = sc.off;
   int64_t* off_next = sc.off + clp;
-  int64_t nvalid = nchunks > 0 ? fill(0, off) : 0;
+  int64_t nvalid = cfirst < nchunks ? fill(cfirst, off) : 0;
 
-  for (int64_t ci = 0; ci < nchunks; ++ci) {
+  for (int64_t ci = cfirst; ci < nchunks; ++ci) {
     // While reading token j of this chunk, prefetch token j of the next one.
     const int64_t n_next = ci + 1 < nchunks ? fill(ci + 1, off_next) : fill_after(off_next);
     const int64_t start = ci * cl;
@@ -891,6 +963,15 @@ JS_INLINE void run_item(const Problem& pr, int64_t item, int64_t next_item, Scra
     nvalid = n_next;
   }
 
+  if (ip.part >= 0) {  // one partition of the keys: its running max, sum and unnormalised sums
+    float* dst = pr.partials + pr.part_off[ip.part];
+    for (int64_t row = 0; row < nkh * R; ++row, dst += D + 2) {
+      dst[0] = sc.m[row];
+      dst[1] = sc.l[row];
+      std::memcpy(dst + 2, sc.acc + row * D, sizeof(float) * D);
+    }
+    return;
+  }
   // Normalise and write out in q's dtype; a query that saw nothing gets zeros.
   for (int64_t kh = 0; kh < nkh; ++kh)
     for (int64_t t = 0; t < nt; ++t)
@@ -1106,7 +1187,19 @@ ffi::Error run(const char* what, ffi::ThreadPool pool, Problem& pr, ItemFn fn, s
   // pool task fewer than that, so that the workers do not outnumber the cores.
   const int64_t workers = std::max<int64_t>(1, pool.num_threads());
   std::vector<WorkItem> items;
-  plan(pr, starts, workers, kv_heads_per_item, items);
+  std::vector<SplitGroup> groups;
+  plan(pr, starts, workers, kv_heads_per_item, items, groups);
+  // Partials: per slot, the item's rows (its KV heads x queries x G) of D + 2 floats.
+  std::vector<int64_t> part_off;
+  int64_t total = 0;
+  for (const SplitGroup& g : groups)
+    for (int64_t q = 0; q < g.parts; ++q) {
+      part_off.push_back(total);
+      total += std::min(pr.khi, pr.KVH - g.it.kh0) * g.it.nt * pr.G * (pr.D + 2);
+    }
+  std::vector<float> partials(static_cast<size_t>(total));
+  pr.partials = partials.data();
+  pr.part_off = part_off.data();
   const bool ok = jaxserve_cpu::run_items(
       pool, pr.n_items, [pr] { return Scratch(pr); },
       [pr, fn](Scratch& sc, int64_t i, int64_t next) {
@@ -1115,6 +1208,7 @@ ffi::Error run(const char* what, ffi::ThreadPool pool, Problem& pr, ItemFn fn, s
         return true;
       });
   if (!ok) return ffi::Error::Internal(std::string(what) + ": out of memory for scratch");
+  for (const SplitGroup& g : groups) merge_partitions(pr, g);
   return ffi::Error::Success();
 }
 
