@@ -20,8 +20,8 @@
 // Work split: one work item = (row, a block of KV heads, a block of up to 32 consecutive
 // queries of the row, and past 1,024 keys a partition of them: kSplitChunks), listed on the host
 // side of the handler (plan()) and sorted so that the costliest (long query blocks over long
-// contexts) are taken first; a split row's partitions are merged once every item is done.  The item walks the row's
-// pages in block-table order, a chunk of whole pages (64 tokens) at a time: it reads each K and V
+// contexts) are taken first; a split row's partitions are merged once every item is done.
+// The item walks the row's pages in block-table order, a chunk of whole pages (64 tokens) at a time: it reads each K and V
 // vector of its KV heads once and uses it for all G query heads of that KV head and all queries
 // of the block, with an online softmax per chunk; while it reads a chunk it prefetches the next,
 // and during its last chunk the first chunk of the next item it will take (claimed ahead:
@@ -363,8 +363,8 @@ void plan(Problem& pr, const std::vector<int64_t>& starts, int64_t workers, int6
   for (size_t i = 0; i < items.size(); ++i) {
     const WorkItem& it = items[i];
     const int64_t nkh = std::min(pr.khi, pr.KVH - it.kh0);
-    const int64_t keys = std::max<int64_t>(
-        0, std::min(item_limits(pr, it, nullptr), it.c1 == INT64_MAX ? INT64_MAX : it.c1 * pr.cl) - it.c0 * pr.cl);
+    const int64_t lim = item_limits(pr, it, nullptr);
+    const int64_t keys = it.part < 0 ? lim : std::max<int64_t>(0, std::min(lim, it.c1 * pr.cl) - it.c0 * pr.cl);
     cost[i] = {-keys * nkh * (16 + it.nt * pr.G), int64_t(i)};
   }
   std::sort(cost.begin(), cost.end());  // ties keep the listing order (the index breaks them)
@@ -372,6 +372,18 @@ void plan(Problem& pr, const std::vector<int64_t>& starts, int64_t workers, int6
   for (size_t i = 0; i < items.size(); ++i) sorted[i] = items[size_t(cost[i].second)];
   pr.items = sorted.data();
   pr.n_items = int64_t(sorted.size());
+}
+
+// out[dst .. dst + D) = acc * inv in q's dtype: a query's normalised result, written by an unsplit
+// item and by the merge alike (so a query within one partition gets the same bits either way).
+void store_row(const Problem& pr, int64_t dst, const float* acc, float inv) {
+  if (pr.q_bf16) {
+    uint16_t* o = static_cast<uint16_t*>(pr.out) + dst;
+    for (int64_t d = 0; d < pr.D; ++d) o[d] = to_bf16(acc[d] * inv);
+  } else {
+    float* o = static_cast<float*>(pr.out) + dst;
+    for (int64_t d = 0; d < pr.D; ++d) o[d] = acc[d] * inv;
+  }
 }
 
 // A split row's result from its partitions, in partition order: with M the largest running max
@@ -398,14 +410,7 @@ void merge_partitions(const Problem& pr, const SplitGroup& g) {
     }
     const int64_t kh = row / (nt * G), t = row / G % nt, gg = row % G;
     const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-    const int64_t dst = ((g.it.n0 + t) * pr.H + (g.it.kh0 + kh) * G + gg) * D;
-    if (pr.q_bf16) {
-      uint16_t* o = static_cast<uint16_t*>(pr.out) + dst;
-      for (int64_t d = 0; d < D; ++d) o[d] = to_bf16(sum[size_t(d)] * inv);
-    } else {
-      float* o = static_cast<float*>(pr.out) + dst;
-      for (int64_t d = 0; d < D; ++d) o[d] = sum[size_t(d)] * inv;
-    }
+    store_row(pr, ((g.it.n0 + t) * pr.H + (g.it.kh0 + kh) * G + gg) * D, sum.data(), inv);
   }
 }
 
@@ -978,15 +983,7 @@ JS_INLINE void run_item(const Problem& pr, int64_t item, int64_t next_item, Scra
       for (int64_t g = 0; g < G; ++g) {
         const int64_t row = kh * R + t * G + g;
         const float inv = sc.l[row] > 0.0f ? 1.0f / sc.l[row] : 0.0f;
-        const float* ar = sc.acc + row * D;
-        const int64_t dst = ((n0 + t) * H + (kh0 + kh) * G + g) * D;
-        if (pr.q_bf16) {
-          uint16_t* o = static_cast<uint16_t*>(pr.out) + dst;
-          for (int64_t d = 0; d < D; ++d) o[d] = to_bf16(ar[d] * inv);
-        } else {
-          float* o = static_cast<float*>(pr.out) + dst;
-          for (int64_t d = 0; d < D; ++d) o[d] = ar[d] * inv;
-        }
+        store_row(pr, ((n0 + t) * H + (kh0 + kh) * G + g) * D, sc.acc + row * D, inv);
       }
 }
 
