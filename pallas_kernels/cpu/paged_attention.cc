@@ -21,11 +21,11 @@
 // queries of the row, and past 1,024 keys a partition of them: kSplitChunks), listed on the host
 // side of the handler (plan()) and sorted so that the costliest (long query blocks over long
 // contexts) are taken first; a split row's partitions are merged once every item is done.
-// The item walks the row's pages in block-table order, a chunk of whole pages (64 tokens) at a time: it reads each K and V
-// vector of its KV heads once and uses it for all G query heads of that KV head and all queries
-// of the block, with an online softmax per chunk; while it reads a chunk it prefetches the next,
-// and during its last chunk the first chunk of the next item it will take (claimed ahead:
-// work_pool.h).  Items are taken from a shared atomic counter by the calling thread and by tasks
+// The item walks the row's pages in block-table order, a chunk of whole pages (64 tokens) at a
+// time: it reads each K and V vector of its KV heads once and uses it for all G query heads of
+// that KV head and all queries of the block, with an online softmax per chunk; while it reads a
+// chunk it prefetches the next, and during its last chunk the first chunk of the next item it
+// will take (claimed ahead: work_pool.h).  Items are taken from a shared atomic counter by the calling thread and by tasks
 // queued on XLA's own CPU thread pool; the caller returns only when every item is done, and is
 // correct even if the pool never runs a task (a late task finds no item and touches nothing).
 //
@@ -329,6 +329,7 @@ void plan(Problem& pr, const std::vector<int64_t>& starts, int64_t workers, int6
   pr.tb = 1;
   std::vector<WorkItem> items;
   items.reserve(size_t(nqb * n_khb(pr.khi)));
+  int64_t slots = 0;  // partials slots handed out to split rows so far
   for (int64_t r = 0; r < pr.R; ++r) {
     const int64_t len = starts[r + 1] - starts[r];
     if (len == 0) continue;
@@ -342,8 +343,8 @@ void plan(Problem& pr, const std::vector<int64_t>& starts, int64_t workers, int6
         if (nchunks <= kSplitChunks) {
           items.push_back(it);
         } else {
-          const int64_t first = int64_t(groups.size() ? groups.back().first + groups.back().parts : 0);
-          const int64_t parts = (nchunks + kSplitChunks - 1) / kSplitChunks;
+          const int64_t first = slots, parts = (nchunks + kSplitChunks - 1) / kSplitChunks;
+          slots += parts;
           groups.push_back({it, first, parts});
           for (int64_t q = 0; q < parts; ++q) {
             WorkItem pi = it;
