@@ -214,7 +214,9 @@ class PendingStep:
 
     def result(self) -> StepResult:
         n = self.num_rows
-        host = [to_host(x)[:n] for x in self.outputs]
+        # Each copy off the device costs tens of microseconds of host time, so the logprob
+        # outputs are read only when a row asked for them.
+        host = [to_host(x)[:n] for x in (self.outputs if self.want_logprobs else self.outputs[:1])]
         prompt: list[PromptLogprobs | None] = [None] * n
         if self.scores is not None:
             lp, rank, top_ids, top_lp = (to_host(x) for x in self.scores)
