@@ -57,7 +57,7 @@ def step_bytes(runner, batch: int, context: int) -> int:
     from flax import nnx
 
     t = runner.target
-    params = nnx.to_flat_state(t.params)
+    params = nnx.to_flat_state(t.state)
     weights = sum(v.get_value().nbytes for p, v in params if str(p[0]) != "embed_tokens")
     kv_total = sum(x.nbytes for x in jax.tree.leaves(t.kv))
     num_pages = jax.tree.leaves(t.kv)[0].shape[0]

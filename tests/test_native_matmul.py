@@ -197,7 +197,7 @@ def test_engine_packs_on_the_cpu_and_not_when_told():
         rc = model_runner.resolve(cfg, None, EngineConfig(num_pages=16, max_model_len=64, matmul_impl=impl), 0, 0)
         assert rc.matmul_impl == want
         runner = model_runner.ModelRunner(_model(None), cfg, rc)
-        leaves = {str(p[-1]) for p, _ in nnx.to_flat_state(runner.target.params)}
+        leaves = {str(p[-1]) for p, _ in nnx.to_flat_state(runner.target.state)}
         assert ("packed" in leaves) == (want == "native") and ("kernel" in leaves) == (want == "xla")
     with pytest.raises(ValueError, match="matmul_impl"):
         EngineConfig(matmul_impl="blas")
@@ -350,7 +350,7 @@ def test_engine_precision_follows_the_host():
         with pytest.raises(ValueError, match="matmul_dtype"):
             resolve(matmul_dtype="bfloat16")
         runner = model_runner.ModelRunner(_model(None), cfg, rc)
-        packed = [a for p, a in nnx.to_flat_state(runner.target.params) if str(p[-1]) == "packed"]
+        packed = [a for p, a in nnx.to_flat_state(runner.target.state) if str(p[-1]) == "packed"]
         assert packed and all(a.get_value().dtype == jnp.float32 for a in packed)
     with pytest.raises(ValueError, match="matmul_dtype"):
         EngineConfig(matmul_dtype="float16")
@@ -366,7 +366,7 @@ def test_engine_precision_follows_the_host():
         assert resolve(matmul_dtype="float32").matmul_dtype == "float32"
         assert resolve(dtype="float32", matmul_dtype="bfloat16").matmul_dtype == "bfloat16"
         runner = model_runner.ModelRunner(_model(None), cfg, resolve())
-        packed = [a for p, a in nnx.to_flat_state(runner.target.params) if str(p[-1]) == "packed"]
+        packed = [a for p, a in nnx.to_flat_state(runner.target.state) if str(p[-1]) == "packed"]
         assert len(packed) == 2 * 4 + 1 and all(a.get_value().dtype == jnp.bfloat16 for a in packed)
 
 

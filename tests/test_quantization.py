@@ -243,7 +243,7 @@ def test_engine_batched_greedy_equals_alone_no_compiles(tiny):
     for p, sp, r in zip(prompts[:5], params[:5], batched[:5]):
         assert llm.generate([p], [sp])[0].token_ids == r.token_ids
     assert compile_count() - before == 0
-    w = llm.runner.target.params["layers"][0]["mlp"]["down_proj"]["packed"].get_value()
+    w = llm.runner.target.state["layers"][0]["mlp"]["down_proj"]["packed"].get_value()
     assert w.dtype == jnp.int8  # packed for the native CPU matmul
 
 
@@ -259,7 +259,7 @@ TP_SCRIPT = textwrap.dedent(r"""
     out = {}
     for tp in (1, 2):
         llm = LLM(sys.argv[1], tensor_parallel_size=tp, quantization="int8", **opts)
-        p = llm.runner.target.params
+        p = llm.runner.target.state
         shard = lambda a: [list(s.data.shape) for s in a.get_value().addressable_shards][:1]
         out[tp] = {"tokens": [o.token_ids for o in llm.generate(prompts, params)]}
         if tp == 1:  # one device: packed for the native matmul, compared by its tokens only

@@ -47,8 +47,8 @@ SCRIPT = textwrap.dedent(r"""
         toks = [o.token_ids for o in llm.generate(prompts, params)]
         shards = {
             # tp=1 packs its weights for the CPU's native matmul ("packed"); TP keeps "kernel"
-            "q_proj": [tuple(sh.data.shape) for sh in t.params["layers"][0]["self_attn"]["q_proj"]["kernel" if tp > 1 else "packed"].get_value().addressable_shards][:1],
-            "down_proj": [tuple(sh.data.shape) for sh in t.params["layers"][0]["mlp"]["down_proj"]["kernel" if tp > 1 else "packed"].get_value().addressable_shards][:1],
+            "q_proj": [tuple(sh.data.shape) for sh in t.state["layers"][0]["self_attn"]["q_proj"]["kernel" if tp > 1 else "packed"].get_value().addressable_shards][:1],
+            "down_proj": [tuple(sh.data.shape) for sh in t.state["layers"][0]["mlp"]["down_proj"]["kernel" if tp > 1 else "packed"].get_value().addressable_shards][:1],
             "kv": [tuple(sh.data.shape) for sh in t.kv[0][0].addressable_shards][:1],
             "n_devices": len(t.kv[0][0].sharding.device_set),
         }

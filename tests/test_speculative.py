@@ -130,7 +130,7 @@ def test_greedy_equals_plain_decoding(tok_model, draft_dir, eagle_dir, request, 
     )
     if int8:
         for w in llm.runner.models + plain.runner.models:
-            assert w.params["layers"][0]["mlp"]["down_proj"]["packed"].get_value().dtype == np.int8  # CPU panels
+            assert w.state["layers"][0]["mlp"]["down_proj"]["packed"].get_value().dtype == np.int8  # CPU panels
             assert w.kv[0][0].dtype == np.int8
         assert llm.runner.draft is not None
     # The third round repeats the first: every prompt is a full prefix-cache hit and goes

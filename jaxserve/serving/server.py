@@ -12,6 +12,7 @@ from device state nobody can vouch for.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 import time
@@ -152,8 +153,23 @@ class Server:
         await self._server.wait_for_termination()
 
 
+def freeze_startup_heap() -> int:
+    """Take every object alive once the server is up out of the garbage collector's scans (as
+    vLLM does) and return how many that was. Start-up leaves ~0.55M objects (the model's modules,
+    jax's, transformers' and FastAPI's tables) that live as long as the process; a full
+    collection walks them all: 250-300 ms on the 56.4M bench model, during which no stream
+    advances. CPython runs one whenever enough new objects have outlived two younger
+    collections, so a server meets it at random. Frozen, a full collection walks only what
+    serving allocated (0.03 ms right after). Only the serving process does this: frozen objects
+    are never freed, which would keep every engine a test process drops alive."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
+
+
 async def _serve_forever(server: Server) -> int:
     await server.start()
+    log.info("froze %d start-up objects out of the garbage collector's scans", freeze_startup_heap())
     loop = asyncio.get_running_loop()
     stopping = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
