@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import jax  # noqa: E402
 
-from jaxserve.kv_math import resolve_model  # noqa: E402
+from jaxserve.tools.kv_math_cli import _model_shape as resolve_model  # noqa: E402  (takes a GGUF too)
 from jaxserve.tools.kv_math_cli import decode_step_runner, time_decode_steps  # noqa: E402
 
 _SKIP = ("ThunkExecutor", "ThreadpoolListener")  # containers of the ops, not ops
