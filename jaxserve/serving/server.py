@@ -155,7 +155,7 @@ class Server:
 
 def freeze_startup_heap() -> int:
     """Take every object alive once the server is up out of the garbage collector's scans (as
-    vLLM does) and return how many that was. Start-up leaves ~0.55M objects (the model's modules,
+    vLLM does) and return how many that was. Start-up leaves ~0.25-0.55M objects (the model's modules,
     jax's, transformers' and FastAPI's tables) that live as long as the process; a full
     collection walks them all: 250-300 ms on the 56.4M bench model, during which no stream
     advances. CPython runs one whenever enough new objects have outlived two younger
