@@ -29,8 +29,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import jax  # noqa: E402
 
-from jaxserve.tools.kv_math_cli import _model_shape as resolve_model  # noqa: E402  (takes a GGUF too)
-from jaxserve.tools.kv_math_cli import decode_step_runner, time_decode_steps  # noqa: E402
+from jaxserve.tools.kv_math_cli import _model_shape, decode_step_runner, time_decode_steps  # noqa: E402
 
 _SKIP = ("ThunkExecutor", "ThreadpoolListener")  # containers of the ops, not ops
 
@@ -63,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--batch, --context and --steps must be >= 1")
 
     runner, rows = decode_step_runner(
-        resolve_model(args.model),
+        _model_shape(args.model),  # a preset, a config or a GGUF file, as kv-math takes it
         args.batch,
         args.context,
         matmul_dtype=args.matmul_dtype,

@@ -171,6 +171,15 @@ def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
     return out[0, len(prompt) :].tolist()
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 nobody is listening on (for a server a test starts by port)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def pool_whole(llm, timeout: float = 10.0) -> None:
     """Once the engine (stepped by a server's loop thread) has no request left, every page is
     free or held by the prefix cache: nothing leaked."""

@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import numpy as np
 import pytest
+from conftest import free_port
 from conftest import pool_whole as _pool_whole
 
 from jaxserve import LLM, SamplingParams
@@ -173,12 +174,9 @@ def test_logprobs_over_grpc(served):
 
 
 def test_metrics_endpoint(tok_model):
-    import socket
     import urllib.request
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     llm = LLM(tok_model[0], **OPTS)
     st = ServerThread(llm, metrics_port=port)
     try:

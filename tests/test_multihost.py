@@ -6,13 +6,12 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
-from conftest import TEST_MODEL, make_hf_model, suite_xla_flags
+from conftest import TEST_MODEL, free_port, make_hf_model, suite_xla_flags
 
 # The pieces of Gloo's "[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected
 # peer ranks is : 1" lines, in any order.
@@ -47,16 +46,10 @@ WORKER = textwrap.dedent(r"""
 """)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run(path, nproc):
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env["XLA_FLAGS"] = suite_xla_flags()  # one device per process
-    port = _free_port()
+    port = free_port()
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", WORKER, str(path), str(port), str(i), str(nproc)],
@@ -117,7 +110,7 @@ def test_the_cli_joins_processes_from_the_environment(tmp_path):
     env["XLA_FLAGS"] = suite_xla_flags()  # one device per process
     single = subprocess.run(args, env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
     assert single.returncode == 0, single.stderr[-3000:]
-    port = _free_port()
+    port = free_port()
     procs = [
         subprocess.Popen(
             args + ["--tensor-parallel-size", "4"],

@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
-from conftest import pool_whole
+from conftest import free_port, pool_whole
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from test_grpc_server import ServerThread
 
@@ -260,17 +260,8 @@ sys.exit(server.serve(llm.core, port=None, http_port=int(os.environ["PROBE_PORT"
 def test_serve_freezes_the_startup_heap(tok_model):
     """A full garbage collection in a serving process walks only what serving allocated, not the
     ~0.5M objects start-up leaves (a 250-300 ms stall of every stream when it walked them)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        free_port = s.getsockname()[1]
-    env = {
-        **os.environ,
-        "JAX_PLATFORMS": "cpu",
-        "PROBE_PORT": str(free_port),
-        "PROBE_BASE": f"http://127.0.0.1:{free_port}",
-    }
+    port = free_port()
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PROBE_PORT": str(port), "PROBE_BASE": f"http://127.0.0.1:{port}"}
     proc = subprocess.run(
         [sys.executable, "-c", SERVE_AND_COUNT_OBJECTS.format(opts=OPTS), str(tok_model[0])],
         capture_output=True,
