@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import http.client
+import io
 import json
+import logging
 import os
 import re
 import shutil
@@ -60,6 +62,14 @@ class ServerThread:
         self.loop.call_soon_threadsafe(self.loop.stop)
 
 
+class _ClosingHandler(logging.StreamHandler):
+    """A handler that owns its stream and closes it with itself, as absl's does."""
+
+    def close(self):
+        self.stream.close()
+        super().close()
+
+
 @pytest.fixture(scope="module")
 def served(tok_model, tmp_path_factory):
     """The conftest's tiny llama with a tokenizer, plus the shipped model's chat template; the
@@ -74,9 +84,14 @@ def served(tok_model, tmp_path_factory):
         "chat": llm.chat(CHATS, SamplingParams(**GREEDY)),
         "many": llm.chat(MANY, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)),
     }
+    # a handler of the embedding program's, in place before the server starts (test below)
+    handler = _ClosingHandler(io.StringIO())
+    logging.getLogger("embedder").addHandler(handler)
     st = ServerThread(llm, token=TOKEN, max_waiting=64)
+    ref["handler"] = handler
     yield st, llm, ref
     st.stop()
+    logging.getLogger("embedder").removeHandler(handler)
 
 
 def _client(st, **kw) -> openai.OpenAI:
@@ -93,6 +108,16 @@ def _ids(logprobs_content) -> list[int]:
 
 
 IDS = {"return_tokens_as_token_ids": True}
+
+
+def test_starting_the_server_leaves_the_process_logging_alone(served):
+    """uvicorn's default logging config runs dictConfig, which closes every handler in the
+    process: a program embedding the server lost the streams its handlers own (absl's closed
+    pytest's capture file). The server passes log_config=None; such a handler still writes."""
+    handler = served[2]["handler"]
+    assert handler in logging.getLogger("embedder").handlers and not handler.stream.closed
+    logging.getLogger("embedder").warning("still here")
+    assert "still here" in handler.stream.getvalue()
 
 
 def test_models_and_health(served):

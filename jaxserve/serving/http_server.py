@@ -262,8 +262,16 @@ class HttpFrontend:
         sock = socket.socket(family, kind, proto)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(addr)
+        # log_config=None: uvicorn's default runs logging.config.dictConfig, which closes every
+        # handler in the process (absl's closed the stream it held) and re-wires the root; its
+        # records propagate to the process's own handlers instead.
         config = uvicorn.Config(
-            self.app, lifespan="off", log_level="warning", access_log=False, timeout_graceful_shutdown=5
+            self.app,
+            lifespan="off",
+            log_level="warning",
+            log_config=None,
+            access_log=False,
+            timeout_graceful_shutdown=5,
         )
         config.load()
         if self.tls is not None:
