@@ -216,3 +216,23 @@ def test_bench_throughput_offline(capsys, tmp_path, opts):
     spec = WorkloadSpec(num_requests=4, prompt_len=(4, 20), output_len=(2, 6), token_range=(3, 4096))
     _check_runs(doc, Workload.load(spec), rounds=2)
     assert all(r["extra"]["compiles_since_warmup"] == 0 for r in doc["configs"][0]["rounds"])
+
+
+def test_bench_kernels_ragged_steps(capsys, tmp_path):
+    """`bench kernels` on the CPU: every decode and ragged-step cell agrees with the jnp oracle
+    (its max_abs_diff), the ragged cells count their tokens' bytes and FLOPs, and a bad
+    --ragged-steps item exits 2 naming the field."""
+    out = tmp_path / "k.json"
+    argv = ["bench", "kernels", "--rows", "2", "--contexts", "40", "--reps", "1", "--ragged-steps", "3x50+17,0x0+9@30"]
+    code, stdout, err = run(argv + ["--out", str(out)], capsys)
+    assert code == 0, err
+    doc = json.loads(out.read_text())
+    ragged = [m for m in doc["measurements"] if m["name"] == "ragged step"]
+    assert {m["impl"] for m in ragged} == {"native", "xla"} and len(ragged) == 4
+    assert all(m["max_abs_diff"] < 1e-5 and m["ms"] > 0 for m in doc["measurements"])
+    first = next(m for m in ragged if m["config"]["decode_rows"] == 3)
+    # 3 rows x 50 keys + a fresh 17-token prompt (causal: 1 + ... + 17 keys), 8 heads of 64, float32
+    assert first["flops"] == 4 * 8 * 64 * (3 * 50 + 17 * 18 // 2)
+    assert first["bytes"] == 2 * (3 * 50 + 17) * 4 * 64 * 4 + 2 * (3 + 17) * 8 * 64 * 4
+    code, _, err = run(["bench", "kernels", "--ragged-steps", "2x0+5"], capsys)
+    assert code == 2 and "ragged_steps" in err

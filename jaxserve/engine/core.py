@@ -103,7 +103,7 @@ class EngineCore:
             rc.max_model_len,
             rc.attention_impl,
         )
-        log.info("matmul: %s, %s weights (%s)", rc.matmul_impl, rc.matmul_dtype, rc.matmul_reason)
+        log.info("matmul: %s, %s weights (%s)", rc.matmul_impl, rc.weight_dtype, rc.matmul_reason)
         self.spec_k = self.runner.spec_k
         self.speculative_name = None
         self.spec_stats = None
@@ -354,7 +354,7 @@ class EngineCore:
         kv = rc.dtype if rc.kv_cache_dtype == "auto" else rc.kv_cache_dtype
         features = [
             f"attention:{self.runner.attention_impl}",
-            f"matmul:{rc.matmul_impl}:{rc.matmul_dtype}",
+            f"matmul:{rc.matmul_impl}:{rc.weight_dtype}",
             f"kv_cache:{kv}",
         ]
         if self.kv.prefix_cache is not None:

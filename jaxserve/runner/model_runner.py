@@ -401,6 +401,12 @@ class RunnerConfig:
     store_context: str | None = None  # with compilation_cache_dir: the key of the executable store
     compilation_cache_dir: str | None = None
 
+    @property
+    def weight_dtype(self) -> str:
+        """What the matmuls read the float weights as: the native kernel's packing, or under
+        XLA the model dtype (bfloat16 on a GPU or TPU), for the start-up log and model info."""
+        return self.matmul_dtype if self.matmul_impl == "native" else self.dtype
+
 
 class ModelRunner:
     """The target model (and a speculative draft) on the device, with every jitted step."""

@@ -136,15 +136,19 @@ def _bf16_square():
     return jax.jit(lambda x, w: native_matmul.matmul(x, w, n=4096)), panels
 
 
-def bandwidth_probe(size_bytes: int = 256 * 1024 * 1024, repeats: int = 3):
+def bandwidth_probe(size_bytes: int | None = None, repeats: int = 3):
     """A function returning this host's streaming read rate now (bytes/s: a jitted jax sum over
     an array allocated once, best of `repeats`), cheap enough (~40 ms) to call right before
-    each timing, so that a step is compared with the memory speed of the same second."""
+    each timing, so that a step is compared with the memory speed of the same second.
+    Default size: 256 MiB on the CPU; 4 GiB on an accelerator, where 256 MiB is read in tens of
+    microseconds and the launch would count (an H200 read 1.1 TB/s of 256 MiB)."""
     import jax
     import jax.numpy as jnp
 
     from jaxserve.runner import host_memory
 
+    if size_bytes is None:
+        size_bytes = (256 << 20) if jax.default_backend() == "cpu" else (4 << 30)
     x = jnp.ones(size_bytes // 4, jnp.float32)
     host_memory.advise_huge_pages(x)
     jsum = jax.jit(jnp.sum)

@@ -230,6 +230,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--head-dim", type=_positive, default=None, help="default: 64 on the CPU, 128 elsewhere")
     p.add_argument("--heads", type=str, default="8/4", metavar="Q/KV", help="query/KV heads (default 8/4)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None, help="default: float32 on CPU, else bf16")
+    p.add_argument(
+        "--ragged-steps",
+        default="16x1024+256,0x0+2048",
+        metavar="RxC+T[@C],...",
+        help="ragged steps: R decode rows at context C plus a T-token prompt chunk (fresh, or at context C "
+        "after @); default 16x1024+256,0x0+2048",
+    )
     p.add_argument("--flash-batches", default="1,4", help="flash prefill batches (GPU/TPU only; comma list)")
     p.add_argument("--flash-seqs", default="1024,4096", help="flash prefill sequence lengths (comma list)")
     p.add_argument(

@@ -6,6 +6,11 @@ The bandwidth is measured in the same run (kv_math_cli.bandwidth_probe: a jitted
 256 MB array, best of 3) right before each cell, because a shared host's memory speed moves
 from second to second. Every time is printed with that bound and the fraction of it reached.
 
+Ragged steps (--ragged-steps): decode rows and a prompt chunk in one flat call, the shape of
+the engine's mixed step, through the serving kernel (native ragged on the CPU, the ragged Pallas
+kernel on a GPU or TPU) and the XLA path, each beside its bytes bound and, with
+--peak-tflops, its FLOP bound.
+
 On a GPU or TPU, causal flash prefill too: the Pallas kernel, jax.nn.dot_product_attention
 (cuDNN on a GPU) and the jnp reference, each beside its bytes bound and, given the chip's
 peak (--peak-tflops), its FLOP bound.
@@ -92,6 +97,7 @@ def run(args, argv) -> dict:
     backend = jax.default_backend()
     dtype = jnp.dtype(args.dtype or ("float32" if backend == "cpu" else "bfloat16"))
     rows_list, contexts = _ints(args.rows, "rows"), _ints(args.contexts, "contexts")
+    steps = _ragged_steps(args.ragged_steps)  # a bad item exits before any work
     try:
         heads, kv_heads = (int(x) for x in args.heads.split("/"))
     except ValueError:
@@ -177,6 +183,7 @@ def run(args, argv) -> dict:
                     f"{row['gbps']:.1f} GB/s | max abs diff {diff:.1e}",
                     flush=True,
                 )
+    rows_out += bench_ragged(args, steps, backend, dtype, heads, kv_heads, d, probe, streams)
     if backend == "cpu":
         print("flash prefill: not timed on the CPU (the Pallas kernels only run interpreted there)", flush=True)
     else:
@@ -277,4 +284,138 @@ def bench_flash(args, backend, dtype, heads, kv_heads, d, probe, streams) -> lis
                     f"({r['bound']}) = {r['fraction_of_bound']:.2f} of bound | max abs diff {diff:.1e}",
                     flush=True,
                 )
+    return out
+
+
+def _ragged_steps(text: str) -> list[tuple[int, int, int, int]]:
+    """'16x1024+256,0x0+2048' -> [(decode rows, their context, chunk tokens, chunk context)];
+    a chunk is a fresh prompt (its context is its own tokens) unless written T@C."""
+    out = []
+    for part in (p for p in text.split(",") if p):
+        try:
+            dec, chunk = part.split("+")
+            rows, ctx = (int(x) for x in dec.split("x"))
+            t, c = (int(x) for x in chunk.split("@")) if "@" in chunk else (int(chunk), int(chunk))
+        except ValueError:
+            raise ValueError(f"ragged_steps: expected ROWSxCONTEXT+CHUNK[@CONTEXT] items, got {part!r}") from None
+        if min(rows, ctx, t, c) < 0 or (rows and not ctx) or t > c or not (rows or t):
+            raise ValueError(f"ragged_steps: {part!r} needs a context per decode row and chunk <= its context")
+        out.append((rows, ctx, t, c))
+    return out
+
+
+def ragged_implementations(backend: str) -> dict:
+    """name -> f(q [N,H,D], k_pages, v_pages, query_start_loc, seq_lens, block_tables, positions, scale):
+    the kernel the engine's default attention backend serves with, and the XLA path."""
+    from pallas_kernels import reference
+
+    impls = {}
+    if backend == "cpu":
+        from pallas_kernels import native
+
+        if native.available():
+            impls["native"] = native.ragged_paged_attention
+    else:
+        from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+
+        lowering = "gpu" if backend in ("gpu", "cuda", "rocm") else "tpu"
+        impls[f"pallas-{lowering}"] = functools.partial(ragged_paged_attention, backend=lowering, interpret=False)
+    impls["xla"] = reference.ragged_paged_attention_chunked
+    return impls
+
+
+def bench_ragged(args, steps, backend, dtype, heads, kv_heads, d, probe, streams) -> list[dict]:
+    """One ragged step's attention: decode rows plus a prompt chunk in one flat call, as the
+    engine's mixed step runs it (runner/attention.py). Bytes: every row's live K and V once,
+    plus q and the output; FLOPs: 4 x H x D per (query token, visible key) pair (causal inside
+    the chunk). The bound is the larger of bytes / stream read and, with --peak-tflops, FLOPs /
+    peak. Each call is timed alone (a chunk's call is long enough for dispatch not to matter)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from pallas_kernels import reference
+
+    page = 16
+    scale = 1 / math.sqrt(d)
+    impls = ragged_implementations(backend)
+    oracle = jax.jit(reference.ragged_paged_attention, static_argnums=7)
+    rng = np.random.default_rng(1)
+    out = []
+    for rows, ctx, t, c in steps:
+        lens = [ctx] * rows + ([c] if t else [])
+        qlens = [1] * rows + ([t] if t else [])
+        need = [-(-n // page) for n in lens]
+        num_pages = 1 + sum(need)
+        perm = 1 + rng.permutation(num_pages - 1)  # pages scattered in the pool
+        bt = np.zeros((len(lens), max(need)), np.int32)
+        used = 0
+        for r, p in enumerate(need):
+            bt[r, :p] = perm[used : used + p]
+            used += p
+        key = jax.random.split(jax.random.PRNGKey(rows * 7 + t), 3)
+        kp = jax.random.normal(key[0], (num_pages, page, kv_heads, d), dtype)
+        vp = jax.random.normal(key[1], (num_pages, page, kv_heads, d), dtype)
+        n = sum(qlens)
+        q = jax.random.normal(key[2], (n, heads, d), dtype)
+        qsl = np.concatenate([[0], np.cumsum(qlens)]).astype(np.int32)
+        pos = np.concatenate([np.arange(L - k, L) for L, k in zip(lens, qlens)]).astype(np.int32)
+        call_args = (q, kp, vp, jnp.asarray(qsl), jnp.asarray(lens, jnp.int32), jnp.asarray(bt), jnp.asarray(pos))
+        kv_bytes = 2 * sum(lens) * kv_heads * d * dtype.itemsize
+        nbytes = kv_bytes + 2 * q.size * dtype.itemsize
+        pairs = rows * ctx + sum(c - t + i + 1 for i in range(t))  # (query token, visible key)
+        flops = 4 * heads * d * pairs
+        want = oracle(*call_args, scale).astype(jnp.float32)
+        for name, fn in impls.items():
+            f = jax.jit(functools.partial(fn, scale=scale))
+            try:
+                diff = float(jnp.max(jnp.abs(f(*call_args).astype(jnp.float32) - want)))
+                times = []
+                for _ in range(args.reps):
+                    streams.append(probe() / 1e9)
+                    t0 = time.perf_counter()
+                    jax.block_until_ready(f(*call_args))
+                    times.append((time.perf_counter() - t0) * 1e3)
+            except Exception as e:  # an implementation this platform lacks
+                print(f"ragged {name} {rows}x{ctx}+{t}: {type(e).__name__}: {str(e)[:300]}", file=sys.stderr)
+                continue
+            ms = statistics.median(times)
+            stream_gbps = statistics.median(streams[-args.reps :])
+            bytes_ms = nbytes / (stream_gbps * 1e9) * 1e3
+            flop_ms = flops / (args.peak_tflops * 1e12) * 1e3 if args.peak_tflops else 0.0
+            bound_ms = max(bytes_ms, flop_ms)
+            out.append(
+                {
+                    "name": "ragged step",
+                    "impl": name,
+                    "config": {
+                        "decode_rows": rows,
+                        "decode_context": ctx,
+                        "chunk_tokens": t,
+                        "chunk_context": c,
+                        "heads": heads,
+                        "kv_heads": kv_heads,
+                        "head_dim": d,
+                        "page_size": page,
+                        "dtype": dtype.name,
+                    },  # fmt: skip
+                    "ms": ms,
+                    "bytes": nbytes,
+                    "flops": flops,
+                    "tflops": flops / ms / 1e9,
+                    "gbps": nbytes / ms / 1e6,
+                    "stream_gbps": stream_gbps,
+                    "bound_ms": bound_ms,
+                    "bound": "flops" if flop_ms > bytes_ms else "bytes",
+                    "fraction_of_bound": bound_ms / ms,
+                    "max_abs_diff": diff,
+                }
+            )
+            r = out[-1]
+            print(
+                f"ragged {rows:3d}x{ctx:<5d}+{t:4d}@{c:<5d} {name:11s}: {ms:8.3f} ms, {r['gbps']:.1f} GB/s, "
+                f"{r['tflops']:.2f} TFLOP/s | bound {bound_ms:.3f} ms ({r['bound']}) = "
+                f"{r['fraction_of_bound']:.2f} of bound | max abs diff {diff:.1e}",
+                flush=True,
+            )
     return out
