@@ -1,10 +1,10 @@
-"""`jaxserve bench kernels`: paged decode attention timed beside its memory bound.
+"""`jaxserve bench kernels`: paged decode attention and ragged steps timed beside their bounds.
 
 Decode attention reads each live K and V vector once, so its floor is
 bytes / streaming bandwidth, with bytes = 2 x rows x context x kv_heads x head_dim x itemsize.
 The bandwidth is measured in the same run (kv_math_cli.bandwidth_probe: a jitted sum over a
-256 MB array, best of 3) right before each cell, because a shared host's memory speed moves
-from second to second. Every time is printed with that bound and the fraction of it reached.
+256 MiB array on the CPU, 4 GiB on an accelerator, best of 3) right before each cell, because
+a shared host's memory speed moves from second to second. Every time is printed with that bound and the fraction of it reached.
 
 Ragged steps (--ragged-steps): decode rows and a prompt chunk in one flat call, the shape of
 the engine's mixed step, through the serving kernel (native ragged on the CPU, the ragged Pallas
