@@ -34,5 +34,5 @@ step throughput 170 python3 -m jaxserve.cli bench throughput --model workload --
   --engine-opts '{"attention_impl": "pallas", "max_slots": 64, "kv_cache_memory_bytes": 4294967296}' \
   --engine-opts '{"attention_impl": "xla", "max_slots": 64, "kv_cache_memory_bytes": 4294967296}' \
   --rounds 2 --out "$OUT/throughput.json"
-step engine-check 80 python3 scripts/gpu_engine_check.py .devdata/mixed-64.json
+step engine-check 150 python3 scripts/gpu_engine_check.py .devdata/mixed-64.json
 echo "done in $(( $(date +%s) - start )) s"
