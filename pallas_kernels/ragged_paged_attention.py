@@ -58,6 +58,7 @@ from pallas_kernels.flash_attention import (
     tpu_compiler_params,
     tpu_kv_heads_per_block,
 )
+from pallas_kernels.paged_attention import combine_splits
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -309,20 +310,24 @@ def _gpu_kernel(
     *rest,
     page_size: int,
     pages_per_block: int,
+    blocks_per_split: int,
     scale: float,
     quantized: bool,
+    split: bool,
 ):
-    """One (item, kv head) program.
+    """One (item, kv head, split) program.
 
-    q_ref/o_ref [G*bq, D] (the head group's rows of the item); lim_ref [G*bq]; info_ref [2] =
+    q_ref [G*bq, D] (the head group's rows of the item); lim_ref [G*bq]; info_ref [2] =
     (page blocks to read, bound); bt_ref [Pp]: the item's row of the block table; k_ref/v_ref
     [num_pages, ps, D]: this KV head's view of the whole pool (a pointer); quantized:
-    ks_ref/vs_ref [num_pages, ps].
+    ks_ref/vs_ref [num_pages, ps]. Split s walks page blocks [s * blocks_per_split, ...) of
+    the item's; split: it writes its unnormalised acc [G*bq, D] and m, l [G*bq] for
+    combine_splits, else (one split) the normalised output o_ref [G*bq, D].
     """
     if quantized:
-        ks_ref, vs_ref, o_ref = rest
+        ks_ref, vs_ref, *outs = rest
     else:
-        (o_ref,) = rest
+        outs = rest
     ps, n = page_size, pages_per_block
     span = n * ps
     rows, d = q_ref.shape
@@ -350,8 +355,17 @@ def _gpu_kernel(
         jnp.zeros((rows, 1), jnp.float32),
         jnp.zeros((rows, d), jnp.float32),
     )
-    _, l, acc = lax.fori_loop(0, steps, body, init)  # stops at the item's last visible key
-    o_ref[...] = normalise(acc, l).astype(o_ref.dtype)
+    first = pl.program_id(2) * blocks_per_split
+    last = jnp.minimum(first + blocks_per_split, steps)  # stops at the item's last visible key
+    m, l, acc = lax.fori_loop(first, jnp.maximum(first, last), body, init)
+    if split:
+        acc_ref, m_ref, l_ref = outs
+        acc_ref[...] = acc
+        m_ref[...] = m[:, 0]
+        l_ref[...] = l[:, 0]
+    else:
+        (o_ref,) = outs
+        o_ref[...] = normalise(acc, l).astype(o_ref.dtype)
 
 
 def _ragged_gpu(
@@ -368,6 +382,7 @@ def _ragged_gpu(
     interpret,
     num_warps,
     num_stages,
+    num_splits,
 ):
     _, h, d = q.shape
     num_pages, ps, kvh, _ = k_pages.shape
@@ -378,27 +393,50 @@ def _ragged_gpu(
     n = min(_next_pow2(pages_per_block or max(1, 64 // ps)), _next_pow2(p))
     pp = _next_pow2(p)  # Triton blocks are powers of two; padding entries (page 0) are never read
     span = n * ps
+    splits = gpu_splits(w, kvh, g * bq * d, _cdiv(p, n), num_splits)
+    per_split = _cdiv(_cdiv(p, n), splits)  # page blocks each split walks
     bt = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, pp - p)))[items.row]  # [W, Pp]
     steps = (items.bound + span - 1) // span
     info = jnp.stack([steps, items.bound], axis=-1).astype(jnp.int32)  # [W, 2]
-    kernel = functools.partial(_gpu_kernel, page_size=ps, pages_per_block=n, scale=scale, quantized=quantized)
-    q_spec = pl.BlockSpec((None, None, g * bq, d), lambda wi, hi: (wi, hi, 0, 0))
-    page_spec = pl.BlockSpec((num_pages, ps, None, d), lambda wi, hi: (0, 0, hi, 0))
-    scale_spec = pl.BlockSpec((num_pages, ps, None), lambda wi, hi: (0, 0, hi))
+    kernel = functools.partial(
+        _gpu_kernel,
+        page_size=ps,
+        pages_per_block=n,
+        blocks_per_split=per_split,
+        scale=scale,
+        quantized=quantized,
+        split=splits > 1,
+    )
+    q_spec = pl.BlockSpec((None, None, g * bq, d), lambda wi, hi, si: (wi, hi, 0, 0))
+    page_spec = pl.BlockSpec((num_pages, ps, None, d), lambda wi, hi, si: (0, 0, hi, 0))
+    scale_spec = pl.BlockSpec((num_pages, ps, None), lambda wi, hi, si: (0, 0, hi))
+    if splits > 1:  # unnormalised partials per split, merged below (flash-decoding)
+        out_specs = [
+            pl.BlockSpec((None, None, None, g * bq, d), lambda wi, hi, si: (si, wi, hi, 0, 0)),
+            pl.BlockSpec((None, None, None, g * bq), lambda wi, hi, si: (si, wi, hi, 0)),
+            pl.BlockSpec((None, None, None, g * bq), lambda wi, hi, si: (si, wi, hi, 0)),
+        ]
+        out_shape = [
+            jax.ShapeDtypeStruct((splits, w, kvh, g * bq, d), jnp.float32),
+            jax.ShapeDtypeStruct((splits, w, kvh, g * bq), jnp.float32),
+            jax.ShapeDtypeStruct((splits, w, kvh, g * bq), jnp.float32),
+        ]
+    else:
+        out_specs, out_shape = q_spec, jax.ShapeDtypeStruct((w, kvh, g * bq, d), q.dtype)
     out = pl.pallas_call(
         kernel,
-        grid=(w, kvh),
+        grid=(w, kvh, splits),
         in_specs=[
             q_spec,
-            pl.BlockSpec((None, g * bq), lambda wi, hi: (wi, 0)),
-            pl.BlockSpec((None, 2), lambda wi, hi: (wi, 0)),
-            pl.BlockSpec((None, pp), lambda wi, hi: (wi, 0)),
+            pl.BlockSpec((None, g * bq), lambda wi, hi, si: (wi, 0)),
+            pl.BlockSpec((None, 2), lambda wi, hi, si: (wi, 0)),
+            pl.BlockSpec((None, pp), lambda wi, hi, si: (wi, 0)),
             page_spec,
             page_spec,
             *([scale_spec, scale_spec] if quantized else []),
         ],
-        out_specs=q_spec,
-        out_shape=jax.ShapeDtypeStruct((w, kvh, g * bq, d), q.dtype),
+        out_specs=out_specs,
+        out_shape=out_shape,
         compiler_params=gpu_compiler_params(num_warps or (4 if d <= 64 else 8), num_stages),
         interpret=interpret,
         name="ragged_paged_attention_gpu",
@@ -411,7 +449,26 @@ def _ragged_gpu(
         v_pages,
         *((k_scales, v_scales) if quantized else ()),
     )
+    if splits > 1:
+        out = combine_splits(*out).astype(q.dtype)
     return _token_layout(out, items, kvh, g)
+
+
+# Split-K fills the GPU when few programs walk long contexts (a small decode batch): enough
+# splits for about two programs per SM of an H100/H200 (132 SMs), as the paged decode kernel
+# does, while the float32 partials stay small (they are written and read back once).
+_TARGET_PROGRAMS = 264
+_MAX_PARTIAL_BYTES = 16 << 20
+
+
+def gpu_splits(items: int, kv_heads: int, item_elems: int, blocks: int, num_splits: int | None) -> int:
+    """Splits of each item's page blocks for the GPU lowering: num_splits if given, else enough
+    for _TARGET_PROGRAMS programs, at most one per page block and at most _MAX_PARTIAL_BYTES of
+    partial results. A step with many items (a mixed step, a large decode batch) gets 1."""
+    if num_splits is None:
+        num_splits = _cdiv(_TARGET_PROGRAMS, items * kv_heads)
+        num_splits = min(num_splits, max(1, _MAX_PARTIAL_BYTES // (items * kv_heads * (item_elems + 2) * 4)))
+    return max(1, min(num_splits, blocks))
 
 
 # -- public entry points --------------------------------------------------------------------
@@ -463,22 +520,25 @@ def ragged_paged_attention(
     kv_heads_per_block: int | None = None,
     num_warps: int | None = None,
     num_stages: int = 2,
+    num_splits: int | None = None,
 ) -> jax.Array:
     """Attention of the flat ragged batch q [N, H, D] over each row's pages -> [N, H, D] in
-    q.dtype, with ``reference.ragged_paged_attention``'s semantics.
+        q.dtype, with ``reference.ragged_paged_attention``'s semantics.
 
-    query_start_loc [R+1] int32 (nondecreasing, from 0, last <= N); seq_lens [R];
-    block_tables [R, P] (entries past a row's context must still be valid page indices);
-    positions [N]. k_pages/v_pages [num_pages, page_size, KVH, D] in the model dtype, or
-    int8 / float8 with k_scales/v_scales bfloat16 [num_pages, page_size, KVH].
-    scale defaults to 1/sqrt(D). backend "tpu" / "gpu" (default by jax.default_backend());
-    interpret defaults to False only where the platform runs that lowering natively.
-    Knobs: block_q (tokens per work item: every row is cut into items of block_q tokens and
-    each item computes all block_q x G rows, so small values waste less on decode rows and
-    large ones re-read K/V less for long chunks; TPU default 32, any size; GPU default 16, a
-    power of two with G * block_q >= 16), pages_per_block (TPU: pages per grid step, default 128 tokens'
-    worth; GPU: pages per loop iteration, default 64 tokens' worth), kv_heads_per_block (TPU;
-    default as the flash kernel), num_warps / num_stages (GPU). None are tuned on hardware.
+        query_start_loc [R+1] int32 (nondecreasing, from 0, last <= N); seq_lens [R];
+        block_tables [R, P] (entries past a row's context must still be valid page indices);
+        positions [N]. k_pages/v_pages [num_pages, page_size, KVH, D] in the model dtype, or
+        int8 / float8 with k_scales/v_scales bfloat16 [num_pages, page_size, KVH].
+        scale defaults to 1/sqrt(D). backend "tpu" / "gpu" (default by jax.default_backend());
+        interpret defaults to False only where the platform runs that lowering natively.
+        Knobs: block_q (tokens per work item: every row is cut into items of block_q tokens and
+        each item computes all block_q x G rows, so small values waste less on decode rows and
+        large ones re-read K/V less for long chunks; TPU default 32, any size; GPU default 16, a
+        power of two with G * block_q >= 16), pages_per_block (TPU: pages per grid step, default 128 tokens'
+        worth; GPU: pages per loop iteration, default 64 tokens' worth), kv_heads_per_block (TPU;
+        default as the flash kernel), num_warps / num_stages (GPU), num_splits (GPU: split-K, each
+    item's pages cut across that many programs and merged after; default from gpu_splits: several
+    for a small decode batch, 1 for a mixed step). None are tuned on hardware.
     """
     backend, interpret = resolve(backend, interpret)
     _check_inputs(q, k_pages, v_pages, query_start_loc, seq_lens, block_tables, positions, k_scales, v_scales)
@@ -524,5 +584,6 @@ def ragged_paged_attention(
             interpret=interpret,
             num_warps=num_warps,
             num_stages=num_stages,
+            num_splits=num_splits,
         )
     return out

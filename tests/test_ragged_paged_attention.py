@@ -112,6 +112,7 @@ def test_matches_oracle(data, backend, dtype, kvh, ratio, d, ps, pad, shuffle):
         knobs = dict(
             block_q=data.draw(st.sampled_from([None, 1, 32]), label="block_q"),
             pages_per_block=data.draw(st.sampled_from([None, 1, 4]), label="pages_per_block"),
+            num_splits=data.draw(st.sampled_from([None, 1, 3]), label="num_splits"),
         )
     rng = np.random.default_rng(data.draw(st.integers(0, 2**16), label="seed"))
     q, k, v, kb, vb, meta = ragged_batch(rng, qlens, ctxs, pad, ps, kvh, ratio, d, dtype, shuffle)
@@ -135,6 +136,34 @@ def test_mixed_step_long_contexts(backend):
     want = _oracle(q, k, v, *_args(meta), 0.125)
     got = ragged_paged_attention(q, kb, vb, *_args(meta), 0.125, backend=backend, interpret=None)
     close(got, want, jnp.bfloat16)
+
+
+@pytest.mark.parametrize("num_splits", [None, 1, 2, 7, 64])
+def test_gpu_split_k(num_splits):
+    """The Triton lowering's split-K (interpreted on the CPU): decode rows over long contexts,
+    a verify row, a short row whose keys end inside the first split, and an empty row. Splits
+    past an item's last key see nothing and must weigh nothing in the merge."""
+    rng = np.random.default_rng(21)
+    qlens, ctxs = [1, 1, 5, 1, 0], [2000, 700, 1300, 9, 0]
+    q, k, v, kb, vb, meta = ragged_batch(rng, qlens, ctxs, 3, 16, 2, 4, 64, jnp.float32)
+    want = _oracle(q, k, v, *_args(meta), 0.125)
+    got = ragged_paged_attention(
+        q, kb, vb, *_args(meta), 0.125, backend="gpu", interpret=True, pages_per_block=2, num_splits=num_splits
+    )
+    close(got, want, jnp.float32)
+
+
+def test_gpu_splits_policy():
+    """Split-K where few programs walk long contexts; none for a mixed step's many items or
+    where the float32 partials would grow large; never more splits than page blocks."""
+    from pallas_kernels.ragged_paged_attention import gpu_splits
+
+    assert gpu_splits(1, 8, 16 * 128, blocks=64, num_splits=None) == 33  # batch-1 decode: 264 programs
+    assert gpu_splits(16, 8, 64 * 128, blocks=64, num_splits=None) == 3
+    assert gpu_splits(34, 8, 64 * 128, blocks=64, num_splits=None) == 1  # 16 rows + a 256-token chunk
+    assert gpu_splits(1, 8, 16 * 128, blocks=4, num_splits=None) == 4
+    assert gpu_splits(2, 1, (1 << 20) - 2, blocks=64, num_splits=None) == 2  # 8 MiB of partials a split
+    assert gpu_splits(1, 8, 16 * 128, blocks=64, num_splits=5) == 5
 
 
 def _quantized(rng, qlens, ctxs, ps, kvh, ratio, d, kind):
@@ -303,6 +332,22 @@ def test_compiled_lowerings(backend, platform, d, ps, kvh, ratio, page_dtype):
         sd((n,), i32),
     )
     assert ("tpu_custom_call" if backend == "tpu" else "triton") in exported.mlir_module()
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_compiled_lowering_split_k(num_splits):
+    """A small decode batch over long contexts lowers to Triton with and without split-K (the
+    partials and their merge outside the kernel)."""
+    sd, bf, i32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.int32
+    pages = sd((300, 16, 8, 128), bf)
+
+    def f(q, kp, vp, qsl, sl, bt, pos):
+        return ragged_paged_attention(
+            q, kp, vp, qsl, sl, bt, pos, 0.1, backend="gpu", interpret=False, num_splits=num_splits
+        )
+
+    args = (sd((2, 32, 128), bf), pages, pages, sd((3,), i32), sd((2,), i32), sd((2, 128), i32), sd((2,), i32))
+    assert "triton" in export_for("cuda", f, *args).mlir_module()
 
 
 @pytest.mark.parametrize("backend,platform", [("tpu", "tpu"), ("gpu", "cuda")])
