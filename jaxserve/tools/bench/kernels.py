@@ -207,6 +207,43 @@ def _looped(call):
     return jax.jit(loop)
 
 
+def _timed_cell(args, probe, streams, fn, call_args, want, nbytes: int, flops: int, *, label: str) -> dict | None:
+    """fn(*call_args) timed --reps times, each call right after a stream-read probe, beside its
+    bound: the larger of nbytes / the stream read and, with --peak-tflops, flops / peak. The
+    measurement's fields (the JSON schema's), or None where this platform cannot run fn."""
+    import jax
+    import jax.numpy as jnp
+
+    try:
+        diff = float(jnp.max(jnp.abs(fn(*call_args).astype(jnp.float32) - want)))
+        times = []
+        for _ in range(args.reps):
+            streams.append(probe() / 1e9)
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(*call_args))
+            times.append((time.perf_counter() - t0) * 1e3)
+    except Exception as e:  # an implementation this platform lacks
+        print(f"{label}: {type(e).__name__}: {str(e)[:300]}", file=sys.stderr)
+        return None
+    ms = statistics.median(times)
+    stream_gbps = statistics.median(streams[-args.reps :])
+    bytes_ms = nbytes / (stream_gbps * 1e9) * 1e3
+    flop_ms = flops / (args.peak_tflops * 1e12) * 1e3 if args.peak_tflops else 0.0
+    bound_ms = max(bytes_ms, flop_ms)
+    return {
+        "ms": ms,
+        "bytes": nbytes,
+        "flops": flops,
+        "tflops": flops / ms / 1e9,
+        "gbps": nbytes / ms / 1e6,
+        "stream_gbps": stream_gbps,
+        "bound_ms": bound_ms,
+        "bound": "flops" if flop_ms > bytes_ms else "bytes",
+        "fraction_of_bound": bound_ms / ms,
+        "max_abs_diff": diff,
+    }
+
+
 def bench_flash(args, backend, dtype, heads, kv_heads, d, probe, streams) -> list[dict]:
     """Causal prefill attention on an accelerator: the Pallas kernel, jax.nn.dot_product_attention
     (cuDNN on a GPU) and the jnp reference. The bound beside each time is the larger of the
@@ -237,51 +274,18 @@ def bench_flash(args, backend, dtype, heads, kv_heads, d, probe, streams) -> lis
             nbytes = (2 * q.size + k.size + v.size) * dtype.itemsize
             flops = 2 * b * heads * seq * seq * d  # causal: half of 4 x B x H x S x S x D
             want = impls["reference (jnp)"](q, k, v).astype(jnp.float32)
+            config = {"batch": b, "seq": seq, "heads": heads, "kv_heads": kv_heads, "head_dim": d, "dtype": dtype.name}
             for name, fn in impls.items():
-                try:
-                    diff = float(jnp.max(jnp.abs(fn(q, k, v).astype(jnp.float32) - want)))
-                    times = []
-                    for _ in range(args.reps):
-                        stream = probe()
-                        streams.append(stream / 1e9)
-                        t0 = time.perf_counter()
-                        jax.block_until_ready(fn(q, k, v))
-                        times.append((time.perf_counter() - t0) * 1e3)
-                except Exception as e:  # an implementation this platform lacks
-                    print(f"flash {name} B={b} S={seq}: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
-                    continue
-                ms = statistics.median(times)
-                stream_gbps = statistics.median(streams[-args.reps :])
-                bytes_ms = nbytes / (stream_gbps * 1e9) * 1e3
-                flop_ms = flops / (args.peak_tflops * 1e12) * 1e3 if args.peak_tflops else 0.0
-                bound_ms = max(bytes_ms, flop_ms)
-                out.append(
-                    {
-                        "name": "flash prefill (causal)",
-                        "impl": name,
-                        "config": {
-                            "batch": b,
-                            "seq": seq,
-                            "heads": heads,
-                            "kv_heads": kv_heads,
-                            "head_dim": d,
-                            "dtype": dtype.name,
-                        },  # fmt: skip
-                        "ms": ms,
-                        "bytes": nbytes,
-                        "flops": flops,
-                        "tflops": flops / ms / 1e9,
-                        "stream_gbps": stream_gbps,
-                        "bound_ms": bound_ms,
-                        "bound": "flops" if flop_ms > bytes_ms else "bytes",
-                        "fraction_of_bound": bound_ms / ms,
-                        "max_abs_diff": diff,
-                    }
+                r = _timed_cell(
+                    args, probe, streams, fn, (q, k, v), want, nbytes, flops, label=f"flash {name} B={b} S={seq}"
                 )
-                r = out[-1]
+                if r is None:
+                    continue
+                out.append({"name": "flash prefill (causal)", "impl": name, "config": config, **r})
                 print(
-                    f"flash B={b} S={seq:5d} {name:28s}: {ms:8.3f} ms, {r['tflops']:.1f} TFLOP/s | bound {bound_ms:.3f} ms "
-                    f"({r['bound']}) = {r['fraction_of_bound']:.2f} of bound | max abs diff {diff:.1e}",
+                    f"flash B={b} S={seq:5d} {name:28s}: {r['ms']:8.3f} ms, {r['tflops']:.1f} TFLOP/s | bound "
+                    f"{r['bound_ms']:.3f} ms ({r['bound']}) = {r['fraction_of_bound']:.2f} of bound | "
+                    f"max abs diff {r['max_abs_diff']:.1e}",
                     flush=True,
                 )
     return out
@@ -366,56 +370,29 @@ def bench_ragged(args, steps, backend, dtype, heads, kv_heads, d, probe, streams
         pairs = rows * ctx + sum(c - t + i + 1 for i in range(t))  # (query token, visible key)
         flops = 4 * heads * d * pairs
         want = oracle(*call_args, scale).astype(jnp.float32)
+        config = {
+            "decode_rows": rows,
+            "decode_context": ctx,
+            "chunk_tokens": t,
+            "chunk_context": c,
+            "heads": heads,
+            "kv_heads": kv_heads,
+            "head_dim": d,
+            "page_size": page,
+            "dtype": dtype.name,
+        }
         for name, fn in impls.items():
             f = jax.jit(functools.partial(fn, scale=scale))
-            try:
-                diff = float(jnp.max(jnp.abs(f(*call_args).astype(jnp.float32) - want)))
-                times = []
-                for _ in range(args.reps):
-                    streams.append(probe() / 1e9)
-                    t0 = time.perf_counter()
-                    jax.block_until_ready(f(*call_args))
-                    times.append((time.perf_counter() - t0) * 1e3)
-            except Exception as e:  # an implementation this platform lacks
-                print(f"ragged {name} {rows}x{ctx}+{t}: {type(e).__name__}: {str(e)[:300]}", file=sys.stderr)
-                continue
-            ms = statistics.median(times)
-            stream_gbps = statistics.median(streams[-args.reps :])
-            bytes_ms = nbytes / (stream_gbps * 1e9) * 1e3
-            flop_ms = flops / (args.peak_tflops * 1e12) * 1e3 if args.peak_tflops else 0.0
-            bound_ms = max(bytes_ms, flop_ms)
-            out.append(
-                {
-                    "name": "ragged step",
-                    "impl": name,
-                    "config": {
-                        "decode_rows": rows,
-                        "decode_context": ctx,
-                        "chunk_tokens": t,
-                        "chunk_context": c,
-                        "heads": heads,
-                        "kv_heads": kv_heads,
-                        "head_dim": d,
-                        "page_size": page,
-                        "dtype": dtype.name,
-                    },  # fmt: skip
-                    "ms": ms,
-                    "bytes": nbytes,
-                    "flops": flops,
-                    "tflops": flops / ms / 1e9,
-                    "gbps": nbytes / ms / 1e6,
-                    "stream_gbps": stream_gbps,
-                    "bound_ms": bound_ms,
-                    "bound": "flops" if flop_ms > bytes_ms else "bytes",
-                    "fraction_of_bound": bound_ms / ms,
-                    "max_abs_diff": diff,
-                }
+            r = _timed_cell(
+                args, probe, streams, f, call_args, want, nbytes, flops, label=f"ragged {name} {rows}x{ctx}+{t}"
             )
-            r = out[-1]
+            if r is None:
+                continue
+            out.append({"name": "ragged step", "impl": name, "config": config, **r})
             print(
-                f"ragged {rows:3d}x{ctx:<5d}+{t:4d}@{c:<5d} {name:11s}: {ms:8.3f} ms, {r['gbps']:.1f} GB/s, "
-                f"{r['tflops']:.2f} TFLOP/s | bound {bound_ms:.3f} ms ({r['bound']}) = "
-                f"{r['fraction_of_bound']:.2f} of bound | max abs diff {diff:.1e}",
+                f"ragged {rows:3d}x{ctx:<5d}+{t:4d}@{c:<5d} {name:11s}: {r['ms']:8.3f} ms, {r['gbps']:.1f} GB/s, "
+                f"{r['tflops']:.2f} TFLOP/s | bound {r['bound_ms']:.3f} ms ({r['bound']}) = "
+                f"{r['fraction_of_bound']:.2f} of bound | max abs diff {r['max_abs_diff']:.1e}",
                 flush=True,
             )
     return out
