@@ -204,6 +204,11 @@ def _paged_decode_tpu(
 # -- GPU (Triton) lowering ------------------------------------------------------------------
 
 
+# Split-K's target on a GPU: about two programs per SM of an H100/H200 (132 SMs). The ragged
+# kernel's GPU lowering sizes its splits by the same number.
+GPU_TARGET_PROGRAMS = 264
+
+
 def _gpu_decode_kernel(
     *refs,
     page_size: int,
@@ -284,8 +289,8 @@ def _paged_decode_gpu(
     n = pages_per_iter or max(1, 64 // ps)
     n = min(n, _next_pow2(p))
     iters = -(-p // n)
-    # Enough programs to fill an H100/H200 (132 SMs) twice when batch x kv heads is small.
-    splits = max(1, min(num_splits or -(-264 // (b * kvh)), iters))
+    # Enough programs to fill an H100/H200 twice when batch x kv heads is small.
+    splits = max(1, min(num_splits or -(-GPU_TARGET_PROGRAMS // (b * kvh)), iters))
     per_split = -(-iters // splits) * n
     splits = -(-p // per_split)
     # Padding entries point at page 0; they lie past every context and are masked.

@@ -58,7 +58,7 @@ from pallas_kernels.flash_attention import (
     tpu_compiler_params,
     tpu_kv_heads_per_block,
 )
-from pallas_kernels.paged_attention import combine_splits
+from pallas_kernels.paged_attention import GPU_TARGET_PROGRAMS, combine_splits
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -455,18 +455,17 @@ def _ragged_gpu(
 
 
 # Split-K fills the GPU when few programs walk long contexts (a small decode batch): enough
-# splits for about two programs per SM of an H100/H200 (132 SMs), as the paged decode kernel
-# does, while the float32 partials stay small (they are written and read back once).
-_TARGET_PROGRAMS = 264
+# splits for GPU_TARGET_PROGRAMS programs, as the paged decode kernel does, while the float32
+# partials stay small (they are written and read back once).
 _MAX_PARTIAL_BYTES = 16 << 20
 
 
 def gpu_splits(items: int, kv_heads: int, item_elems: int, blocks: int, num_splits: int | None) -> int:
     """Splits of each item's page blocks for the GPU lowering: num_splits if given, else enough
-    for _TARGET_PROGRAMS programs, at most one per page block and at most _MAX_PARTIAL_BYTES of
+    for GPU_TARGET_PROGRAMS programs, at most one per page block and at most _MAX_PARTIAL_BYTES of
     partial results. A step with many items (a mixed step, a large decode batch) gets 1."""
     if num_splits is None:
-        num_splits = _cdiv(_TARGET_PROGRAMS, items * kv_heads)
+        num_splits = _cdiv(GPU_TARGET_PROGRAMS, items * kv_heads)
         num_splits = min(num_splits, max(1, _MAX_PARTIAL_BYTES // (items * kv_heads * (item_elems + 2) * 4)))
     return max(1, min(num_splits, blocks))
 

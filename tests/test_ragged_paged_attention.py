@@ -25,6 +25,7 @@ from paged_pools import close, page_pool, randn
 
 from jaxserve.runner.attention import paged_forward
 from pallas_kernels import reference
+from pallas_kernels.flash_attention import default_backend
 from pallas_kernels.ragged_paged_attention import plan_work_items, ragged_paged_attention
 
 # interpret=None: each lowering compiles where its platform runs it natively (Triton under
@@ -265,7 +266,7 @@ def test_attention_entry_point(quantized):
     got = attention(q, None, None, bad, meta, scale=0.2)
     close(got, want, jnp.float32)
     jaxpr = str(jax.make_jaxpr(lambda q, c: attention(q, None, None, c, meta, scale=0.2))(q, bad))
-    assert f"ragged_paged_attention_{'gpu' if jax.default_backend() == 'gpu' else 'tpu'}" in jaxpr
+    assert f"ragged_paged_attention_{default_backend()}" in jaxpr
 
 
 @pytest.mark.parametrize(

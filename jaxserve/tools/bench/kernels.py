@@ -76,9 +76,10 @@ def implementations(backend: str, scale: float) -> dict:
         else:
             print(f"native CPU kernel unavailable: {native.unavailable_reason()}", file=sys.stderr)
     else:
+        from pallas_kernels.flash_attention import default_backend
         from pallas_kernels.paged_attention import paged_decode_attention
 
-        lowering = "gpu" if backend in ("gpu", "cuda", "rocm") else "tpu"
+        lowering = default_backend()
         impls[f"pallas-{lowering}"] = functools.partial(
             paged_decode_attention, scale=scale, backend=lowering, interpret=False
         )
@@ -253,10 +254,10 @@ def bench_flash(args, backend, dtype, heads, kv_heads, d, probe, streams) -> lis
     import jax.numpy as jnp
 
     from pallas_kernels import reference
-    from pallas_kernels.flash_attention import flash_attention
+    from pallas_kernels.flash_attention import default_backend, flash_attention
 
     scale = 1 / math.sqrt(d)
-    lowering = "gpu" if backend in ("gpu", "cuda", "rocm") else "tpu"
+    lowering = default_backend()
     impls = {
         f"pallas-{lowering}": jax.jit(functools.partial(flash_attention, scale=scale, backend=lowering)),
         "jax.nn.dot_product_attention": jax.jit(
@@ -320,9 +321,10 @@ def ragged_implementations(backend: str) -> dict:
         if native.available():
             impls["native"] = native.ragged_paged_attention
     else:
+        from pallas_kernels.flash_attention import default_backend
         from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 
-        lowering = "gpu" if backend in ("gpu", "cuda", "rocm") else "tpu"
+        lowering = default_backend()
         impls[f"pallas-{lowering}"] = functools.partial(ragged_paged_attention, backend=lowering, interpret=False)
     impls["xla"] = reference.ragged_paged_attention_chunked
     return impls
