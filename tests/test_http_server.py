@@ -71,7 +71,16 @@ class _ClosingHandler(logging.StreamHandler):
 
 
 @pytest.fixture(scope="module")
-def served(tok_model, tmp_path_factory):
+def embedder_handler():
+    """A handler of an embedding program's, in place before `served` starts its server."""
+    handler = _ClosingHandler(io.StringIO())
+    logging.getLogger("embedder").addHandler(handler)
+    yield handler
+    logging.getLogger("embedder").removeHandler(handler)
+
+
+@pytest.fixture(scope="module")
+def served(tok_model, tmp_path_factory, embedder_handler):
     """The conftest's tiny llama with a tokenizer, plus the shipped model's chat template; the
     reference outputs come from LLM.generate / LLM.chat on the same engine before it serves."""
     d = tmp_path_factory.mktemp("llama_chat")
@@ -84,14 +93,9 @@ def served(tok_model, tmp_path_factory):
         "chat": llm.chat(CHATS, SamplingParams(**GREEDY)),
         "many": llm.chat(MANY, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)),
     }
-    # a handler of the embedding program's, in place before the server starts (test below)
-    handler = _ClosingHandler(io.StringIO())
-    logging.getLogger("embedder").addHandler(handler)
     st = ServerThread(llm, token=TOKEN, max_waiting=64)
-    ref["handler"] = handler
     yield st, llm, ref
     st.stop()
-    logging.getLogger("embedder").removeHandler(handler)
 
 
 def _client(st, **kw) -> openai.OpenAI:
@@ -110,11 +114,11 @@ def _ids(logprobs_content) -> list[int]:
 IDS = {"return_tokens_as_token_ids": True}
 
 
-def test_starting_the_server_leaves_the_process_logging_alone(served):
+def test_starting_the_server_leaves_the_process_logging_alone(served, embedder_handler):
     """uvicorn's default logging config runs dictConfig, which closes every handler in the
     process: a program embedding the server lost the streams its handlers own (absl's closed
     pytest's capture file). The server passes log_config=None; such a handler still writes."""
-    handler = served[2]["handler"]
+    handler = embedder_handler
     assert handler in logging.getLogger("embedder").handlers and not handler.stream.closed
     logging.getLogger("embedder").warning("still here")
     assert "still here" in handler.stream.getvalue()
