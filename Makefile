@@ -42,7 +42,8 @@ lint: $(STAMP)
 
 # Two workers, one test file each at a time (module fixtures built once): most of the suite's
 # time is single-threaded XLA compilation, so two files at once nearly halve it on 2 cores.
-PYTEST_ARGS ?= -n 2 --dist loadfile --durations=15
+# Files go out longest first (tests/conftest.py orders them; xdist would sort them by test count).
+PYTEST_ARGS ?= -n 2 --dist loadfile --no-loadscope-reorder --durations=15
 test: $(STAMP) install-shellcheck lint
 	JAX_PLATFORMS=cpu $(BIN)/python -m pytest -q $(PYTEST_ARGS)
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -28,9 +30,93 @@ def suite_xla_flags(*extra: str) -> str:
 if TEST_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = suite_xla_flags(os.environ.get("XLA_FLAGS", "")).strip()
 
+# The rest of that time is the same programs compiled again: most tests build an engine on the
+# same small model with the same buckets. One JAX persistent compilation cache serves the whole
+# run (both xdist workers, which inherit this environment from the controller, and the servers
+# they start): a program compiled once is restored after (test_llm.py alone: 93 s -> 76 s). It
+# is new for every run (a clean clone and a second `make test` compile the same), and removed at
+# the end. Only programs that took 0.2 s or more to compile are kept: writing every small helper
+# (thousands) cost more than it saved. No size cap: a cap turns on JAX's eviction, which locks
+# and scans the directory on every read and write (the run was slower than without the cache); an
+# entry read while the other worker still writes it fails to load, which JAX treats as a miss.
+# Tests of the engine's own executable store turn it off (`no_suite_xla_cache`): the store
+# rightly refuses executables restored from JAX's cache (executable_cache.py).
+SUITE_XLA_CACHE = "JAXSERVE_TEST_XLA_CACHE"
+_MADE_SUITE_XLA_CACHE = SUITE_XLA_CACHE not in os.environ
+if _MADE_SUITE_XLA_CACHE:
+    os.environ[SUITE_XLA_CACHE] = tempfile.mkdtemp(prefix="jaxserve-test-xla-")
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.environ[SUITE_XLA_CACHE])
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "no_suite_xla_cache: run without the suite's shared JAX compilation cache (in process and in subprocesses)",
+    )
+
+
+# The files that take a minute or more on 2 cores, longest first (seconds summed over their
+# tests, 2026-12-04, AMD EPYC with AVX2: 246, 168, 157, 155, 147, 103, 101, 100, 83, 75, 70, 69,
+# 62). xdist (`--dist loadfile`) hands files to its workers in collection order, so these start
+# first and the short files fill in at the end. Its default order (most tests first) put the
+# multi-device subprocess files, minutes long with few tests, last: one worker ran them alone.
+LONGEST_FILES = (
+    "test_speculative.py",
+    "test_sharding_pallas.py",
+    "test_executable_cache.py",
+    "test_sharding.py",
+    "test_smollm2.py",
+    "test_flash_attention.py",
+    "test_kv_quant.py",
+    "test_ragged_paged_attention.py",
+    "test_multihost.py",
+    "test_llm.py",
+    "test_native_attention.py",
+    "test_quantization.py",
+    "test_pallas_engine.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
+
+
+def pytest_unconfigure(config):
+    if _MADE_SUITE_XLA_CACHE and not hasattr(config, "workerinput"):
+        shutil.rmtree(os.environ[SUITE_XLA_CACHE], ignore_errors=True)
+
+
+def without_suite_xla_cache(env: dict) -> dict:
+    """`env` for a subprocess that must compile everything itself."""
+    return {k: v for k, v in env.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _suite_xla_cache_off_where_marked(request):
+    """Modules marked `no_suite_xla_cache` (their module-scoped engines included) run with JAX's
+    persistent cache off in this process and unset for the subprocesses they start."""
+    if request.node.get_closest_marker("no_suite_xla_cache") is None:
+        yield
+        return
+    import jax
+    from jax.experimental.compilation_cache import compilation_cache
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
+        jax.config.update("jax_enable_compilation_cache", False)
+        compilation_cache.reset_cache()
+        try:
+            yield
+        finally:
+            jax.config.update("jax_enable_compilation_cache", True)
+            compilation_cache.reset_cache()
+
 
 # The fast test models: jaxserve's small trained Llama (6.5M parameters) and its draft, in the
 # checkout. The default model (SmolLM2-135M-Instruct, 30 layers) is for users; tests name these.
@@ -212,10 +298,14 @@ def run_on_devices(script: str, n_devices: int, *args, timeout: float = 900) -> 
     import sys
     from pathlib import Path
 
-    env = dict(
-        os.environ,
-        XLA_FLAGS=suite_xla_flags(f"--xla_force_host_platform_device_count={n_devices}"),
-        JAX_PLATFORMS="cpu",
+    # Without the shared cache: these runs compile for their own device counts (nothing to share),
+    # and test_sharding's restart counts the executables its engine stores.
+    env = without_suite_xla_cache(
+        dict(
+            os.environ,
+            XLA_FLAGS=suite_xla_flags(f"--xla_force_host_platform_device_count={n_devices}"),
+            JAX_PLATFORMS="cpu",
+        )
     )
     r = subprocess.run(
         [sys.executable, "-c", script, *map(str, args)],

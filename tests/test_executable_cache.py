@@ -14,6 +14,9 @@ from jaxserve import LLM, SamplingParams
 from jaxserve.runner import executable_cache as xc
 from jaxserve.runner.executable_cache import compile_count, trace_count
 
+# The store is what this file tests: it must see every compile, none restored from JAX's cache.
+pytestmark = pytest.mark.no_suite_xla_cache
+
 GREEDY = dict(temperature=0, ignore_eos=True)
 # 6 slots: one batch bucket of 6, a shape no other test compiles. XLA:CPU cannot serialize a sort
 # it has already executed, and jax's in-process cache returns the same executable to every

@@ -135,7 +135,7 @@ def test_http_only_server(llm):
         name = _request(base, "GET", "/v1/models")[1]["data"][0]["id"]
         status, body = _request(base, "POST", "/v1/completions", {"model": name, "prompt": [5, 6], "max_tokens": 4})
         assert status == 200 and body["usage"]["completion_tokens"] == 4
-        assert st.server._server is None  # noqa: SLF001: no gRPC server was bound
+        assert st.server._server is None  # no gRPC server was bound
     finally:
         st.stop()
 
