@@ -522,20 +522,20 @@ def ragged_paged_attention(
     num_splits: int | None = None,
 ) -> jax.Array:
     """Attention of the flat ragged batch q [N, H, D] over each row's pages -> [N, H, D] in
-        q.dtype, with ``reference.ragged_paged_attention``'s semantics.
+    q.dtype, with ``reference.ragged_paged_attention``'s semantics.
 
-        query_start_loc [R+1] int32 (nondecreasing, from 0, last <= N); seq_lens [R];
-        block_tables [R, P] (entries past a row's context must still be valid page indices);
-        positions [N]. k_pages/v_pages [num_pages, page_size, KVH, D] in the model dtype, or
-        int8 / float8 with k_scales/v_scales bfloat16 [num_pages, page_size, KVH].
-        scale defaults to 1/sqrt(D). backend "tpu" / "gpu" (default by jax.default_backend());
-        interpret defaults to False only where the platform runs that lowering natively.
-        Knobs: block_q (tokens per work item: every row is cut into items of block_q tokens and
-        each item computes all block_q x G rows, so small values waste less on decode rows and
-        large ones re-read K/V less for long chunks; TPU default 32, any size; GPU default 16, a
-        power of two with G * block_q >= 16), pages_per_block (TPU: pages per grid step, default 128 tokens'
-        worth; GPU: pages per loop iteration, default 64 tokens' worth), kv_heads_per_block (TPU;
-        default as the flash kernel), num_warps / num_stages (GPU), num_splits (GPU: split-K, each
+    query_start_loc [R+1] int32 (nondecreasing, from 0, last <= N); seq_lens [R];
+    block_tables [R, P] (entries past a row's context must still be valid page indices);
+    positions [N]. k_pages/v_pages [num_pages, page_size, KVH, D] in the model dtype, or
+    int8 / float8 with k_scales/v_scales bfloat16 [num_pages, page_size, KVH].
+    scale defaults to 1/sqrt(D). backend "tpu" / "gpu" (default by jax.default_backend());
+    interpret defaults to False only where the platform runs that lowering natively.
+    Knobs: block_q (tokens per work item: every row is cut into items of block_q tokens and
+    each item computes all block_q x G rows, so small values waste less on decode rows and
+    large ones re-read K/V less for long chunks; TPU default 32, any size; GPU default 16, a
+    power of two with G * block_q >= 16), pages_per_block (TPU: pages per grid step, default 128 tokens'
+    worth; GPU: pages per loop iteration, default 64 tokens' worth), kv_heads_per_block (TPU;
+    default as the flash kernel), num_warps / num_stages (GPU), num_splits (GPU: split-K, each
     item's pages cut across that many programs and merged after; default from gpu_splits: several
     for a small decode batch, 1 for a mixed step). None are tuned on hardware.
     """

@@ -92,11 +92,6 @@ def pytest_unconfigure(config):
         shutil.rmtree(os.environ[SUITE_XLA_CACHE], ignore_errors=True)
 
 
-def without_suite_xla_cache(env: dict) -> dict:
-    """`env` for a subprocess that must compile everything itself."""
-    return {k: v for k, v in env.items() if k != "JAX_COMPILATION_CACHE_DIR"}
-
-
 @pytest.fixture(autouse=True, scope="module")
 def _suite_xla_cache_off_where_marked(request):
     """Modules marked `no_suite_xla_cache` (their module-scoped engines included) run with JAX's
@@ -300,13 +295,12 @@ def run_on_devices(script: str, n_devices: int, *args, timeout: float = 900) -> 
 
     # Without the shared cache: these runs compile for their own device counts (nothing to share),
     # and test_sharding's restart counts the executables its engine stores.
-    env = without_suite_xla_cache(
-        dict(
-            os.environ,
-            XLA_FLAGS=suite_xla_flags(f"--xla_force_host_platform_device_count={n_devices}"),
-            JAX_PLATFORMS="cpu",
-        )
+    env = dict(
+        os.environ,
+        XLA_FLAGS=suite_xla_flags(f"--xla_force_host_platform_device_count={n_devices}"),
+        JAX_PLATFORMS="cpu",
     )
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
     r = subprocess.run(
         [sys.executable, "-c", script, *map(str, args)],
         capture_output=True,
