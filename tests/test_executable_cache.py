@@ -180,6 +180,34 @@ def test_a_backend_that_cannot_serialize_still_serves(tok_model, tmp_path, monke
     )
 
 
+def test_warm_up_side_by_side_compiles_what_one_by_one_does(tok_model, tmp_path):
+    """compile_ahead: a warm-up on three threads (a draft model's steps defer a level deeper
+    than the target's) leaves every step with the executables one thread gives, writes each to
+    the store from its thread, and serves the same tokens without another compile."""
+    from conftest import make_hf_model
+
+    draft = tmp_path / "draft"
+    make_hf_model("llama", draft, seed=7, hidden_size=32, intermediate_size=64, num_hidden_layers=1)
+    opts = {**SMALL, "max_slots": 3, "token_buckets": (16,), "speculative_model": str(draft)}
+    prompts = _prompts(4, seed=4)
+    runs = {}
+    for workers in (3, 1):  # three first: the other engine's compiles come from jax's own cache
+        llm = LLM(tok_model[0], warmup=False, compilation_cache_dir=str(tmp_path / f"xla{workers}"), **opts)
+        llm.runner.warmup(workers=workers)
+        steps = [s for obj in (llm.runner, *llm.runner.models) for s in vars(obj).values() if isinstance(s, xc.Step)]
+        assert not any(s._compiling for s in steps)
+        compiled = {s.name: sorted(map(repr, s._compiled)) for s in steps}
+        before = compile_count()
+        out = [r.token_ids for r in llm.generate(prompts, SamplingParams(max_tokens=10, **GREEDY))]
+        assert compile_count() == before
+        runs[workers] = compiled, out
+        if workers == 3:
+            n = sum(len(s) for s in steps)
+            assert {"target-step", "draft-step", "propose", "verify"} <= compiled.keys() and n > 4
+            assert llm.runner.store.saved == n == len(list(llm.runner.store.dir.glob("*.jxe")))
+    assert runs[3] == runs[1]
+
+
 RESTORED = r"""
 import sys, jax
 root, model, store = sys.argv[1], sys.argv[2], sys.argv[3]

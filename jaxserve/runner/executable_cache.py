@@ -15,6 +15,9 @@ the CLI leaves JAX's cache off and this store does its job. The compile, trace a
 counters below come from jax.monitoring; the engine re-exports compile_count as its tripwire.
 
 Unpickling an executable can run code: only point the store at a directory you own.
+
+`compile_ahead` lets a warm-up compile its executables side by side: XLA compiles one program on
+one thread, and a cold start of the default model is mostly its 15 compiles in a row.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ import os
 import pickle
 import sys
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable
 
@@ -40,12 +45,21 @@ _TRACE = "/jax/core/compile/jaxpr_trace_duration"
 _PERSISTENT_CACHE_HIT = "/jax/compilation_cache/cache_hits"  # restored from JAX's persistent cache
 _events = {_BACKEND_COMPILE: 0, _TRACE: 0, _PERSISTENT_CACHE_HIT: 0}
 _events_lock = threading.Lock()
+# The same counts per thread: JAX reports a compile on the thread that compiles, so a step
+# compiled beside others can still tell whether it was compiled or handed back by a cache.
+_thread_events = threading.local()
 
 
 def _count(name: str, *_args, **_kw) -> None:
     if name in _events:
         with _events_lock:
             _events[name] += 1
+        mine = _thread_events.__dict__.setdefault("counts", dict.fromkeys(_events, 0))
+        mine[name] += 1
+
+
+def _this_thread(name: str) -> int:
+    return _thread_events.__dict__.get("counts", {}).get(name, 0)
 
 
 _listening = False
@@ -149,6 +163,7 @@ class ExecutableStore:
         ).hexdigest()
         self.loaded = 0
         self.saved = 0
+        self._lock = threading.Lock()  # steps compiled side by side save from their threads
 
     def path(self, name: str, signature: str) -> Path:
         digest = hashlib.sha256(f"{self._prefix}\n{name}\n{signature}".encode()).hexdigest()
@@ -166,7 +181,8 @@ class ExecutableStore:
         except Exception as e:  # a truncated or foreign file: compile instead, then overwrite it
             log.warning("ignoring unreadable compiled step %s (%s: %s)", path, type(e).__name__, e)
             return None
-        self.loaded += 1
+        with self._lock:
+            self.loaded += 1
         return compiled
 
     def save(self, name: str, signature: str, compiled: jax.stages.Compiled) -> None:
@@ -188,7 +204,34 @@ class ExecutableStore:
             log.warning("cannot write compiled step %s (%s)", path, e)
             tmp.unlink(missing_ok=True)
             return
-        self.saved += 1
+        with self._lock:
+            self.saved += 1
+
+
+class Deferred(Exception):
+    """Raised by a Step inside `compile_ahead` in place of compiling in line: its program is
+    lowered and compiling in the background. Make the same call again; it then waits for it."""
+
+
+_ahead: ThreadPoolExecutor | None = None
+
+
+@contextmanager
+def compile_ahead(workers: int):
+    """Within this block a Step that misses lowers its program (on this thread: tracing holds
+    the GIL), hands the compile to one of `workers` threads and raises Deferred; the caller
+    goes on to its next call and repeats the deferred ones later (ModelRunner.warmup). With
+    workers <= 1, steps compile in line as elsewhere. For one thread only (the warm-up's)."""
+    global _ahead
+    if workers <= 1:
+        yield
+        return
+    with ThreadPoolExecutor(workers, thread_name_prefix="jaxserve-compile") as pool:
+        _ahead = pool
+        try:
+            yield
+        finally:
+            _ahead = None
 
 
 class Step:
@@ -204,6 +247,7 @@ class Step:
         self.store = store
         self.fixed = fixed
         self._compiled: dict[Any, jax.stages.Compiled] = {}
+        self._compiling: dict[Any, Future] = {}  # under compile_ahead
 
     def __call__(self, *args, **static):
         key = (
@@ -212,19 +256,31 @@ class Step:
         )
         exe = self._compiled.get(key)
         if exe is None:
-            exe = self._compiled[key] = self._get(args, static)
+            exe = self._compiled[key] = self._get(key, args, static)
         return exe(*args)
 
-    def _get(self, args: tuple, static: dict) -> jax.stages.Compiled:
+    def _get(self, key, args: tuple, static: dict) -> jax.stages.Compiled:
         signature = f"{sorted(static.items())}\n{describe(args)}"
+        if key in self._compiling:  # compiled or loaded ahead; None: the stored file did not load
+            exe = self._compiling.pop(key).result()
+            return exe if exe is not None else self._compile(self.jitted.lower(*args, **static), signature)
+        if _ahead is not None:
+            if self.store is not None and self.store.path(self.name, signature).is_file():
+                self._compiling[key] = _ahead.submit(self.store.load, self.name, signature)
+            else:
+                self._compiling[key] = _ahead.submit(self._compile, self.jitted.lower(*args, **static), signature)
+            raise Deferred(self.name)
         if self.store is not None:
             exe = self.store.load(self.name, signature)
             if exe is not None:
                 return exe
-        compiles, hits = compile_count(), _events[_PERSISTENT_CACHE_HIT]
-        exe = self.jitted.lower(*args, **static).compile()
+        return self._compile(self.jitted.lower(*args, **static), signature)
+
+    def _compile(self, lowered: jax.stages.Lowered, signature: str) -> jax.stages.Compiled:
+        compiles, hits = _this_thread(_BACKEND_COMPILE), _this_thread(_PERSISTENT_CACHE_HIT)
+        exe = lowered.compile()
         if self.store is not None:
-            if compile_count() > compiles and _events[_PERSISTENT_CACHE_HIT] == hits:
+            if _this_thread(_BACKEND_COMPILE) > compiles and _this_thread(_PERSISTENT_CACHE_HIT) == hits:
                 self.store.save(self.name, signature, exe)
             else:
                 # Handed back by a cache, not compiled here. Two reasons not to keep it: XLA:CPU

@@ -15,6 +15,7 @@ import bisect
 import dataclasses
 import functools
 import logging
+import os
 import time
 from typing import Callable, Sequence
 
@@ -29,7 +30,7 @@ from jaxserve.models.model_config import ModelConfig
 from jaxserve.parallel.multihost import to_host
 from jaxserve.runner import attention, host_memory, sampling, step_batch
 from jaxserve.runner.attention import AttentionBackend
-from jaxserve.runner.executable_cache import ExecutableStore, Step
+from jaxserve.runner.executable_cache import Deferred, ExecutableStore, Step, compile_ahead
 from jaxserve.runner.sampling import sample
 from jaxserve.runner.step_batch import DUMMY_PAGE, Chunk, StepBatch
 from pallas_kernels import reference
@@ -702,8 +703,15 @@ class ModelRunner:
                 w.kv = w.copy(w.kv, src, dst)
 
     # -- warm-up -----------------------------------------------------------------------
-    def warmup(self, progress: Callable[[str], None] | None = None) -> float:
-        """Compile every shape serving can produce; all writes go to the dummy page."""
+    def warmup(self, progress: Callable[[str], None] | None = None, workers: int | None = None) -> float:
+        """Compile every shape serving can produce; all writes go to the dummy page.
+
+        The compiles run side by side on `workers` threads (default: $JAXSERVE_COMPILE_THREADS,
+        else one per CPU, at most 8):
+        a first pass lowers each job's program and starts its compile (executable_cache.
+        compile_ahead), later passes run the jobs, each waiting for its executables. A job
+        whose step calls another step (a draft's, EAGLE's fill) defers once per level. With
+        several processes the followers replay the leader's calls in order: one at a time."""
         t0 = time.perf_counter()
         jobs = [("step", t) for t in self.token_buckets]
         if self.cfg.prompt_logprobs:
@@ -712,25 +720,44 @@ class ModelRunner:
             jobs += [("speculate", b, do_sample) for b in self.batch_buckets for do_sample in (False, True)]
             if self.draft is None:
                 jobs += [("speculate_ragged", t, do_sample) for t in self.token_buckets for do_sample in (False, True)]
-        pages = [DUMMY_PAGE] * self.max_pages_per_seq
-        for i, (kind, a, *rest) in enumerate(jobs):
-            if progress:
-                progress(f"compiling {kind} {a} ({i + 1}/{len(jobs)})")
-            if kind == "speculate_ragged":  # a tokens pick bucket a: one row with drafts where they fit
-                drafts = min(self.spec_k, a - 1)
-                self.speculate_ragged([Chunk([0] * a, 0, pages, (1.0 if rest[0] else 0.0, 0, 1.0, 0, 0), drafts)])
-                continue
-            if kind == "speculate":  # a rows pick bucket a: one live row on the dummy pages, the rest empty
-                n_tok = 1 + self.spec_k
-                live = Chunk([0] * n_tok, 0, pages, (1.0 if rest[0] else 0.0, 0, 1.0, 0, 0))
-                self.speculate([live] + [Chunk([0] * n_tok, 0, [], (0.0, 0, 1.0, 0, 0))] * (a - 1))
-                continue
-            row = Chunk([0] * a, 0, pages, (0.0, 0, 1.0, 0, 0))  # a tokens pick bucket a
-            self.step([row], True, [[0] * a] if kind == "score" else [])
-        self.copy_pages([(DUMMY_PAGE, DUMMY_PAGE)])
+        jobs.append(("copy", 1))
+        if workers is None:
+            workers = int(os.environ.get("JAXSERVE_COMPILE_THREADS") or min(len(os.sched_getaffinity(0)), 8))
+        if self.broadcaster is not None:
+            workers = 1
+        todo, first = list(enumerate(jobs)), True
+        with compile_ahead(workers):
+            while todo:
+                deferred = []
+                for i, job in todo:
+                    if progress and first:
+                        progress(f"compiling {job[0]} {job[1]} ({i + 1}/{len(jobs)})")
+                    try:
+                        self._warm(*job)
+                    except Deferred:
+                        deferred.append((i, job))
+                if progress and deferred:
+                    progress(f"waiting for {len(deferred)} compiles on {workers} threads")
+                todo, first = deferred, False
         jax.block_until_ready([w.kv for w in self.models])
         self.wait_for_huge_pages()
         return time.perf_counter() - t0
+
+    def _warm(self, kind: str, a: int, *rest) -> None:
+        """One warm-up job: the call serving makes for this shape, on the dummy page."""
+        pages = [DUMMY_PAGE] * self.max_pages_per_seq
+        if kind == "copy":
+            self.copy_pages([(DUMMY_PAGE, DUMMY_PAGE)])
+        elif kind == "speculate_ragged":  # a tokens pick bucket a: one row with drafts where they fit
+            drafts = min(self.spec_k, a - 1)
+            self.speculate_ragged([Chunk([0] * a, 0, pages, (1.0 if rest[0] else 0.0, 0, 1.0, 0, 0), drafts)])
+        elif kind == "speculate":  # a rows pick bucket a: one live row on the dummy pages, the rest empty
+            n_tok = 1 + self.spec_k
+            live = Chunk([0] * n_tok, 0, pages, (1.0 if rest[0] else 0.0, 0, 1.0, 0, 0))
+            self.speculate([live] + [Chunk([0] * n_tok, 0, [], (0.0, 0, 1.0, 0, 0))] * (a - 1))
+        else:
+            row = Chunk([0] * a, 0, pages, (0.0, 0, 1.0, 0, 0))  # a tokens pick bucket a
+            self.step([row], True, [[0] * a] if kind == "score" else [])
 
     def wait_for_huge_pages(self) -> None:
         """Until every model's buffers are on huge pages (host_memory: collapsing runs in the
