@@ -188,7 +188,9 @@ def test_warm_up_side_by_side_compiles_what_one_by_one_does(tok_model, tmp_path)
 
     draft = tmp_path / "draft"
     make_hf_model("llama", draft, seed=7, hidden_size=32, intermediate_size=64, num_hidden_layers=1)
-    opts = {**SMALL, "max_slots": 3, "token_buckets": (16,), "speculative_model": str(draft)}
+    # 77 pages: shapes no other engine in this process compiles, or jax's in-process cache would
+    # hand back their executables (not compiled here, so rightly not stored)
+    opts = {**SMALL, "max_slots": 3, "num_pages": 77, "token_buckets": (16,), "speculative_model": str(draft)}
     prompts = _prompts(4, seed=4)
     runs = {}
     for workers in (3, 1):  # three first: the other engine's compiles come from jax's own cache

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import suite_xla_flags
+from conftest import cpu_isa, suite_xla_flags
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from paged_pools import close, page_pool, randn
@@ -220,11 +220,11 @@ def test_native_int8_matches_oracle(t, ratio, d, ps, max_len):
 
 @pytest.mark.parametrize("isa", native.VECTOR_ISAS)
 def test_native_int8_every_vector_variant(isa):
-    best = native.set_cpu_isa("avx512")
+    best = native.best_cpu_isa()
     if native.ISAS.index(isa) > native.ISAS.index(best):
         pytest.skip(f"this host cannot run {isa} (best: {best})")
-    try:
-        native.set_cpu_isa(isa)
+    with cpu_isa(isa) as now:
+        assert now == isa
         rng = np.random.default_rng(7)
         _, bad, kd, vd, bt = _quantized_pool(rng, [300, 0, 41, 1], 8, 2, 64, "int8")
         for t in (1, 5):
@@ -234,8 +234,6 @@ def test_native_int8_every_vector_variant(isa):
             got = np.asarray(_native(q, *bad[:2], bt, cl, pos, 0.125, *bad[2:]).astype(jnp.float32))
             want = np.asarray(_oracle(q.astype(jnp.float32), kd, vd, bt, cl, pos, 0.125))
             close(got[[0, 2]], want[[0, 2]], jnp.bfloat16)
-    finally:
-        native.set_cpu_isa("avx512")
 
 
 def test_native_refuses_fp8_pages():

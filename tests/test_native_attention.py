@@ -120,16 +120,14 @@ def test_every_vector_variant(isa, dtype):
     """The baseline, AVX2 and AVX-512 builds of the kernel (those this host can run) agree
     with the oracle, decode and chunk, a page size below the vector width."""
     assert native.available(), native.unavailable_reason()
-    best = native.set_cpu_isa("avx512")
+    best = native.best_cpu_isa()
     if native.ISAS.index(isa) > native.ISAS.index(best):
         pytest.skip(f"this host cannot run {isa} (best: {best})")
-    try:
-        assert native.set_cpu_isa(isa) == isa
+    with cpu_isa(isa) as now:
+        assert now == isa
         for t in (1, 5):
             _check(np.random.default_rng(7), [300, 0, 41, 1], t, 4, 2, 64, 8, dtype, 1)
             _check(np.random.default_rng(8), [1000, 17], t, 2, 4, 32, 16, dtype, 0)
-    finally:
-        native.set_cpu_isa("avx512")
 
 
 @pytest.mark.parametrize("d", [8, 16, 40, 96, 256])
@@ -348,14 +346,12 @@ def test_ragged_every_vector_variant(dtype):
     """The baseline, AVX2 and AVX-512 builds (those this host can run) on one mixed batch: decode
     rows, an empty row, a fresh 256-token prompt (its query blocks cut finer to share it out), a
     chunk continuing a long context, padding; scalar path for an odd head dim."""
-    best = native.set_cpu_isa("avx512")
+    best = native.best_cpu_isa()
     isas = [i for i in native.VECTOR_ISAS if native.ISAS.index(i) <= native.ISAS.index(best)]
-    try:
+    with cpu_isa(native.cpu_isa()):  # _ragged_check sets each of isas
         qlens, lens = [1, 0, 256, 1, 37, 1], [900, 300, 256, 1, 1500, 17]
         _ragged_check(np.random.default_rng(3), qlens, lens, 4, 2, 64, 16, dtype, 3, isas=isas)
         _ragged_check(np.random.default_rng(4), [40], [40], 2, 1, 40, 8, dtype, 0, isas=isas)
-    finally:
-        native.set_cpu_isa("avx512")
 
 
 def _vector_isa() -> str:
@@ -381,7 +377,7 @@ def test_bf16_dot_product_variant_matches_reference(d):
     float32 queries, page sizes 8 and 32 (chunks of 64 keys and not), it stays within bfloat16
     tolerance of the oracle. The same head dims with odd ones (40) fall back to the vector code."""
     isa = _dp_isa()
-    try:
+    with cpu_isa(native.cpu_isa()):  # _ragged_check sets isa
         for ratio, ps, q_dtype, seed in ((1, 16, None, 1), (2, 8, jnp.float32, 2), (3, 32, None, 3), (8, 16, None, 4)):
             qlens, lens = [1, 0, 256, 1, 37, 1, 5], [900, 300, 256, 1, 1500, 17, 64]
             if d == 256:
@@ -389,8 +385,6 @@ def test_bf16_dot_product_variant_matches_reference(d):
             rng = np.random.default_rng(seed)
             _ragged_check(rng, qlens, lens, ratio, 2, d, ps, jnp.bfloat16, 3, q_dtype=q_dtype, isas=[isa])
         _ragged_check(np.random.default_rng(5), [40, 1], [40, 99], 2, 1, 40, 8, jnp.bfloat16, 0, isas=[isa])
-    finally:
-        native.set_cpu_isa("avx512")
 
 
 @pytest.mark.parametrize("ratio", [1, 3])
@@ -407,13 +401,11 @@ def test_bf16_dot_product_variant_query_alone_equals_chunk(ratio, d):
     q = randn(rng, (4, 1, 2 * ratio, d), jnp.bfloat16)
     cl = jnp.asarray(lens, jnp.int32)
     pos = cl[:, None] - 1
-    try:
-        assert native.set_cpu_isa(isa) == isa
+    with cpu_isa(isa) as now:
+        assert now == isa
         alone = np.asarray(_native(q, k_bad, v_bad, bt, cl, pos, 0.2).astype(jnp.float32))
         tiled = jnp.tile(q, (1, 7, 1, 1))
         chunk = np.asarray(_native(tiled, k_bad, v_bad, bt, cl, jnp.tile(pos, (1, 7)), 0.2).astype(jnp.float32))
-    finally:
-        native.set_cpu_isa("avx512")
     for t in range(7):
         np.testing.assert_array_equal(chunk[:, t], alone[:, 0])
     vector = np.asarray(_native(q, k_bad, v_bad, bt, cl, pos, 0.2).astype(jnp.float32))
