@@ -5,7 +5,7 @@
 #   scripts/bench_serve_vllm.sh MODEL_DIR VLLM_PYTHON [extra jaxserve serve flags...]
 #
 # MODEL_DIR needs a tokenizer both servers load: scripts/add_word_tokenizer.py gives the random
-# 56.4M Llama (/tmp/jaxserve-bench-56m, copied) a word-level one. RATE (2), ROUNDS (2), REQUESTS (48) from the environment;
+# 56.4M Llama (/tmp/jaxserve-bench-56m, copied) a word-level one. RATE (2), ROUNDS (2), REQUESTS (48), VLLM_DTYPE (bfloat16) from the environment;
 # the result JSON goes to OUT (default /tmp/serve_ab.json, outside the checkout).
 set -u
 model=$1 vllm_python=$2
@@ -15,7 +15,7 @@ jx=$here/.venv/bin
 JAX_PLATFORMS=cpu "$jx/jaxserve" serve --model "$model" --http-port 8123 --no-grpc "$@" > /tmp/jaxserve-serve.log 2>&1 &
 jpid=$!
 VLLM_CPU_KVCACHE_SPACE=4 "$vllm_python" -m vllm.entrypoints.openai.api_server --model "$model" --host 127.0.0.1 \
-  --port 8124 --dtype bfloat16 > /tmp/vllm-serve.log 2>&1 &
+  --port 8124 --dtype "${VLLM_DTYPE:-bfloat16}" > /tmp/vllm-serve.log 2>&1 &
 vpid=$!
 trap 'kill $jpid $vpid 2>/dev/null; wait' EXIT
 for port in 8123 8124; do
