@@ -20,7 +20,7 @@ os.environ.setdefault("JAXSERVE_CPU_ISA", "avx512")
 # most of that: one engine's warm-up compiles in 5.8 s at -O0 against 11.1 s at the default. Tests
 # assert on values, never on speed (the benchmarks run at the default level). Subprocesses
 # inherit it; those that set XLA_FLAGS themselves start from suite_xla_flags().
-# XLA:CPU's MLIR fusion emitters are the rest: with the older LLVM IR emitters a warm-up's
+# XLA:CPU's MLIR fusion emitters are a third of what is left: with the older emitters a warm-up's
 # backend compile takes 4.8 s against 6.6-8.7 s, and the 8-device tensor-parallel script 67 s
 # against 136 s (AVX2 host, 2026-12-04). Both emit the same HLO; the tests compare values.
 TEST_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
@@ -63,25 +63,26 @@ def pytest_configure(config):
     )
 
 
-# The files that take a minute or more on 2 cores, longest first (seconds summed over their
-# tests, 2026-12-04, AMD EPYC with AVX2: 246, 168, 157, 155, 147, 103, 101, 100, 83, 75, 70, 69,
-# 62). xdist (`--dist loadfile`) hands files to its workers in collection order, so these start
+# The longest files on 2 cores, longest first (seconds summed over their tests, 2026-12-04, AMD
+# EPYC with AVX2, with the flags above: 137, 108, 87, 63, 58, 53, 52, 49, 49, 49, 43, 39, 39,
+# 38). xdist (`--dist loadfile`) hands files to its workers in collection order, so these start
 # first and the short files fill in at the end. Its default order (most tests first) put the
 # multi-device subprocess files, minutes long with few tests, last: one worker ran them alone.
 LONGEST_FILES = (
     "test_speculative.py",
-    "test_sharding_pallas.py",
-    "test_executable_cache.py",
-    "test_sharding.py",
     "test_smollm2.py",
-    "test_flash_attention.py",
-    "test_kv_quant.py",
-    "test_ragged_paged_attention.py",
+    "test_executable_cache.py",
     "test_multihost.py",
-    "test_llm.py",
+    "test_ragged_paged_attention.py",
+    "test_sharding.py",
+    "test_kv_quant.py",
+    "test_sharding_pallas.py",
+    "test_grpc_server.py",
     "test_native_attention.py",
-    "test_quantization.py",
+    "test_llm.py",
     "test_pallas_engine.py",
+    "test_flash_attention.py",
+    "test_quantization.py",
 )
 
 

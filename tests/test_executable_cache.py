@@ -5,6 +5,7 @@ executable changes; unreadable files are recompiled and replaced."""
 from __future__ import annotations
 
 import logging
+import os
 
 import numpy as np
 import pytest
@@ -208,6 +209,19 @@ def test_warm_up_side_by_side_compiles_what_one_by_one_does(tok_model, tmp_path)
             assert {"target-step", "draft-step", "propose", "verify"} <= compiled.keys() and n > 4
             assert llm.runner.store.saved == n == len(list(llm.runner.store.dir.glob("*.jxe")))
     assert runs[3] == runs[1]
+
+
+def test_compile_threads_come_from_the_environment(monkeypatch):
+    from jaxserve.runner import model_runner
+
+    monkeypatch.setenv("JAXSERVE_COMPILE_THREADS", "3")
+    assert model_runner._compile_threads() == 3
+    monkeypatch.delenv("JAXSERVE_COMPILE_THREADS")
+    assert model_runner._compile_threads() == min(len(os.sched_getaffinity(0)), 8)
+    for bad in ("0", "two", "-1"):
+        monkeypatch.setenv("JAXSERVE_COMPILE_THREADS", bad)
+        with pytest.raises(ValueError, match="JAXSERVE_COMPILE_THREADS"):
+            model_runner._compile_threads()
 
 
 RESTORED = r"""

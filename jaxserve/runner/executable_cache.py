@@ -54,12 +54,14 @@ def _count(name: str, *_args, **_kw) -> None:
     if name in _events:
         with _events_lock:
             _events[name] += 1
-        mine = _thread_events.__dict__.setdefault("counts", dict.fromkeys(_events, 0))
-        mine[name] += 1
+        counts = getattr(_thread_events, "counts", None)
+        if counts is None:
+            counts = _thread_events.counts = dict.fromkeys(_events, 0)
+        counts[name] += 1
 
 
 def _this_thread(name: str) -> int:
-    return _thread_events.__dict__.get("counts", {}).get(name, 0)
+    return getattr(_thread_events, "counts", {}).get(name, 0)
 
 
 _listening = False

@@ -707,11 +707,11 @@ class ModelRunner:
         """Compile every shape serving can produce; all writes go to the dummy page.
 
         The compiles run side by side on `workers` threads (default: $JAXSERVE_COMPILE_THREADS,
-        else one per CPU, at most 8):
-        a first pass lowers each job's program and starts its compile (executable_cache.
-        compile_ahead), later passes run the jobs, each waiting for its executables. A job
-        whose step calls another step (a draft's, EAGLE's fill) defers once per level. With
-        several processes the followers replay the leader's calls in order: one at a time."""
+        else one per CPU, at most 8): a first pass lowers each job's program and starts its
+        compile (executable_cache.compile_ahead), later passes run the jobs, each waiting for
+        its executables. A job whose step calls another step (a draft's, EAGLE's fill) defers
+        once per level. With several processes the followers replay the leader's calls in
+        order: one at a time."""
         t0 = time.perf_counter()
         jobs = [("step", t) for t in self.token_buckets]
         if self.cfg.prompt_logprobs:
@@ -722,7 +722,7 @@ class ModelRunner:
                 jobs += [("speculate_ragged", t, do_sample) for t in self.token_buckets for do_sample in (False, True)]
         jobs.append(("copy", 1))
         if workers is None:
-            workers = int(os.environ.get("JAXSERVE_COMPILE_THREADS") or min(len(os.sched_getaffinity(0)), 8))
+            workers = _compile_threads()
         if self.broadcaster is not None:
             workers = 1
         todo, first = list(enumerate(jobs)), True
@@ -764,6 +764,16 @@ class ModelRunner:
         background from start; warm-up ends with this)."""
         for w in self.models:
             w.huge_pages.join()
+
+
+def _compile_threads() -> int:
+    """$JAXSERVE_COMPILE_THREADS, else one thread per CPU this process may use, at most 8."""
+    value = os.environ.get("JAXSERVE_COMPILE_THREADS", "")
+    if not value:
+        return min(len(os.sched_getaffinity(0)), 8)
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"JAXSERVE_COMPILE_THREADS: expected a whole number of threads >= 1, got {value!r}")
+    return int(value)
 
 
 def resolve(
