@@ -72,13 +72,14 @@ def test_matches_numpy(rows, k, n, int8, seed):
 @pytest.mark.parametrize("isa", native.VECTOR_ISAS)
 def test_every_vector_variant(isa):
     """Each variant's tile height and slice width: rows past one tile, cut into balanced tiles of
-    several heights (7 rows: 4 + 3 on AVX-512, 3 + 2 + 2 on AVX2; 13: 5 + 4 + 4), int8
-    panels widened per tile (few rows) and into the scratch (many), a partial last panel."""
+    several heights (7 rows: 4 + 3 on AVX-512, 3 + 2 + 2 on AVX2; 13: 5 + 4 + 4, on AVX2 in its
+    tall tiles of two vectors, used from 8 rows: 8 is one), int8 panels widened per tile (few
+    rows) and into the scratch (many), a partial last panel."""
     before = native.cpu_isa()
     try:
         if native.set_cpu_isa(isa) != isa:
             pytest.skip(f"this host has no {isa}")  # a variant test, not a core one (the bf16 levels: above)
-        for rows, k, n in ((1, 200, 37), (2, 50, 130), (3, 64, 64), (7, 77, 130), (13, 513, 200), (70, 100, 65)):
+        for rows, k, n in ((1, 200, 37), (2, 50, 130), (3, 64, 64), (7, 77, 130), (8, 40, 100), (13, 513, 200), (70, 100, 65)):
             for int8 in (False, True):
                 x, w, scale, dense = _case(rows, k, n, rows, int8)
                 _check(np.asarray(native_matmul.matmul(x, w, scale, n=n)), x, dense)

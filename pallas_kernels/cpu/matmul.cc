@@ -81,18 +81,20 @@ JM_INLINE void vstore(float* p, typename MV<N>::F v) {
 
 // Where vector j (0..3) of slice h of a panel row lands among the panel's 64 columns.  A slice is
 // 4N columns' worth of weights: float32 rows hold them in order; int8 rows interleaved (above).
-template <int N, class WT>
+// V: vectors per slice (4, or 2 for float32 panels in AVX2's tall tiles: below).
+template <int N, class WT, int V = 4>
 constexpr int column(int h, int j) {
-  return std::is_same<WT, int8_t>::value ? 16 * j + N * h : 4 * N * h + N * j;
+  return std::is_same<WT, int8_t>::value ? 16 * j + N * h : V * N * h + N * j;
 }
 
-// The four weight vectors of slice h of one panel row.
-template <int N>
-JM_INLINE void load_slice(const float* row, int h, typename MV<N>::F (&w)[4]) {
-  for (int j = 0; j < 4; ++j) w[j] = vload<N>(row + 4 * N * h + N * j);
+// The V weight vectors of slice h of one panel row.
+template <int N, int V>
+JM_INLINE void load_slice(const float* row, int h, typename MV<N>::F (&w)[V]) {
+  for (int j = 0; j < V; ++j) w[j] = vload<N>(row + V * N * h + N * j);
 }
-template <int N>
-JM_INLINE void load_slice(const int8_t* row, int h, typename MV<N>::F (&w)[4]) {
+template <int N, int V>
+JM_INLINE void load_slice(const int8_t* row, int h, typename MV<N>::F (&w)[V]) {
+  static_assert(V == 4, "an int8 load widens into four vectors");
   typename MV<N>::I v;
   std::memcpy(&v, row + 4 * N * h, sizeof v);
   w[0] = __builtin_convertvector((v << 24) >> 24, typename MV<N>::F);
@@ -122,15 +124,15 @@ struct Problem {
 // first tile of a panel would otherwise read it from memory as one stream, which on this kind of
 // host runs at a third of the memory's speed, while the later tiles compute on it from L2; with
 // the prefetch, memory streams the next panel the whole time the current one is being multiplied.
-template <int N, int R, int NP, bool Q8, class WT>
+template <int N, int R, int NP, bool Q8, class WT, int V = 4>
 JM_INLINE void tile(const Problem& pr, const WT* wp, int64_t p, int h, int64_t m0, const char* next,
                     int64_t next_row, int64_t t, int64_t T) {
   using F = typename MV<N>::F;
   const int64_t K = pr.K;
-  F acc[R][NP][4];
+  F acc[R][NP][V];
   for (int r = 0; r < R; ++r)
     for (int q = 0; q < NP; ++q)
-      for (int j = 0; j < 4; ++j) acc[r][q][j] = F{};
+      for (int j = 0; j < V; ++j) acc[r][q][j] = F{};
   const float* x0 = pr.x + m0 * K;
   int64_t pf_row = next ? t : K;  // the next row of `next` this tile prefetches
   for (int64_t k = 0; k < K; ++k) {
@@ -139,17 +141,17 @@ JM_INLINE void tile(const Problem& pr, const WT* wp, int64_t p, int h, int64_t m
       pf_row += T;
     }
     for (int q = 0; q < NP; ++q) {
-      F w[4];
-      load_slice<N>(wp + q * K * kPanel + k * kPanel, h, w);
+      F w[V];
+      load_slice<N, V>(wp + q * K * kPanel + k * kPanel, h, w);
       for (int r = 0; r < R; ++r) {
         const float xv = x0[r * K + k];
-        for (int j = 0; j < 4; ++j) acc[r][q][j] += xv * w[j];
+        for (int j = 0; j < V; ++j) acc[r][q][j] += xv * w[j];
       }
     }
   }
   for (int q = 0; q < NP; ++q)
-    for (int j = 0; j < 4; ++j) {
-      const int64_t c = (p + q) * kPanel + column<N, WT>(h, j);  // first column of this vector
+    for (int j = 0; j < V; ++j) {
+      const int64_t c = (p + q) * kPanel + column<N, WT, V>(h, j);  // first column of this vector
       F s;
       if constexpr (Q8) s = vload<N>(pr.scale + c);
       const int64_t live = std::min<int64_t>(N, pr.N - c);
@@ -174,10 +176,10 @@ JM_INLINE void tile(const Problem& pr, const WT* wp, int64_t p, int h, int64_t m
 // for a fraction of its arithmetic (AVX-512, one core, 32 rows through the LM head's panels:
 // the 6 x 5 + 2 split ran at 0.78x the balanced split's rate).  NP > 1 only for rows
 // m1 - m0 < RM (one tile).  `next`: the panel to prefetch meanwhile (tile(); null for none).
-template <int N, int RM, int NP, bool Q8, class WT>
+template <int N, int RM, int NP, bool Q8, class WT, int V = 4>
 JM_INLINE void panel_rows(const Problem& pr, const WT* wp, int64_t p, int64_t m0, int64_t m1,
                           const char* next = nullptr, int64_t next_row = 0) {
-  constexpr int slices = int(kPanel / (4 * N));
+  constexpr int slices = int(kPanel / (V * N));
   const int64_t n = (m1 - m0 + RM - 1) / RM;  // tiles per slice
   const int64_t T = slices * n;               // tiles over this panel
   int64_t t = 0;
@@ -186,7 +188,7 @@ JM_INLINE void panel_rows(const Problem& pr, const WT* wp, int64_t p, int64_t m0
       const int64_t r = (m1 - m + n - i - 1) / (n - i);  // the taller tiles first
       switch (r) {  // the tile's accumulators stay in registers
 #define JM_TILE(R) \
-  case R: if constexpr (R <= RM && (NP == 1 || R * NP <= 4)) tile<N, R, NP, Q8>(pr, wp, p, h, m, next, next_row, t++, T); break;
+  case R: if constexpr (R <= RM && (NP == 1 || R * NP <= 4)) tile<N, R, NP, Q8, WT, V>(pr, wp, p, h, m, next, next_row, t++, T); break;
         JM_TILE(1) JM_TILE(2) JM_TILE(3) JM_TILE(4) JM_TILE(5) JM_TILE(6)
 #undef JM_TILE
       }
@@ -200,15 +202,19 @@ JM_INLINE void widen_panel(const int8_t* wp, int64_t K, float* out) {
   for (int64_t k = 0; k < K; ++k)
     for (int h = 0; h < int(kPanel / (4 * N)); ++h) {
       typename MV<N>::F w[4];
-      load_slice<N>(wp + k * kPanel, h, w);
+      load_slice<N, 4>(wp + k * kPanel, h, w);
       for (int j = 0; j < 4; ++j) vstore<N>(out + k * kPanel + column<N, int8_t>(h, j), w[j]);
     }
 }
 
-// NP1 / NP2: how many panels to read at once for one / two rows (what the registers hold).
+// NP1 / NP2: how many panels to read at once for one / two rows (what the registers hold); RM:
+// the tallest tile of a slice of 4 vectors.  More rows than RM run in tiles of up to TR rows x TV
+// vectors of float32 weights (int8 widened first): AVX2 has 16 vector registers, so its 3 x 4
+// tile (12 accumulators, 4 weight vectors and the broadcast row value) spilled an accumulator to
+// the stack on every k and ran at about half the FMA units' rate; 6 x 2 (12 + 2 + 1) fits.
 // `next_item`: the item this thread takes after this one (-1: none), whose first panel the last
 // panel's tiles prefetch.
-template <int N, int RM, int NP1, int NP2, bool Q8>
+template <int N, int RM, int NP1, int NP2, bool Q8, int TR = RM, int TV = 4, int TMIN = RM + 1>
 JM_INLINE void run_item(const Problem& pr, int64_t item, int64_t next_item, float* scratch) {
   const int64_t pi = item % pr.panel_items, ri = item / pr.panel_items;
   const int64_t p0 = pi * pr.panels_per_item, p1 = std::min(pr.P, p0 + pr.panels_per_item);
@@ -227,8 +233,14 @@ JM_INLINE void run_item(const Problem& pr, int64_t item, int64_t next_item, floa
     if (m1 - m0 > RM && scratch) {
       for (int64_t p = p0; p < p1; ++p) {
         widen_panel<N>(w + p * K * kPanel, K, scratch);
-        panel_rows<N, RM, 1, true, float>(pr, scratch, p, m0, m1, next_of(p), row_bytes);
+        panel_rows<N, TR, 1, true, float, TV>(pr, scratch, p, m0, m1, next_of(p), row_bytes);
       }
+      return;
+    }
+  } else {
+    if (m1 - m0 >= TMIN) {
+      for (int64_t p = p0; p < p1; ++p)
+        panel_rows<N, TR, 1, false, float, TV>(pr, w + p * K * kPanel, p, m0, m1, next_of(p), row_bytes);
       return;
     }
   }
@@ -249,7 +261,7 @@ void item_generic(const Problem& pr, int64_t i, int64_t next, float* s) {
 #if JM_X86
 template <bool Q8>
 __attribute__((target("avx2,fma"))) void item_avx2(const Problem& pr, int64_t i, int64_t next, float* s) {
-  run_item<8, 3, 2, 1, Q8>(pr, i, next, s);
+  run_item<8, 3, 2, 1, Q8, 6, 2, 8>(pr, i, next, s);
 }
 template <bool Q8>
 __attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,avx2,fma"))) void item_avx512(const Problem& pr, int64_t i,
@@ -280,7 +292,7 @@ ffi::Error Run(ffi::ThreadPool pool, Problem pr, bool q8) {
     return ffi::Error::Success();
   }
   const int isa = jaxserve_cpu_isa();
-  const int64_t rm = isa >= 2 ? 6 : isa == 1 ? 3 : 2;  // rows per register tile of the variant
+  const int64_t rm = isa >= 2 ? 6 : isa == 1 ? 3 : 2;  // the variant's RM (run_item): more rows widen int8 first
   const int64_t workers = std::max<int64_t>(1, pool.num_threads());
   const int64_t per_panel = pr.K * kPanel * std::max<int64_t>(1, pr.M / 4);
   int64_t items = std::clamp<int64_t>(pr.P * per_panel / kItemElems, 1, kItemsPerWorker * workers);
