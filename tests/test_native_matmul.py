@@ -79,7 +79,15 @@ def test_every_vector_variant(isa):
     try:
         if native.set_cpu_isa(isa) != isa:
             pytest.skip(f"this host has no {isa}")  # a variant test, not a core one (the bf16 levels: above)
-        for rows, k, n in ((1, 200, 37), (2, 50, 130), (3, 64, 64), (7, 77, 130), (8, 40, 100), (13, 513, 200), (70, 100, 65)):
+        for rows, k, n in (
+            (1, 200, 37),
+            (2, 50, 130),
+            (3, 64, 64),
+            (7, 77, 130),
+            (8, 40, 100),
+            (13, 513, 200),
+            (70, 100, 65),
+        ):
             for int8 in (False, True):
                 x, w, scale, dense = _case(rows, k, n, rows, int8)
                 _check(np.asarray(native_matmul.matmul(x, w, scale, n=n)), x, dense)
