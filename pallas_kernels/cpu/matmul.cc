@@ -79,9 +79,9 @@ JM_INLINE void vstore(float* p, typename MV<N>::F v) {
   std::memcpy(p, &v, sizeof v);
 }
 
-// Where vector j (0..3) of slice h of a panel row lands among the panel's 64 columns.  A slice is
-// 4N columns' worth of weights: float32 rows hold them in order; int8 rows interleaved (above).
-// V: vectors per slice (4, or 2 for float32 panels in AVX2's tall tiles: below).
+// Where vector j (0..V-1) of slice h of a panel row lands among the panel's 64 columns.  A slice
+// is V x N columns' worth of weights (V = 4, or 2 for float32 panels in AVX2's tall tiles: below):
+// float32 rows hold them in order; int8 rows interleaved (above; always V = 4).
 template <int N, class WT, int V = 4>
 constexpr int column(int h, int j) {
   return std::is_same<WT, int8_t>::value ? 16 * j + N * h : V * N * h + N * j;
@@ -229,18 +229,24 @@ JM_INLINE void run_item(const Problem& pr, int64_t item, int64_t next_item, floa
     const int64_t q = p + 1 < p1 ? p + 1 : p_after;
     return q < 0 ? nullptr : reinterpret_cast<const char*>(w + q * K * kPanel);
   };
+  // One choice of tile for float32 panels and widened int8 alike: tall tiles from TMIN rows.
+  auto float_panel = [&](const float* fw, int64_t p) {
+    if (m1 - m0 >= TMIN)
+      panel_rows<N, TR, 1, Q8, float, TV>(pr, fw, p, m0, m1, next_of(p), row_bytes);
+    else
+      panel_rows<N, RM, 1, Q8, float>(pr, fw, p, m0, m1, next_of(p), row_bytes);
+  };
   if constexpr (Q8) {
     if (m1 - m0 > RM && scratch) {
       for (int64_t p = p0; p < p1; ++p) {
         widen_panel<N>(w + p * K * kPanel, K, scratch);
-        panel_rows<N, TR, 1, true, float, TV>(pr, scratch, p, m0, m1, next_of(p), row_bytes);
+        float_panel(scratch, p);
       }
       return;
     }
   } else {
     if (m1 - m0 >= TMIN) {
-      for (int64_t p = p0; p < p1; ++p)
-        panel_rows<N, TR, 1, false, float, TV>(pr, w + p * K * kPanel, p, m0, m1, next_of(p), row_bytes);
+      for (int64_t p = p0; p < p1; ++p) float_panel(w + p * K * kPanel, p);
       return;
     }
   }
