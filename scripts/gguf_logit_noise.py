@@ -32,19 +32,27 @@ def main() -> int:
     hf32 = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
     hf64 = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float64)
     ids = [tok(p)["input_ids"] for p in PROMPTS]
-    ours = padded_batch_logits(path, ids)
-    worst = {"jaxserve vs transformers f32": 0.0, "jaxserve vs transformers f64": 0.0, "transformers f32 vs f64": 0.0}
+    from pallas_kernels import native_matmul
+
+    ours = {"XLA dot": padded_batch_logits(path, ids)}
+    if native_matmul.available():
+        ours["native matmul"] = padded_batch_logits(path, ids, native=True)
+    worst = {}
     top = 0.0
     for i, row in enumerate(ids):
         with torch.no_grad():
             t32 = hf32(torch.tensor([row])).logits[0].numpy().astype(np.float64)
             t64 = hf64(torch.tensor([row])).logits[0].numpy()
-        o = ours[i, : len(row)].astype(np.float64)
         top = max(top, float(np.abs(t64).max()))
-        for key, (a, b) in zip(worst, ((o, t32), (o, t64), (t32, t64))):
-            worst[key] = max(worst[key], float(np.abs(a - b).max()))
+        pairs = {"transformers f32 vs f64": (t32, t64)}
+        for name, logits in ours.items():
+            o = logits[i, : len(row)].astype(np.float64)
+            pairs[f"jaxserve ({name}) vs transformers f32"] = (o, t32)
+            pairs[f"jaxserve ({name}) vs transformers f64"] = (o, t64)
+        for key, (a, b) in pairs.items():
+            worst[key] = max(worst.get(key, 0.0), float(np.abs(a - b).max()))
     for key, v in worst.items():
-        print(f"{key:30s} max |difference| {v:.2e}  ({v / top:.1e} of the largest logit, {top:.1f})")
+        print(f"{key:45s} max |difference| {v:.2e}  ({v / top:.1e} of the largest logit, {top:.1f})")
     return 0
 
 

@@ -40,12 +40,19 @@ PROMPTS = [
 ENGINE = dict(max_slots=4, max_model_len=256, token_buckets=(64,), page_size=16, num_pages=72)
 
 
-def padded_batch_logits(path, ids: list[list[int]]) -> np.ndarray:
+def padded_batch_logits(path, ids: list[list[int]], native: bool = False) -> np.ndarray:
     """float32 logits [len(ids), width, vocab] of jaxserve's model of `path`, the prompts in one
-    right-padded batch (the padding is invisible to the real tokens under the causal mask)."""
+    right-padded batch (the padding is invisible to the real tokens under the causal mask).
+    native: every projection and the LM head through the native CPU matmul, as the engine runs
+    them on the CPU (else XLA's dot)."""
     from flax import nnx
 
+    from jaxserve.models.linear import pack_native
+
     model, _ = load_model(path, dtype=jnp.float32)
+    if native:
+        model.untie_lm_head()
+        pack_native(model)
     width = max(map(len, ids))
     batch = np.zeros((len(ids), width), np.int32)
     for i, row in enumerate(ids):
@@ -91,13 +98,20 @@ def test_the_default_model_is_smollm2_from_the_installed_package(gguf_path, llm)
     assert (cfg.vocab_size, cfg.tie_word_embeddings, cfg.num_params()) == (49152, True, 134_515_008)
 
 
-def test_logits_match_transformers_reading_the_same_file(gguf_path, hf, hf_tok):
-    """Every position of 16 prompts, in one right-padded batch (invisible under the causal mask).
-    The dequantized weights are bit-identical to transformers'; what differs is float32 summation
-    order over 30 layers, about 1e-4 on logits of magnitude ~30 (relative 1e-5): transformers' own
-    float32 logits are as far from its float64 ones (scripts/gguf_logit_noise.py)."""
+@pytest.mark.parametrize("native", [False, True], ids=["xla-dot", "native-matmul"])
+def test_logits_match_transformers_reading_the_same_file(gguf_path, hf, hf_tok, native):
+    """Every position of 16 prompts, in one right-padded batch (invisible under the causal mask),
+    with the projections through XLA's dot and through the native CPU matmul (what the engine
+    runs on the CPU). The dequantized weights are bit-identical to transformers'; what differs is
+    float32 summation order over 30 layers, about 1e-4 on logits of magnitude ~40 (relative
+    3e-6): transformers' own float32 logits are as far from its float64 ones
+    (scripts/gguf_logit_noise.py)."""
+    from pallas_kernels import native_matmul
+
+    if native and not native_matmul.available():
+        pytest.fail(f"the native CPU matmul did not load: {native_matmul.unavailable_reason()}")
     ids = [hf_tok(p)["input_ids"] for p in PROMPTS]
-    logits = padded_batch_logits(gguf_path, ids)
+    logits = padded_batch_logits(gguf_path, ids, native=native)
     worst = 0.0
     for i, row in enumerate(ids):
         with torch.no_grad():
