@@ -66,7 +66,7 @@ constexpr int64_t kPanel = 64;  // columns per panel (pallas_kernels/native_matm
 // block in its own accumulator, and the block sums added in order.  Rounding error then grows
 // with about sqrt(block) + sqrt(K / block) instead of sqrt(K): against float64, a 1,536-long
 // sum in one accumulator was 2.5x as far as PyTorch's float32 matmul (which also blocks k).
-constexpr int64_t kSumBlock = 128;
+constexpr int64_t kSumBlock = 256;
 
 template <int N>
 struct MV {
