@@ -18,9 +18,10 @@
 // float vectors, vector j holding columns 16j + Nh .. 16j + Nh + N - 1: contiguous for every N,
 // so one packed layout serves every vector width (pallas_kernels/native_matmul.py packs it).
 //
-// Each y[m, n] is summed over k in order, in blocks of kSumBlock (below), in one float32 lane (fused multiply-add where the ISA
-// has it), the int8 scale applied once at the end: a row's result never depends on the other rows
-// of the call or on how the work was split (batched equals alone).
+// Each y[m, n] is summed over k in order, in blocks of kSumBlock (below), in one float32 lane
+// (fused multiply-add where the ISA has it), the int8 scale applied once at the end: a row's
+// result never depends on the other rows of the call or on how the work was split (batched
+// equals alone).
 //
 // Work split: items are (a run of panels, a block of rows), taken from a shared atomic counter by
 // the calling thread and by tasks queued on XLA's own CPU thread pool (work_pool.h, shared with
@@ -178,6 +179,8 @@ JM_INLINE void tile(const Problem& pr, const WT* wp, int64_t p, int h, int64_t m
         for (int r = 0; r < R; ++r) {
           F v = acc[r][q][j];
           float* yr = y0 + r * n_cols + c;
+          // Whole and part vectors in separate branches, each with its own add and scale: one
+          // shared `live == N ? vload : part load` made GCC keep the tile in memory (2.7x slower).
           if (live == N) {
             if (!first) v += vload<N>(yr);
             if constexpr (Q8)
