@@ -53,6 +53,8 @@ def test_build_places_every_token(rows, extra):
     # padding: an empty row past the last, tokens past the rows write to the dummy page
     assert meta.query_start_loc[-1] == off and meta.seq_lens[len(rows)] == 0 and not b.active[len(rows)]
     assert np.all(meta.slot_mapping[off:] == dummy) and np.all(b.feed[off:] == -1)
+    # the rows the vocabulary projection multiplies: the real ones, not the bucket's padding row
+    assert int(b.live_rows()) == len(rows)
 
 
 def test_uniform_rows_for_speculative_steps():

@@ -234,6 +234,7 @@ class LlamaForCausalLM(nnx.Module):
         token_index=None,
         num_live_tokens=None,
         return_hidden: bool = False,
+        num_live_logits=None,
     ):
         """tokens/positions [B, T]. Without a cache: dense causal attention over the batch
         (right padding is harmless under a causal mask). With one, `meta` describes the B*T
@@ -244,7 +245,9 @@ class LlamaForCausalLM(nnx.Module):
         of the B*T tokens are real (a ragged step's padding follows them); the native CPU matmul
         skips the rest (`linear.live_rows`). return_hidden: also return the final-norm hidden
         state of every token [B, T, H] (what the vocabulary projection reads: the features an
-        EAGLE draft head is conditioned on, models/eagle.py)."""
+        EAGLE draft head is conditioned on, models/eagle.py). num_live_logits (traced int32): only
+        the first that many selected positions are real (the rest pad a row bucket); the native
+        CPU matmul projects only those onto the vocabulary, the step's largest single read."""
         x = self.embed_tokens(tokens)
         rope_cs = rope_tables(positions, jnp.asarray(self.cfg.inv_freq()), x.dtype)
         new_cache = []
@@ -261,7 +264,8 @@ class LlamaForCausalLM(nnx.Module):
         if self.cfg.tie_word_embeddings and not self.untied:
             logits = self.embed_tokens.attend(x)
         else:
-            logits = self.lm_head(x)
+            with linear.live_rows(num_live_logits):
+                logits = self.lm_head(x)
         cache = None if kv_cache is None else tuple(new_cache)
         if return_hidden:
             return logits.astype(jnp.float32), cache, hidden

@@ -76,11 +76,19 @@ def default_argmax(mesh) -> Callable:
 
 
 def _forward(
-    graphdef, backend: AttentionBackend, params, kv, batch: StepBatch, tokens, token_index, with_hidden: bool = False
+    graphdef,
+    backend: AttentionBackend,
+    params,
+    kv,
+    batch: StepBatch,
+    tokens,
+    token_index,
+    with_hidden: bool = False,
+    num_live_logits=None,
 ):
     """The model over the batch's flat tokens (one row of N), KV written into the pages inside;
-    logits [M, V] at the flat `token_index` only (and with_hidden, every token's final-norm
-    hidden state [1, N, H] third)."""
+    logits [M, V] at the flat `token_index` only, of which the first `num_live_logits` are real
+    (and with_hidden, every token's final-norm hidden state [1, N, H] third)."""
     model = nnx.merge(graphdef, params)
     md = backend.metadata(batch.attn)
     live = batch.attn.query_start_loc[-1]  # the real tokens; the bucket's padding follows them
@@ -93,6 +101,7 @@ def _forward(
         token_index=token_index,
         num_live_tokens=live,
         return_hidden=with_hidden,
+        num_live_logits=num_live_logits,
     )
 
 
@@ -159,8 +168,11 @@ def _ragged_step(
     with_hidden (an EAGLE draft head rides along): the last output is (every token's final-norm
     hidden state [N, H], the tokens as run [N]), the features the head is filled from."""
     tokens = jnp.where(batch.feed >= 0, prev_tokens[jnp.maximum(batch.feed, 0)], batch.tokens)
-    at = batch.logits_indices if targets is None else jnp.arange(batch.num_tokens)
-    logits, kv, *hidden = _forward(graphdef, backend, params, kv, batch, tokens, at, with_hidden)
+    if targets is None:
+        at, live = batch.logits_indices, batch.live_rows()
+    else:
+        at, live = jnp.arange(batch.num_tokens), batch.attn.query_start_loc[-1]
+    logits, kv, *hidden = _forward(graphdef, backend, params, kv, batch, tokens, at, with_hidden, live)
     extra = ((hidden[0][0], tokens),) if with_hidden else ()
     rows = logits if targets is None else logits[batch.logits_indices]
     out = _sample_rows(rows, batch, want_logprobs, num_logprobs=num_logprobs, argmax_fn=argmax_fn)

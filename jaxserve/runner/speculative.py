@@ -225,6 +225,7 @@ def verify_ragged(graphdef, backend, params, kv, batch: StepBatch, spec_index, *
         backend.forward,
         token_index=spec_index.reshape(-1),
         num_live_tokens=live,
+        num_live_logits=batch.live_rows() * t,  # each real row's k + 1 positions come first
     )
     drafts = batch.tokens[spec_index[:, 1:]]
     out, n_out = accept(

@@ -15,6 +15,7 @@ import dataclasses
 from typing import Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.reference import RaggedMetadata
@@ -110,6 +111,12 @@ class StepBatch:
     @property
     def num_tokens(self) -> int:
         return self.tokens.shape[0]
+
+    def live_rows(self) -> jax.Array:
+        """The real rows (traced int32): those with tokens, which come first; the rest pad the
+        row bucket, and the vocabulary projection skips them (one decode or verify row in an
+        8-row bucket would otherwise read the LM head for 8)."""
+        return jnp.sum(jnp.diff(self.attn.query_start_loc) > 0).astype(jnp.int32)
 
 
 @dataclasses.dataclass(frozen=True)
