@@ -52,7 +52,8 @@ RAGGED_TARGET_Q8 = "jaxserve_ragged_paged_attention_q8"
 ABI_VERSION = 5  # must match jaxserve_cpu_abi_version() in the .cc (3: bfloat16 scales; 4: ragged; 5: avx512bf16)
 # avx512bf16: AVX-512 + AVX512-BF16 (the bf16 matmul by dot products); amx: that + the AMX bf16 tiles
 ISAS = ("generic", "avx2", "avx512", "avx512bf16", "amx")
-BF16_ISAS = ISAS[3:]  # where the bfloat16 matmul runs
+BF16_ISAS = ISAS[3:]  # bfloat16 arithmetic (dot products or tiles): the default precision there
+BF16_WEIGHT_ISAS = ISAS[1:]  # where bfloat16 weights run natively (AVX2 / AVX-512: float32 arithmetic)
 # The levels with vector code of their own in every kernel; amx adds only the tile matmul and runs
 # the AVX-512 attention and argmax (their variant tests cover these three).
 VECTOR_ISAS = ISAS[:3]

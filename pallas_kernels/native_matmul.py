@@ -14,13 +14,15 @@ panel [K, 64] contiguous: the whole array is [P, K, 64], P = ceil(N / 64), zero-
   K into blocks of 32, each block [16 k pairs][64 columns][2] (row kk of AMX weight tile j, the
   VNNI pairs TDPBF16PS reads, is columns 16j..16j+15 of k pair kk: a strided tile load; a k
   pair's 64 columns are contiguous for the dot-product path); zero-padded past K and N. Runs
-  on AMX or AVX512-BF16 only (``bf16_available()``); x is rounded to bfloat16 in the kernel,
-  products and sums are float32.
+  on AMX or AVX512-BF16 (``bf16_units()``) and, widened to float32 in registers (half of
+  float32's bytes, float32 FMAs), on AVX2 and AVX-512 (``bf16_available()``); x is rounded to
+  bfloat16 in the kernel, products and sums are float32.
 - ``pack_int8_bf16(q, scale)``: int8 weights [N, K] and scales [N] -> int8 [P, ceil(K / 32), 2048]
   in ``pack_bf16``'s element order, scales [P * 64]: weight-only int8 on the bfloat16 units
   (W8A16). The kernel widens the int8 values to bfloat16 (exact: 8 significant bits) and runs
   the bfloat16 dot products (x rounded to bfloat16 as for ``pack_bf16``), each column's scale
-  applied to its sums. Half the bytes of bfloat16 panels, the bfloat16 units' arithmetic.
+  applied to its sums. Half the bytes of bfloat16 panels, the bfloat16 units' arithmetic
+  (``bf16_units()`` only: other hosts pack int8 with ``pack_int8``).
 - ``matmul(x, w, scale, n=N)``: x [..., K] float32 -> float32 [..., N]; int8 panels need scale.
 - ``reference``: the same from the unpacked weights in jnp, the oracle.
 
@@ -44,7 +46,7 @@ TARGET_BF16 = "jaxserve_matmul_bf16"
 TARGET_Q8_BF16 = "jaxserve_matmul_q8_bf16"
 K_BLOCK = 32  # k per AMX tile step (kKBlock in cpu/matmul.cc)
 TILE_COLS = 16  # columns per AMX weight tile
-ABI_VERSION = 5  # must match jaxserve_matmul_abi_version() in cpu/matmul.cc
+ABI_VERSION = 6  # must match jaxserve_matmul_abi_version() in cpu/matmul.cc
 
 _kernels = native.MoreKernels(
     "matmul",
@@ -63,14 +65,34 @@ unavailable_reason = _kernels.unavailable_reason
 
 
 def bf16_available() -> bool:
-    """True when the bfloat16 matmul runs here: the kernels are built and the CPU has AVX512-BF16
-    (dot products) or the AMX bf16 tiles, not turned off (JAXSERVE_CPU_ISA=avx512 or lower, or
-    ``native.set_cpu_isa``)."""
+    """True when bfloat16 panels (``pack_bf16``) run in the native kernel here: the kernels are
+    built and the CPU has AVX2 or better, not turned off (JAXSERVE_CPU_ISA or
+    ``native.set_cpu_isa``). Below AVX512-BF16 the weights widen to float32 in registers: half
+    float32's bytes, float32 arithmetic (``bf16_units()`` says which)."""
+    return available() and native.cpu_isa() in native.BF16_WEIGHT_ISAS
+
+
+def bf16_units() -> bool:
+    """True when the CPU computes in bfloat16 (AVX512-BF16 dot products or the AMX tiles) and
+    they are on: where bfloat16 is the engine's default precision, and where int8 weights run as
+    W8A16 in the pair layout (``pack_int8_bf16``)."""
     return available() and native.cpu_isa() in native.BF16_ISAS
 
 
 def bf16_unavailable_reason() -> str | None:
     if bf16_available():
+        return None
+    if not available():
+        return unavailable_reason()
+    best = native.best_cpu_isa()
+    if best in native.BF16_WEIGHT_ISAS:
+        return f"the native kernels are capped below AVX2 (JAXSERVE_CPU_ISA or native.set_cpu_isa; the host has {best})"
+    return f"this CPU lacks AVX2 (best instruction set: {best})"
+
+
+def bf16_units_missing_reason() -> str | None:
+    """Why the CPU does not compute in bfloat16 here (None where it does)."""
+    if bf16_units():
         return None
     if not available():
         return unavailable_reason()
@@ -215,7 +237,8 @@ def matmul(x, w, scale=None, *, n: int, live_rows=None) -> jax.Array:
             f"{K_BLOCK * PANEL}]; got x {x.shape}, w {w.shape} {w.dtype}, scale "
             f"{None if scale is None else scale.shape}, n {n}"
         )
-    if not (bf16_available() if pairs else available()):
+    native_ok = (bf16_units() if q8 else bf16_available()) if pairs else available()
+    if not native_ok:
         return reference(x, w, scale, n=n)
     lead, k = x.shape[:-1], x.shape[-1]
     rows = int(np.prod(lead, dtype=np.int64))

@@ -137,14 +137,28 @@ def cpu_isa(name: str):
 
 
 def bf16_isas() -> list[str]:
-    """The bfloat16 matmul variants this host runs, slowest first: avx512bf16 (dot products)
-    and, with AMX, amx; empty on other hosts (the suite itself runs with them off)."""
+    """The bfloat16 units this host has, slowest first: avx512bf16 (dot products) and, with AMX,
+    amx; empty on other hosts (the suite itself runs with them off)."""
+    from pallas_kernels import native
+
+    return _isas_up_to_best(native.BF16_ISAS)
+
+
+def bf16_weight_isas() -> list[str]:
+    """Every level at which this host runs bfloat16 weights natively, slowest first: avx2 and
+    avx512 (float32 arithmetic), then its bfloat16 units (bf16_isas)."""
+    from pallas_kernels import native
+
+    return _isas_up_to_best(native.BF16_WEIGHT_ISAS)
+
+
+def _isas_up_to_best(isas) -> list[str]:
     from pallas_kernels import native, native_matmul
 
     best = native.best_cpu_isa() if native_matmul.available() else "unavailable"
-    if best not in native.BF16_ISAS:
+    if best not in native.ISAS:
         return []
-    return [i for i in native.BF16_ISAS if native.ISAS.index(i) <= native.ISAS.index(best)]
+    return [i for i in isas if native.ISAS.index(i) <= native.ISAS.index(best)]
 
 
 # SmolLM2-135M's widths (hidden 576, 9 heads of 64, 3 KV heads): where XLA's reduce order once

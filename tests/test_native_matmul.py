@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import bf16_isas, cpu_isa
+from conftest import bf16_isas, bf16_weight_isas, cpu_isa
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -214,17 +214,10 @@ def test_engine_packs_on_the_cpu_and_not_when_told():
         model_runner.resolve(cfg, None, EngineConfig(matmul_impl="native", tensor_parallel_size=2), 0, 0)
 
 
-# ---- bfloat16 weights on the AMX tiles ---------------------------------------------------------
+# ---- bfloat16 weights: AMX tiles, AVX512-BF16 dot products, AVX2 / AVX-512 in float32 ----------
 
 
-@pytest.fixture
-def bf16():
-    """The bfloat16 matmul on for one test, every variant the host has in turn (the suite runs
-    with it off: conftest): call the fixture's value to get an iterator of ISA names."""
-    isas = bf16_isas()
-    if not isas:
-        pytest.skip(f"this host has neither AVX512-BF16 nor AMX ({native_matmul.bf16_unavailable_reason()})")
-
+def _each_isa(isas):
     def each():
         for isa in isas:
             with cpu_isa(isa) as got:
@@ -232,6 +225,27 @@ def bf16():
                 yield isa
 
     return each
+
+
+@pytest.fixture
+def bf16():
+    """bfloat16 weights in the native kernel for one test, every variant the host has in turn
+    (AVX2 and up; the suite runs with the bfloat16 units off: conftest): call the fixture's
+    value to get an iterator of ISA names."""
+    isas = bf16_weight_isas()
+    if not isas:
+        pytest.skip(f"the native bfloat16 matmul does not run here ({native_matmul.bf16_unavailable_reason()})")
+    return _each_isa(isas)
+
+
+@pytest.fixture
+def bf16_units():
+    """As ``bf16``, over the host's bfloat16 units only (AVX512-BF16, AMX): int8 weights in the
+    pair layout (W8A16) run there alone."""
+    isas = bf16_isas()
+    if not isas:
+        pytest.skip(f"this host has neither AVX512-BF16 nor AMX ({native_matmul.bf16_units_missing_reason()})")
+    return _each_isa(isas)
 
 
 def _bf16(a):
@@ -316,23 +330,39 @@ def test_bf16_pack_layout():
     assert np.all(full[70:] == 0) and np.all(full[:, 130:] == 0)
 
 
+def test_bf16_on_avx2_is_the_float32_kernel_on_rounded_operands(bf16):
+    """Without bfloat16 units the float32 kernel runs the bfloat16 panels, widening each weight by
+    a shift: every row's result is bit for bit the float32 kernel's on bf16(x) and the unpacked
+    weights, whatever its path (one row: the whole panel per pass; 2-7: pairs of k rows per
+    load; 8 and more: the tall tiles), with an odd K's last row and several 256-long sum blocks."""
+    f = jax.jit(native_matmul.matmul, static_argnames="n")
+    for isa in bf16():
+        if isa in native.BF16_ISAS:
+            continue  # the bfloat16 units sum in their own order (checked against NumPy above)
+        for rows, k, n in ((1, 577, 130), (3, 64, 64), (5, 301, 200), (8, 96, 70), (40, 513, 192), (130, 33, 65)):
+            x, w = _bf16_case(rows, k, n, rows + k)
+            p = native_matmul.pack_bf16(w)
+            want = f(_bf16(x).astype(np.float32), native_matmul.pack(np.asarray(native_matmul.unpack(p, n, k))), n=n)
+            np.testing.assert_array_equal(np.asarray(f(x, p, n=n)), np.asarray(want))
+
+
 def test_bf16_off_falls_back_to_the_reference():
-    """With AMX off (this suite's default) bfloat16 panels still give the right answer, through
+    """With the native kernels below AVX2 bfloat16 panels still give the right answer, through
     XLA (native_matmul.reference), and bf16_available() says why not."""
-    with cpu_isa("avx512"):
+    with cpu_isa("generic"):
         assert not native_matmul.bf16_available() and native_matmul.bf16_unavailable_reason()
         x, w = _bf16_case(5, 40, 70, 3)
         _check_bf16(np.asarray(native_matmul.matmul(x, native_matmul.pack_bf16(w), n=70)), x, w)
 
 
 def test_environment_variable_turns_bf16_off():
-    """JAXSERVE_CPU_ISA=avx512, read when the library loads, turns the bfloat16 matmul off for
+    """JAXSERVE_CPU_ISA=avx512, read when the library loads, turns the bfloat16 units off for
     the process (what this suite runs with, conftest); without it the host reports its best."""
     import os
     import subprocess
     import sys
 
-    code = "from pallas_kernels import native, native_matmul; print(native.cpu_isa(), native_matmul.bf16_available())"
+    code = "from pallas_kernels import native, native_matmul; print(native.cpu_isa(), native_matmul.bf16_units())"
     env = {k: v for k, v in os.environ.items() if k != "JAXSERVE_CPU_ISA"}
     run = lambda e: subprocess.run([sys.executable, "-c", code], env=e, capture_output=True, text=True, check=True)  # noqa: E731
     best = native.best_cpu_isa()
@@ -344,7 +374,8 @@ def test_environment_variable_turns_bf16_off():
 def test_engine_precision_follows_the_host():
     """LLM(path) defaults to bfloat16 weights where AMX is on, float32 where it is off
     (JAXSERVE_CPU_ISA=avx512) or when dtype / matmul_dtype say float32; the reason is kept for the
-    start-up log; an explicit bfloat16 the host cannot run is refused, naming the field."""
+    start-up log. An explicit bfloat16 runs on AVX2 (float32 arithmetic; int8 weights keep their
+    float32 panels there) and is refused below it, naming the field."""
     from flax import nnx
 
     from jaxserve.engine.engine_config import EngineConfig
@@ -357,11 +388,21 @@ def test_engine_precision_follows_the_host():
         rc = resolve()
         assert (rc.matmul_impl, rc.matmul_dtype) == ("native", "float32") and "AMX" in rc.matmul_reason
         assert rc.kv_cache_dtype == "auto"  # float32 pages
-        with pytest.raises(ValueError, match="matmul_dtype"):
-            resolve(matmul_dtype="bfloat16")
         runner = model_runner.ModelRunner(_model(None), cfg, rc)
         packed = [a for p, a in nnx.to_flat_state(runner.target.state) if str(p[-1]) == "packed"]
         assert packed and all(a.get_value().dtype == jnp.float32 for a in packed)
+        rc = resolve(matmul_dtype="bfloat16")
+        assert rc.matmul_dtype == "bfloat16" and "float32 arithmetic" in rc.matmul_reason
+        runner = model_runner.ModelRunner(_model(None), cfg, rc)
+        packed = [a.get_value() for p, a in nnx.to_flat_state(runner.target.state) if str(p[-1]) == "packed"]
+        assert len(packed) == 2 * 4 + 1 and all(a.dtype == jnp.bfloat16 for a in packed)
+        rc = resolve(matmul_dtype="bfloat16", quantization="int8")
+        assert "int8 weights in float32 arithmetic" in rc.matmul_reason
+        runner = model_runner.ModelRunner(_model("int8"), cfg, rc)
+        packed = [a.get_value() for p, a in nnx.to_flat_state(runner.target.state) if str(p[-1]) == "packed"]
+        assert all(a.dtype == jnp.int8 and a.shape[2] == native_matmul.PANEL for a in packed)
+    with cpu_isa("generic"), pytest.raises(ValueError, match="matmul_dtype"):
+        resolve(matmul_dtype="bfloat16")
     with pytest.raises(ValueError, match="matmul_dtype"):
         EngineConfig(matmul_dtype="float16")
     with pytest.raises(ValueError, match="matmul_dtype"):
@@ -414,7 +455,7 @@ def test_engine_bf16_greedy_mostly_agrees_with_float32(bf16):
     prompts = [[int(t) for t in rng.integers(3, 4000, 16)] for _ in range(8)]
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     outs = {}
-    with cpu_isa(bf16_isas()[-1]):  # the host's best bfloat16 unit on for the engines below
+    with cpu_isa(bf16_weight_isas()[-1]):  # the host's best bfloat16 path on for the engines below
         for md in ("float32", "bfloat16"):
             # no warm-up: only the steps this test runs are compiled (test_llm covers warm-up)
             llm = LLM(TEST_MODEL, matmul_dtype=md, warmup=False, max_slots=8, max_model_len=48, token_buckets=(16,))
@@ -452,21 +493,21 @@ def _check_q8_bf16(y, x, q_kn, s):
     max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
 )
 @given(rows=st.integers(1, 80), k=st.integers(1, 300), n=st.integers(1, 200), seed=st.integers(0, 2**31 - 1))
-def test_int8_bf16_matches_numpy(bf16, rows, k, n, seed):
+def test_int8_bf16_matches_numpy(bf16_units, rows, k, n, seed):
     """Rows 1-36 widen the int8 panel in registers per block of 6 rows; from 37 it is widened
     once into bfloat16 scratch (or the AMX tiles take it)."""
     x, w, scale, q_kn, s = _q8_bf16_case(rows, k, n, seed)
-    for _ in bf16():
+    for _ in bf16_units():
         y = np.asarray(jax.jit(native_matmul.matmul, static_argnames="n")(x, w, scale, n=n))
         _check_q8_bf16(y, x, q_kn, s)
 
 
-def test_int8_bf16_rows_are_independent_across_widening_paths(bf16):
+def test_int8_bf16_rows_are_independent_across_widening_paths(bf16_units):
     """A row's result is bit-identical whether its call widens in registers (1, 17 rows) or once
     into scratch (37, 100 rows): the same bfloat16 values in the same order."""
     x, w, scale, _, _ = _q8_bf16_case(100, 130, 300, 7)
     f = jax.jit(native_matmul.matmul, static_argnames="n")
-    for _ in bf16():
+    for _ in bf16_units():
         full = np.asarray(f(x, w, scale, n=300))
         for r in (0, 5, 16, 31, 99):
             np.testing.assert_array_equal(np.asarray(f(x[r : r + 1], w, scale, n=300))[0], full[r])
@@ -474,9 +515,9 @@ def test_int8_bf16_rows_are_independent_across_widening_paths(bf16):
         np.testing.assert_array_equal(np.asarray(f(x[3:40], w, scale, n=300)), full[3:40])
 
 
-def test_int8_bf16_live_rows(bf16):
+def test_int8_bf16_live_rows(bf16_units):
     x, w, scale, _, _ = _q8_bf16_case(50, 70, 130, 4)
-    for _ in bf16():
+    for _ in bf16_units():
         full = np.asarray(native_matmul.matmul(x, w, scale, n=130))
         for live in (3, 45):
             got = np.asarray(
@@ -510,7 +551,7 @@ def test_int8_bf16_off_falls_back_to_the_reference():
         _check_q8_bf16(np.asarray(native_matmul.matmul(x, w, scale, n=70)), x, q_kn, s)
 
 
-def test_int8_model_on_bf16_units_calls_the_w8a16_kernel(bf16):
+def test_int8_model_on_bf16_units_calls_the_w8a16_kernel(bf16_units):
     """An int8 model packed for the bfloat16 units (the engine's default on such a host): logits
     within bf16 rounding of x of the unpacked int8 model's, one W8A16 call per product, and no
     float copy of any weight."""
@@ -529,7 +570,7 @@ def test_int8_model_on_bf16_units_calls_the_w8a16_kernel(bf16):
     assert all(a.dtype == jnp.int8 and a.shape[2] == 2048 for a in packed)
     graphdef, state = nnx.split(module)
     fwd = jax.jit(lambda st, t, p: nnx.merge(graphdef, st)(t, p)[0])
-    for _ in bf16():
+    for _ in bf16_units():
         got = np.asarray(fwd(state, tokens, positions))
         assert np.max(np.abs(got - want)) <= 0.02 * np.max(np.abs(want))
         cfg = _model(None).cfg

@@ -15,9 +15,11 @@ panels (and ``weight_scale`` padded to a whole panel), which the kernel streams 
 memory speed where XLA:CPU's GEMM reads weights at half of it from 8 rows up. With
 ``weight_dtype="bfloat16"`` (the engine's ``matmul_dtype``, default on a CPU with AMX or AVX512-BF16) a float
 kernel is packed instead as bfloat16 AMX tiles [ceil(out / 64), ceil(in / 32), 2048]: half the
-bytes, and the tile unit's throughput for prefill; x stays float32 (rounded in the kernel). int8
-weights are then packed in the same blocks for the same units (widened to bfloat16 in the
-kernel, W8A16): a quarter of float32's bytes and bfloat16's arithmetic. A tensor-parallel
+bytes, and the tile unit's throughput for prefill; x stays float32 (rounded in the kernel). An
+AVX2 host runs the same blocks in float32 arithmetic (half the bytes only). int8 weights are
+then packed in the same blocks for the bfloat16 units (widened to bfloat16 in the kernel,
+W8A16): a quarter of float32's bytes and bfloat16's arithmetic; without those units they keep
+their float32-arithmetic panels. A tensor-parallel
 runner does not pack (XLA's partitioner cannot split a custom call), nor does a TPU/GPU.
 
 Loading, tensor-parallel placement (column- or row-parallel; the scales split with their output
@@ -119,8 +121,9 @@ class Linear(nnx.Module):
             return True
         if not self.native_storage():
             return False
-        if self.quantization == "int8":
-            pack = native_matmul.pack_int8_bf16 if weight_dtype == "bfloat16" else native_matmul.pack_int8
+        if self.quantization == "int8":  # W8A16 needs the bfloat16 units; float32 arithmetic elsewhere
+            w8a16 = weight_dtype == "bfloat16" and native_matmul.bf16_units()
+            pack = native_matmul.pack_int8_bf16 if w8a16 else native_matmul.pack_int8
             w, s = pack(np.asarray(self.weight[...]), np.asarray(self.weight_scale[...]))
             del self.weight
             self.weight_scale = nnx.Param(jnp.asarray(s))

@@ -804,7 +804,13 @@ def resolve(
     matmul_impl = _resolve_matmul(cfg, backend)
     matmul_dtype, matmul_reason = _resolve_matmul_dtype(cfg, matmul_impl)
     if cfg.quantization == "int8" and matmul_dtype == "bfloat16":
-        matmul_reason += "; int8 weights widened to bfloat16 in the kernel (W8A16)"
+        from pallas_kernels import native_matmul
+
+        matmul_reason += (
+            "; int8 weights widened to bfloat16 in the kernel (W8A16)"
+            if native_matmul.bf16_units()
+            else "; int8 weights in float32 arithmetic (no bfloat16 units)"
+        )
     kv_cache_dtype = cfg.kv_cache_dtype
     if kv_cache_dtype == "auto" and cfg.dtype is None and matmul_dtype == "bfloat16":
         # computing in bfloat16 (AMX / AVX512-BF16) by default: cache in bfloat16 too, as vLLM's CPU
@@ -924,22 +930,26 @@ def _resolve_matmul(cfg, backend: str) -> str:
 def _bf16_unit() -> str:
     from pallas_kernels import native
 
-    return "AMX bf16 tiles" if native.cpu_isa() == "amx" else "AVX512-BF16 dot products"
+    return {
+        "amx": "AMX bf16 tiles",
+        "avx512bf16": "AVX512-BF16 dot products",
+    }.get(native.cpu_isa(), f"{native.cpu_isa().upper()}: bfloat16 weights widened to float32, float32 arithmetic")
 
 
 def _resolve_matmul_dtype(cfg, matmul_impl: str) -> tuple[str, str]:
     """The native matmul's float weights and why: bfloat16 (AMX tiles or AVX512-BF16 dot products)
     by default where the CPU has them and the user left ``dtype`` unset (an explicit dtype="float32" keeps today's
-    exact path); float32 otherwise. An explicit matmul_dtype="bfloat16" the host cannot run is
-    refused (ValueError naming the field)."""
+    exact path); float32 otherwise. An explicit matmul_dtype="bfloat16" runs on any AVX2 host (half the
+    weight bytes; float32 arithmetic without the bfloat16 units) and is refused where the kernel cannot
+    run (ValueError naming the field)."""
     from pallas_kernels import native_matmul
 
     if matmul_impl != "native":
         if cfg.matmul_dtype == "bfloat16":
             raise ValueError("matmul_dtype='bfloat16' needs the native CPU matmul (matmul_impl='native')")
         return "float32", f"matmul_impl={matmul_impl}"
-    why_not = native_matmul.bf16_unavailable_reason()
     if cfg.matmul_dtype == "bfloat16":
+        why_not = native_matmul.bf16_unavailable_reason()
         if why_not:
             raise ValueError(f"matmul_dtype='bfloat16' is unavailable here: {why_not}")
         return "bfloat16", f"matmul_dtype='bfloat16' ({_bf16_unit()})"
@@ -947,8 +957,10 @@ def _resolve_matmul_dtype(cfg, matmul_impl: str) -> tuple[str, str]:
         return "float32", "matmul_dtype='float32'"
     if cfg.dtype is not None:
         return "float32", f"dtype={cfg.dtype!r} given (matmul_dtype='bfloat16' for the CPU's bfloat16 units)"
+    why_not = native_matmul.bf16_units_missing_reason()
     if why_not:
-        return "float32", why_not
+        hint = "; matmul_dtype='bfloat16' halves the weights' bytes" if native_matmul.bf16_available() else ""
+        return "float32", why_not + hint
     return "bfloat16", f"default on a CPU with {_bf16_unit()} (matmul_dtype='float32' for the exact float32 path)"
 
 

@@ -320,7 +320,9 @@ def _measure_host_report(
 
     quantization = "int8" if weight_dtype == "int8" else None
     if weight_dtype == "bf16" and not native_matmul.bf16_available():
-        print(f"bf16 weights need AMX or AVX512-BF16 ({native_matmul.bf16_unavailable_reason()}): measuring fp32")
+        print(
+            f"bf16 weights need the native matmul on AVX2 or better ({native_matmul.bf16_unavailable_reason()}): measuring fp32"
+        )
         weight_dtype = "fp32"
     weight_dtype = "int8" if quantization else weight_dtype if weight_dtype == "bf16" else "fp32"
     matmul_dtype = "bfloat16" if weight_dtype == "bf16" else "float32"

@@ -3,6 +3,8 @@
 //
 //   y[m, n] = sum_k x[m, k] * w[k, n]                  (float32 panels)
 //   y[m, n] = scale[n] * sum_k x[m, k] * float(q[k, n]) (int8 panels, weight-only quantization)
+//   y[m, n] = sum_k bf16(x[m, k]) * float(w[k, n])       (bfloat16 pair panels, hosts without
+//                                                         bfloat16 arithmetic: see below)
 //
 // x [M, K] float32, y [M, N] float32.  Why panels: a decode step multiplies a few rows by every
 // weight, so it must stream the weights once at memory speed, and XLA:CPU's GEMM does not (12-14
@@ -59,6 +61,7 @@ namespace ffi = xla::ffi;
 // 3 AVX-512 + AVX512-BF16, 4 that + AMX.
 extern "C" int jaxserve_cpu_isa();
 
+
 namespace {
 
 constexpr int64_t kPanel = 64;  // columns per panel (pallas_kernels/native_matmul.py: PANEL)
@@ -110,12 +113,37 @@ JM_INLINE void load_slice(const int8_t* row, int h, typename MV<N>::F (&w)[V]) {
   w[3] = __builtin_convertvector(v >> 24, typename MV<N>::F);
 }
 
+// A bfloat16 weight of the pair layout (bfloat16 section below): panel rows 2i and 2i + 1 are
+// interleaved, a 32-bit word per column, 128 elements per pair of rows.
+struct bf16_t {
+  uint16_t bits;
+};
+
+// The V weight vectors of slice h of row k of a panel (float32 and int8: [K, 64]; bfloat16:
+// [Kpad / 2, 128] pairs, widened by a shift: row 2i is the words' top halves moved up, row 2i + 1
+// their top halves in place).
+template <int N, int V, class WT>
+JM_INLINE void load_row(const WT* panel, int64_t k, int h, typename MV<N>::F (&w)[V]) {
+  if constexpr (std::is_same<WT, bf16_t>::value) {
+    const bf16_t* pair = panel + (k >> 1) * (2 * kPanel);
+    const int shift = (k & 1) ? 0 : 16;
+    for (int j = 0; j < V; ++j) {
+      typename MV<N>::I v;
+      std::memcpy(&v, pair + 2 * (V * N * h + N * j), sizeof v);
+      w[j] = (typename MV<N>::F)((v << shift) & int32_t(0xffff0000u));
+    }
+  } else {
+    load_slice<N, V>(panel + k * kPanel, h, w);
+  }
+}
+
 struct Problem {
   const float* x;       // [M, K]
-  const void* w;        // [P, K, 64] float32 or int8 (interleaved)
+  const void* w;        // [P, Kpad, 64] float32, int8 (interleaved) or bfloat16 (pairs)
   const float* scale;   // [P * 64] (int8 only; zero past N)
   float* y;             // [M, N]
   int64_t M, K, N, P;
+  int64_t Kpad;         // rows per panel: K, or K rounded up to 32 for bfloat16 pairs
   int64_t panels_per_item, rows_per_item;  // rows_per_item: a multiple of every tile height
   int64_t panel_items, n_items;
 };
@@ -135,7 +163,7 @@ template <int N, int R, int NP, bool Q8, class WT, int V = 4>
 JM_INLINE void tile(const Problem& pr, const WT* wp, int64_t p, int h, int64_t m0, const char* next,
                     int64_t next_row, int64_t t, int64_t T) {
   using F = typename MV<N>::F;
-  const int64_t K = pr.K;
+  const int64_t K = pr.K, PS = pr.Kpad * kPanel;  // PS: elements per panel
   const float* x0 = pr.x + m0 * K;
   int64_t pf_row = next ? t : K;  // the next row of `next` this tile prefetches
   float* const y0 = pr.y + m0 * pr.N;
@@ -148,14 +176,38 @@ JM_INLINE void tile(const Problem& pr, const WT* wp, int64_t p, int h, int64_t m
     for (int r = 0; r < R; ++r)
       for (int q = 0; q < NP; ++q)
         for (int j = 0; j < V; ++j) acc[r][q][j] = F{};
-    for (int64_t k = k0; k < k1; ++k) {
+    int64_t k_single = k0;  // where the row-at-a-time loop starts
+    // bfloat16 in the few-row tiles: a pair of rows per load (load_row), widened once for both
+    // (1-4 rows through SmolLM2's weights: 1.05-1.1x the row-at-a-time loop, 2 cores).  Not in
+    // AVX2's tall tiles (V = 2): with a pair per load they ran at 0.65-0.75x (tiles of 4-6 rows).
+    if constexpr (std::is_same<WT, bf16_t>::value && V >= 4) {
+      using I = typename MV<N>::I;
+      k_single = k0 + ((k1 - k0) & ~int64_t(1));
+      for (int64_t k = k0; k < k_single; k += 2) {
+        for (; pf_row <= k + 1; pf_row += T)
+          for (int64_t b = 0; b < next_row; b += 64) __builtin_prefetch(next + pf_row * next_row + b, 0, 2);
+        for (int q = 0; q < NP; ++q) {
+          const bf16_t* pair = wp + q * PS + (k >> 1) * (2 * kPanel);
+          for (int j = 0; j < V; ++j) {
+            I v;
+            std::memcpy(&v, pair + 2 * (V * N * h + N * j), sizeof v);
+            const F even = (F)(v << 16), odd = (F)(v & int32_t(0xffff0000u));
+            for (int r = 0; r < R; ++r) {
+              acc[r][q][j] += x0[r * K + k] * even;
+              acc[r][q][j] += x0[r * K + k + 1] * odd;
+            }
+          }
+        }
+      }
+    }
+    for (int64_t k = k_single; k < k1; ++k) {  // float32 and int8 rows (bfloat16: an odd K's last row)
       if (k == pf_row) {
         for (int64_t b = 0; b < next_row; b += 64) __builtin_prefetch(next + k * next_row + b, 0, 2);
         pf_row += T;
       }
       for (int q = 0; q < NP; ++q) {
         F w[V];
-        load_slice<N, V>(wp + q * K * kPanel + k * kPanel, h, w);
+        load_row<N, V>(wp + q * PS, k, h, w);
         for (int r = 0; r < R; ++r) {
           const float xv = x0[r * K + k];
           for (int j = 0; j < V; ++j) acc[r][q][j] += xv * w[j];
@@ -226,19 +278,20 @@ JM_INLINE void panel_rows(const Problem& pr, const WT* wp, int64_t p, int64_t m0
     }
 }
 
-// int8 panel [K, 64] -> float32 [K, 64] in column order (the scale is still applied at the end).
-template <int N>
-JM_INLINE void widen_panel(const int8_t* wp, int64_t K, float* out) {
+// int8 or bfloat16 panel -> float32 [K, 64] in column order (an int8 scale is still applied at
+// the end).
+template <int N, class WT>
+JM_INLINE void widen_panel(const WT* wp, int64_t K, float* out) {
   for (int64_t k = 0; k < K; ++k)
     for (int h = 0; h < int(kPanel / (4 * N)); ++h) {
       typename MV<N>::F w[4];
-      load_slice<N, 4>(wp + k * kPanel, h, w);
-      for (int j = 0; j < 4; ++j) vstore<N>(out + k * kPanel + column<N, int8_t>(h, j), w[j]);
+      load_row<N, 4>(wp, k, h, w);
+      for (int j = 0; j < 4; ++j) vstore<N>(out + k * kPanel + column<N, WT>(h, j), w[j]);
     }
 }
 
 // NP1 / NP2: how many panels to read at once for one / two rows (what the registers hold); RM:
-// the tallest tile of a slice of 4 vectors.  More rows than RM run in tiles of up to TR rows x TV
+// the tallest tile of a slice of 4 vectors (V1 for one row).  More rows than RM run in tiles of up to TR rows x TV
 // vectors of float32 weights (int8 widened first): AVX2 has 16 vector registers, so its 3 x 4
 // tile (12 accumulators, 4 weight vectors and the broadcast row value) spilled an accumulator to
 // the stack on every k and ran at about half the FMA units' rate; 6 x 2 (12 + 2 + 1) fits.
@@ -246,70 +299,83 @@ JM_INLINE void widen_panel(const int8_t* wp, int64_t K, float* out) {
 // panel's tiles prefetch; PFMIN: the fewest rows that prefetch it.  AVX2 (Zen 3) streams a panel
 // faster without it below its tall tiles: 3-5 rows through SmolLM2's weights (a speculative
 // step's verify) ran 8-11% faster, as the hardware prefetcher follows the first tile's reads.
-template <int N, int RM, int NP1, int NP2, bool Q8, int TR = RM, int TV = 4, int TMIN = RM + 1, int PFMIN = 1>
+// W: the weights' element type, float32 or int8 by Q8 unless given (bf16_t).
+template <int N, int RM, int NP1, int NP2, bool Q8, int TR = RM, int TV = 4, int TMIN = RM + 1, int PFMIN = 1,
+          class W = void, int V1 = 4>
 JM_INLINE void run_item(const Problem& pr, int64_t item, int64_t next_item, float* scratch) {
   const int64_t pi = item % pr.panel_items, ri = item / pr.panel_items;
   const int64_t p0 = pi * pr.panels_per_item, p1 = std::min(pr.P, p0 + pr.panels_per_item);
   const int64_t m0 = ri * pr.rows_per_item, m1 = std::min(pr.M, m0 + pr.rows_per_item);
-  const int64_t K = pr.K;
-  using WT = typename std::conditional<Q8, int8_t, float>::type;
+  const int64_t K = pr.K, PS = pr.Kpad * kPanel;
+  using WT = typename std::conditional<std::is_void<W>::value, typename std::conditional<Q8, int8_t, float>::type,
+                                       W>::type;
   const WT* w = static_cast<const WT*>(pr.w);
   constexpr int64_t row_bytes = kPanel * int64_t(sizeof(WT));
   // The panel after p: the next one of this item, else the next item's first.
   const int64_t p_after = next_item < 0 ? -1 : (next_item % pr.panel_items) * pr.panels_per_item;
   auto next_of = [&](int64_t p) -> const char* {
     const int64_t q = p + 1 < p1 ? p + 1 : p_after;
-    return q < 0 || m1 - m0 < PFMIN ? nullptr : reinterpret_cast<const char*>(w + q * K * kPanel);
+    return q < 0 || m1 - m0 < PFMIN ? nullptr : reinterpret_cast<const char*>(w + q * PS);
   };
-  // One choice of tile for float32 panels and widened int8 alike: tall tiles from TMIN rows.
-  auto float_panel = [&](const float* fw, int64_t p) {
+  // One choice of tile for float32 or bfloat16 panels and widened int8 alike: tall tiles from
+  // TMIN rows.
+  auto float_panel = [&](const auto* fw, int64_t p) {
+    using T = typename std::remove_cv<typename std::remove_pointer<decltype(fw)>::type>::type;
     if (m1 - m0 >= TMIN)
-      panel_rows<N, TR, 1, Q8, float, TV>(pr, fw, p, m0, m1, next_of(p), row_bytes);
+      panel_rows<N, TR, 1, Q8, T, TV>(pr, fw, p, m0, m1, next_of(p), row_bytes);
     else
-      panel_rows<N, RM, 1, Q8, float>(pr, fw, p, m0, m1, next_of(p), row_bytes);
+      panel_rows<N, RM, 1, Q8, T>(pr, fw, p, m0, m1, next_of(p), row_bytes);
   };
   if constexpr (Q8) {
     if (m1 - m0 > RM && scratch) {
       for (int64_t p = p0; p < p1; ++p) {
-        widen_panel<N>(w + p * K * kPanel, K, scratch);
+        widen_panel<N>(w + p * PS, K, scratch);
         float_panel(scratch, p);
       }
       return;
     }
   } else {
     if (m1 - m0 >= TMIN) {
-      for (int64_t p = p0; p < p1; ++p) float_panel(w + p * K * kPanel, p);
+      for (int64_t p = p0; p < p1; ++p) float_panel(w + p * PS, p);
       return;
     }
   }
   int64_t p = p0;
   if (m1 - m0 == 1)
-    for (; p + NP1 <= p1; p += NP1) panel_rows<N, RM, NP1, Q8>(pr, w + p * K * kPanel, p, m0, m1);
+    for (; p + NP1 <= p1; p += NP1) panel_rows<N, RM, NP1, Q8, WT, V1>(pr, w + p * PS, p, m0, m1);
   else if (m1 - m0 == 2)
-    for (; p + NP2 <= p1; p += NP2) panel_rows<N, RM, NP2, Q8>(pr, w + p * K * kPanel, p, m0, m1);
-  for (; p < p1; ++p) panel_rows<N, RM, 1, Q8>(pr, w + p * K * kPanel, p, m0, m1, next_of(p), row_bytes);
+    for (; p + NP2 <= p1; p += NP2) panel_rows<N, RM, NP2, Q8>(pr, w + p * PS, p, m0, m1);
+  for (; p < p1; ++p) panel_rows<N, RM, 1, Q8>(pr, w + p * PS, p, m0, m1, next_of(p), row_bytes);
 }
 
 using ItemFn = void (*)(const Problem&, int64_t, int64_t, float*);
 
-template <bool Q8>
+// The panels' element type: float32, int8 (with scales), bfloat16 pairs (AVX2 and up).
+enum class Weights { kF32, kQ8, kBf16 };
+
+template <bool Q8, class W = void>
 void item_generic(const Problem& pr, int64_t i, int64_t next, float* s) {
-  run_item<4, 2, 1, 1, Q8>(pr, i, next, s);
+  run_item<4, 2, 1, 1, Q8, 2, 4, 3, 1, W>(pr, i, next, s);
 }
 #if JM_X86
-template <bool Q8>
+template <bool Q8, class W = void>
 __attribute__((target("avx2,fma"))) void item_avx2(const Problem& pr, int64_t i, int64_t next, float* s) {
-  run_item<8, 3, 2, 1, Q8, 6, 2, 8, 8>(pr, i, next, s);
+  if constexpr (std::is_same<W, bf16_t>::value)  // one row: the whole panel at once, front to back
+    run_item<8, 3, 1, 1, Q8, 6, 2, 8, 8, W, 8>(pr, i, next, s);
+  else
+    run_item<8, 3, 2, 1, Q8, 6, 2, 8, 8, W>(pr, i, next, s);
 }
-template <bool Q8>
+template <bool Q8, class W = void>
 __attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,avx2,fma"))) void item_avx512(const Problem& pr, int64_t i,
                                                                                        int64_t next, float* s) {
-  run_item<16, 6, 4, 2, Q8>(pr, i, next, s);
+  run_item<16, 6, 4, 2, Q8, 6, 4, 7, 1, W>(pr, i, next, s);
 }
 #endif
 
-ItemFn pick(int isa, bool q8) {
+ItemFn pick(int isa, Weights wt) {
+  const bool q8 = wt == Weights::kQ8;
 #if JM_X86
+  if (wt == Weights::kBf16) return isa >= 2 ? &item_avx512<false, bf16_t> : &item_avx2<false, bf16_t>;
   if (isa >= 2) return q8 ? &item_avx512<true> : &item_avx512<false>;
   if (isa == 1) return q8 ? &item_avx2<true> : &item_avx2<false>;
 #endif
@@ -323,7 +389,8 @@ ItemFn pick(int isa, bool q8) {
 constexpr int64_t kItemElems = 1 << 15;
 constexpr int64_t kItemsPerWorker = 8;
 
-ffi::Error Run(ffi::ThreadPool pool, Problem pr, bool q8) {
+ffi::Error Run(ffi::ThreadPool pool, Problem pr, Weights wt) {
+  const bool q8 = wt == Weights::kQ8;
   if (pr.M == 0 || pr.N == 0) return ffi::Error::Success();
   if (pr.K == 0) {
     std::memset(pr.y, 0, sizeof(float) * pr.M * pr.N);
@@ -347,9 +414,10 @@ ffi::Error Run(ffi::ThreadPool pool, Problem pr, bool q8) {
   pr.n_items = pr.panel_items * ((pr.M + pr.rows_per_item - 1) / pr.rows_per_item);
 
   // int8 with more rows than a tile: each thread widens a panel once into its scratch (none
-  // allocated: widen per tile instead)
+  // allocated: widen per tile instead).  Not bfloat16: its widening is a shift, and widening a
+  // panel into scratch first ran 0.85x as fast as widening per tile at 32-256 rows here.
   const bool scratch = q8 && std::min(pr.M, pr.rows_per_item) > rm;
-  const ItemFn fn = pick(isa, q8);
+  const ItemFn fn = pick(isa, wt);
   jaxserve_cpu::run_items(
       pool, pr.n_items,
       [scratch, k = pr.K] { return std::unique_ptr<float[]>(scratch ? new (std::nothrow) float[k * kPanel] : nullptr); },
@@ -382,6 +450,7 @@ Problem Make(const float* x, const void* w, const float* scale, float* y, ffi::A
   pr.K = xd[1];
   pr.P = wd[0];
   pr.N = yd[1];
+  pr.Kpad = pr.K;
   return pr;
 }
 
@@ -400,7 +469,7 @@ ffi::Error MatmulF32Impl(ffi::ThreadPool pool, ffi::BufferR2<ffi::F32> x, ffi::B
                     y->dimensions());
   pr.M = LiveRows(live, pr.M, pr.y, pr.N);
   if (pr.M == 0) return ffi::Error::Success();
-  return Run(pool, pr, false);
+  return Run(pool, pr, Weights::kF32);
 }
 
 ffi::Error MatmulQ8Impl(ffi::ThreadPool pool, ffi::BufferR2<ffi::F32> x, ffi::BufferR3<ffi::S8> w,
@@ -412,7 +481,7 @@ ffi::Error MatmulQ8Impl(ffi::ThreadPool pool, ffi::BufferR2<ffi::F32> x, ffi::Bu
                     w.dimensions(), y->dimensions());
   pr.M = LiveRows(live, pr.M, pr.y, pr.N);
   if (pr.M == 0) return ffi::Error::Success();
-  return Run(pool, pr, true);
+  return Run(pool, pr, Weights::kQ8);
 }
 
 // ---- bfloat16 weights on the AMX tiles (or AVX512-BF16) ------------------------------------------------------
@@ -754,16 +823,67 @@ JM_BF16 void bf16_dp_item(const BfProblem& pr, int64_t item, uint16_t* a, uint16
 }
 #endif
 
+// ---- the same bfloat16 weights on AVX2 / AVX-512 (hosts without bfloat16 arithmetic) ----
+//
+// The float32 kernel above runs them (its bf16_t panels): a 32-bit word of the pair layout is
+// one column's (w[2kk], w[2kk+1]), and a bfloat16 is the top half of a float32, so a 16-bit
+// shift left gives row 2kk's weights as floats and a mask of the low half row 2kk + 1's.  The
+// point is the bytes, not the arithmetic: a decode step streams every weight once, and these
+// are half of float32's.  x is first rounded to bfloat16 here (round to nearest even, as the
+// bfloat16 units do), so every product is exact and a row's result is the float32 kernel's on
+// the rounded operands, bit for bit, whatever the rows beside it.
+#if JM_X86
+// x (float32 [rows, K]) -> the same rounded to bfloat16, as float32.
+__attribute__((target("avx2,fma"))) void round_to_bf16(const float* x, int64_t n, float* out) {
+  const __m256i half = _mm256_set1_epi32(0x7fff), one = _mm256_set1_epi32(1);
+  const __m256i top = _mm256_set1_epi32(int(0xffff0000u)), quiet = _mm256_set1_epi32(0x400000);
+  for (int64_t i = 0; i < n; i += 8) {
+    float part[8] = {};
+    const int64_t live = std::min<int64_t>(8, n - i);
+    std::memcpy(part, x + i, sizeof(float) * live);
+    const __m256 v = _mm256_loadu_ps(part);
+    const __m256i b = _mm256_castps_si256(v);
+    const __m256i rne = _mm256_and_si256(
+        _mm256_add_epi32(_mm256_add_epi32(b, half), _mm256_and_si256(_mm256_srli_epi32(b, 16), one)), top);
+    const __m256i nan = _mm256_and_si256(_mm256_or_si256(b, quiet), top);  // NaN stays NaN
+    _mm256_storeu_ps(part, _mm256_blendv_ps(_mm256_castsi256_ps(rne), _mm256_castsi256_ps(nan),
+                                            _mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+    std::memcpy(out + i, part, sizeof(float) * live);
+  }
+}
+#endif
+
 // Work split: rows in blocks of at most kBfRowsPerItem (whole 32-row tiles but the last),
 // panels in runs so that there are about kItemsPerWorker items per thread, none smaller than
 // kItemElems weights.
 ffi::Error RunBf16(ffi::ThreadPool pool, BfProblem pr) {
   if (pr.M == 0 || pr.N == 0) return ffi::Error::Success();
   const int isa = jaxserve_cpu_isa();
-  if (isa < 3)
+  // bfloat16 weights: AVX2 and up (float32 arithmetic below AVX512-BF16); int8 pair-layout
+  // weights: the bfloat16 units only (an AVX2 host packs int8 as float32-arithmetic panels).
+  if (isa < (pr.q ? 3 : 1))
     return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
-                      "bfloat16 matmul: needs AVX512-BF16 or the AMX tiles, which this host lacks or "
-                      "JAXSERVE_CPU_ISA turned off (pack the weights as float32 instead)");
+                      pr.q ? "int8 matmul (bfloat16 pair layout): needs AVX512-BF16 or the AMX tiles, which this host "
+                             "lacks or JAXSERVE_CPU_ISA turned off (pack the weights with pack_int8 instead)"
+                           : "bfloat16 matmul: needs AVX2, which this host lacks or JAXSERVE_CPU_ISA turned off "
+                             "(pack the weights as float32 instead)");
+#if JM_X86
+  if (isa < 3) {  // AVX2 or AVX-512 without bfloat16 arithmetic: the float32 kernel on rounded x
+    std::unique_ptr<float[]> xr(new (std::nothrow) float[pr.M * pr.K]);
+    if (!xr) return ffi::Error(ffi::ErrorCode::kResourceExhausted, "bfloat16 matmul: out of memory rounding x");
+    round_to_bf16(pr.x, pr.M * pr.K, xr.get());
+    Problem p32{};
+    p32.x = xr.get();
+    p32.w = pr.w;
+    p32.y = pr.y;
+    p32.M = pr.M;
+    p32.K = pr.K;
+    p32.N = pr.N;
+    p32.P = pr.P;
+    p32.Kpad = pr.KB * kKBlock;
+    return Run(pool, p32, Weights::kBf16);
+  }
+#endif
 #if JM_X86 && JAXSERVE_CAN_AMX
   const int64_t workers = std::max<int64_t>(1, pool.num_threads());
   const int64_t row_blocks0 = (pr.M + kBfRowsPerItem - 1) / kBfRowsPerItem;
@@ -775,8 +895,8 @@ ffi::Error RunBf16(ffi::ThreadPool pool, BfProblem pr) {
   pr.panels_per_item = (pr.P + pr.panel_items - 1) / pr.panel_items;
   pr.panel_items = (pr.P + pr.panels_per_item - 1) / pr.panels_per_item;
   pr.n_items = pr.panel_items * row_blocks;
-  // Per thread: the item's x rows in bf16, an int8 panel widened (int8 weights only), 256 floats.
   const int64_t rows_elems = pr.rows_per_item * pr.KB * kKBlock;
+  // Per thread: the item's x rows in bf16, an int8 panel widened (int8 weights only), 256 floats.
   const int64_t wide_elems = pr.q ? pr.KB * kBlockElems : 0;
   const int64_t scratch = rows_elems + wide_elems + 2 * 256;
   // Up to kQ8WidenOnce rows, int8 weights widen in registers (dot products) whatever the host:
@@ -888,4 +1008,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMatmulQ8BF16, MatmulQ8Bf16Impl,
 
 // Bumped whenever these kernels' FFI signatures or the packed layout change, so that a stale
 // library is not used.
-JM_EXPORT int jaxserve_matmul_abi_version() { return 5; }  // 2: the bfloat16 (AMX) target; 3: live rows; 4: int8 in the pair layout; 5: k-pair-major blocks
+JM_EXPORT int jaxserve_matmul_abi_version() { return 6; }  // 2: the bfloat16 (AMX) target; 3: live rows; 4: int8 in the pair layout; 5: k-pair-major blocks; 6: bfloat16 on AVX2
