@@ -179,7 +179,9 @@ JM_INLINE void tile(const Problem& pr, const WT* wp, int64_t p, int h, int64_t m
     int64_t k_single = k0;  // where the row-at-a-time loop starts
     // bfloat16 in the few-row tiles: a pair of rows per load (load_row), widened once for both
     // (1-4 rows through SmolLM2's weights: 1.05-1.1x the row-at-a-time loop, 2 cores).  Not in
-    // AVX2's tall tiles (V = 2): with a pair per load they ran at 0.65-0.75x (tiles of 4-6 rows).
+    // AVX2's tall tiles (V = 2): with a pair per load they ran at 0.65-0.75x (tiles of 4-6 rows);
+    // there each row is loaded again and widened by the one operation its parity needs (the
+    // shifts share the FMA units: two operations per row ran at 0.8x at 8-32 rows).
     if constexpr (std::is_same<WT, bf16_t>::value && V >= 4) {
       using I = typename MV<N>::I;
       k_single = k0 + ((k1 - k0) & ~int64_t(1));
@@ -198,6 +200,28 @@ JM_INLINE void tile(const Problem& pr, const WT* wp, int64_t p, int h, int64_t m
             }
           }
         }
+      }
+    } else if constexpr (std::is_same<WT, bf16_t>::value) {  // the tall tiles: a row at a time,
+      using I = typename MV<N>::I;                           // each widened by one operation
+      k_single = k0 + ((k1 - k0) & ~int64_t(1));
+      for (int64_t k = k0; k < k_single; k += 2) {
+        for (; pf_row <= k + 1; pf_row += T)
+          for (int64_t b = 0; b < next_row; b += 64) __builtin_prefetch(next + pf_row * next_row + b, 0, 2);
+#pragma GCC unroll 2
+        for (int e = 0; e < 2; ++e)
+          for (int q = 0; q < NP; ++q) {
+            const bf16_t* pair = wp + q * PS + (k >> 1) * (2 * kPanel);
+            F w[V];
+            for (int j = 0; j < V; ++j) {
+              I v;
+              std::memcpy(&v, pair + 2 * (V * N * h + N * j), sizeof v);
+              w[j] = e ? (F)(v & int32_t(0xffff0000u)) : (F)(v << 16);
+            }
+            for (int r = 0; r < R; ++r) {
+              const float xv = x0[r * K + k + e];
+              for (int j = 0; j < V; ++j) acc[r][q][j] += xv * w[j];
+            }
+          }
       }
     }
     for (int64_t k = k_single; k < k1; ++k) {  // float32 and int8 rows (bfloat16: an odd K's last row)
