@@ -154,7 +154,6 @@ struct Problem {
 // rows gained 5-10%).
 constexpr int64_t kBf16Prefetch = 1024;
 
-#define PFR 1
 // y[m0, m0 + R) x (slice h of panels p .. p + NP - 1) from panel rows `wp` ([NP][K, 64] of type
 // WT): R x NP x 4 vector accumulators (AVX-512: 6 x 1 x 4 of the 32 registers for many rows).
 // A few rows read NP panels at once: one stream per core does not reach the memory's speed, a
