@@ -80,26 +80,24 @@ def bf16_units() -> bool:
 
 
 def bf16_unavailable_reason() -> str | None:
-    if bf16_available():
-        return None
-    if not available():
-        return unavailable_reason()
-    best = native.best_cpu_isa()
-    if best in native.BF16_WEIGHT_ISAS:
-        return f"the native kernels are capped below AVX2 (JAXSERVE_CPU_ISA or native.set_cpu_isa; the host has {best})"
-    return f"this CPU lacks AVX2 (best instruction set: {best})"
+    """Why bfloat16 panels do not run natively here (None where they do)."""
+    return _why_not(bf16_available(), native.BF16_WEIGHT_ISAS, "AVX2")
 
 
 def bf16_units_missing_reason() -> str | None:
     """Why the CPU does not compute in bfloat16 here (None where it does)."""
-    if bf16_units():
+    return _why_not(bf16_units(), native.BF16_ISAS, "AMX / AVX512-BF16")
+
+
+def _why_not(ok: bool, isas, needs: str) -> str | None:
+    if ok:
         return None
     if not available():
         return unavailable_reason()
     best = native.best_cpu_isa()
-    if best in native.BF16_ISAS:
-        return f"AMX / AVX512-BF16 are turned off (JAXSERVE_CPU_ISA or native.set_cpu_isa; the host has {best})"
-    return f"this CPU has neither AMX nor AVX512-BF16 (best instruction set: {best})"
+    if best in isas:
+        return f"{needs} turned off (JAXSERVE_CPU_ISA or native.set_cpu_isa; the host has {best})"
+    return f"this CPU lacks {needs} (best instruction set: {best})"
 
 
 def num_panels(n: int) -> int:

@@ -61,7 +61,6 @@ namespace ffi = xla::ffi;
 // 3 AVX-512 + AVX512-BF16, 4 that + AMX.
 extern "C" int jaxserve_cpu_isa();
 
-
 namespace {
 
 constexpr int64_t kPanel = 64;  // columns per panel (pallas_kernels/native_matmul.py: PANEL)
@@ -188,7 +187,7 @@ JM_INLINE void tile(const Problem& pr, const WT* wp, int64_t p, int h, int64_t m
     // AVX2's tall tiles (V = 2): with a pair per load they ran at 0.65-0.75x (tiles of 4-6 rows);
     // there each row is loaded again and widened by the one operation its parity needs (the
     // shifts share the FMA units: two operations per row ran at 0.8x at 8-32 rows).
-    if constexpr (std::is_same<WT, bf16_t>::value && V >= 4) {
+    if constexpr (std::is_same<WT, bf16_t>::value) {  // whole k pairs; an odd K's last row below
       using I = typename MV<N>::I;
       k_single = k0 + ((k1 - k0) & ~int64_t(1));
       for (int64_t k = k0; k < k_single; k += 2) {
@@ -196,41 +195,35 @@ JM_INLINE void tile(const Problem& pr, const WT* wp, int64_t p, int h, int64_t m
           for (int64_t b = 0; b < next_row; b += 64) __builtin_prefetch(next + pf_row * next_row + b, 0, 2);
         for (int q = 0; q < NP; ++q) {
           const bf16_t* pair = wp + q * PS + (k >> 1) * (2 * kPanel);
-          if (R <= 3 && h == 0)  // the first slice fetches ahead (kBf16Prefetch)
-            for (int b = 0; b < 4; ++b)
-              __builtin_prefetch(reinterpret_cast<const char*>(pair) + kBf16Prefetch + 64 * b, 0, 3);
-          for (int j = 0; j < V; ++j) {
-            I v;
-            std::memcpy(&v, pair + 2 * (V * N * h + N * j), sizeof v);
-            const F even = (F)(v << 16), odd = (F)(v & int32_t(0xffff0000u));
-            for (int r = 0; r < R; ++r) {
-              acc[r][q][j] += x0[r * K + k] * even;
-              acc[r][q][j] += x0[r * K + k + 1] * odd;
-            }
-          }
-        }
-      }
-    } else if constexpr (std::is_same<WT, bf16_t>::value) {  // the tall tiles: a row at a time,
-      using I = typename MV<N>::I;                           // each widened by one operation
-      k_single = k0 + ((k1 - k0) & ~int64_t(1));
-      for (int64_t k = k0; k < k_single; k += 2) {
-        for (; pf_row <= k + 1; pf_row += T)
-          for (int64_t b = 0; b < next_row; b += 64) __builtin_prefetch(next + pf_row * next_row + b, 0, 2);
-#pragma GCC unroll 2
-        for (int e = 0; e < 2; ++e)
-          for (int q = 0; q < NP; ++q) {
-            const bf16_t* pair = wp + q * PS + (k >> 1) * (2 * kPanel);
-            F w[V];
+          if constexpr (V >= 4) {  // few rows: one load, both rows
+            if (R <= 3 && h == 0)  // the first slice fetches ahead (kBf16Prefetch)
+              for (int b = 0; b < 4; ++b)
+                __builtin_prefetch(reinterpret_cast<const char*>(pair) + kBf16Prefetch + 64 * b, 0, 3);
             for (int j = 0; j < V; ++j) {
               I v;
               std::memcpy(&v, pair + 2 * (V * N * h + N * j), sizeof v);
-              w[j] = e ? (F)(v & int32_t(0xffff0000u)) : (F)(v << 16);
+              const F even = (F)(v << 16), odd = (F)(v & int32_t(0xffff0000u));
+              for (int r = 0; r < R; ++r) {
+                acc[r][q][j] += x0[r * K + k] * even;
+                acc[r][q][j] += x0[r * K + k + 1] * odd;
+              }
             }
-            for (int r = 0; r < R; ++r) {
-              const float xv = x0[r * K + k + e];
-              for (int j = 0; j < V; ++j) acc[r][q][j] += xv * w[j];
+          } else {  // the tall tiles: a row at a time, each widened by the one operation it needs
+#pragma GCC unroll 2
+            for (int e = 0; e < 2; ++e) {
+              F w[V];
+              for (int j = 0; j < V; ++j) {
+                I v;
+                std::memcpy(&v, pair + 2 * (V * N * h + N * j), sizeof v);
+                w[j] = e ? (F)(v & int32_t(0xffff0000u)) : (F)(v << 16);
+              }
+              for (int r = 0; r < R; ++r) {
+                const float xv = x0[r * K + k + e];
+                for (int j = 0; j < V; ++j) acc[r][q][j] += xv * w[j];
+              }
             }
           }
+        }
       }
     }
     for (int64_t k = k_single; k < k1; ++k) {  // float32 and int8 rows (bfloat16: an odd K's last row)
@@ -311,20 +304,19 @@ JM_INLINE void panel_rows(const Problem& pr, const WT* wp, int64_t p, int64_t m0
     }
 }
 
-// int8 or bfloat16 panel -> float32 [K, 64] in column order (an int8 scale is still applied at
-// the end).
-template <int N, class WT>
-JM_INLINE void widen_panel(const WT* wp, int64_t K, float* out) {
+// int8 panel [K, 64] -> float32 [K, 64] in column order (the scale is still applied at the end).
+template <int N>
+JM_INLINE void widen_panel(const int8_t* wp, int64_t K, float* out) {
   for (int64_t k = 0; k < K; ++k)
     for (int h = 0; h < int(kPanel / (4 * N)); ++h) {
       typename MV<N>::F w[4];
-      load_row<N, 4>(wp, k, h, w);
-      for (int j = 0; j < 4; ++j) vstore<N>(out + k * kPanel + column<N, WT>(h, j), w[j]);
+      load_slice<N, 4>(wp + k * kPanel, h, w);
+      for (int j = 0; j < 4; ++j) vstore<N>(out + k * kPanel + column<N, int8_t>(h, j), w[j]);
     }
 }
 
-// NP1 / NP2: how many panels to read at once for one / two rows (what the registers hold); RM:
-// the tallest tile of a slice of 4 vectors (V1 for one row).  More rows than RM run in tiles of up to TR rows x TV
+// NP1 / NP2: how many panels to read at once for one / two rows (what the registers hold), V1
+// the vectors of one row's slice; RM: the tallest tile of a slice of 4 vectors.  More rows than RM run in tiles of up to TR rows x TV
 // vectors of float32 weights (int8 widened first): AVX2 has 16 vector registers, so its 3 x 4
 // tile (12 accumulators, 4 weight vectors and the broadcast row value) spilled an accumulator to
 // the stack on every k and ran at about half the FMA units' rate; 6 x 2 (12 + 2 + 1) fits.
