@@ -99,6 +99,15 @@ template <int N>
 JS_INLINE Vf<N> vload(const uint16_t* p) {  // bfloat16 -> float32 is a 16-bit shift
   typename VT<N>::H h;
   std::memcpy(&h, p, sizeof h);
+#if JS_X86 && defined(__GNUC__) && !defined(__clang__)
+  // GCC lowers the 8-lane conversion below to two 128-bit halves joined (5 instructions in
+  // place of one VPMOVZXWD): the builtin, expanded in the AVX2 / AVX-512 wrappers it is
+  // inlined into, gives the one instruction.
+  if constexpr (N == 8) {
+    typedef short S8 __attribute__((vector_size(16)));
+    return (Vf<N>)((typename VT<N>::U)__builtin_ia32_pmovzxwd256((S8)h) << 16);
+  }
+#endif
   typename VT<N>::U u = __builtin_convertvector(h, typename VT<N>::U) << 16;
   return (Vf<N>)u;
 }
@@ -689,6 +698,16 @@ JS_DP void probs_to_bf16(const float* p, int64_t n, uint16_t* dst) {
 // chunk it prefetches that item's first, when both read the same KV heads.
 // DP: the bfloat16 dot-product variant (bfloat16 pages, HD a multiple of 32, compiled for
 // AVX512-BF16; see dp_scores): K and V are packed into pairs instead of widened to float32.
+// How many of a head's dv vectors P.V takes at a time (run_item): all of them with two sets of
+// accumulators, else the largest divisor of dv whose accumulators fit in `fit` registers.
+constexpr int weigh_cols(int dv, bool two_sets, int fit) {
+  if (dv <= 0) return 1;
+  if (two_sets) return dv;
+  int cb = dv < fit ? dv : fit;
+  while (dv % cb) --cb;
+  return cb;
+}
+
 template <class KT, int N, int HD, bool DP = false>
 JS_INLINE void run_item(const Problem& pr, int64_t item, int64_t next_item, Scratch& sc) {
   using V = Vf<N>;
@@ -699,6 +718,15 @@ JS_INLINE void run_item(const Problem& pr, int64_t item, int64_t next_item, Scra
   // registers (up to 4 vectors per head: head dim 64 on AVX-512, 32 on AVX2); one at a time past
   // that.  Either way each row's arithmetic is the same, in the same order.
   constexpr bool kPairs = DV <= 4;
+  // P.V accumulators: two sets (even and odd keys) where both fit in the registers beside the
+  // loaded V vectors (AVX-512's 32: 24 of them; 16 elsewhere: 12); otherwise one set, over
+  // kWeighCols of the head's vectors at a time, so that nothing spills (AVX2 at head dim 64
+  // kept 16 accumulators in 16 registers and spilled each key).  The choice depends on the head
+  // dim and the vector width alone, so a query's sums run in one order whether its row is
+  // paired or not.
+  static constexpr int kAccRegs = N >= 16 ? 24 : 12, kRowsMax = kPairs ? 2 : 1;
+  static constexpr bool kTwoSets = DV > 0 && 2 * kRowsMax * DV <= kAccRegs;
+  static constexpr int kWeighCols = weigh_cols(DV, kTwoSets, kAccRegs / kRowsMax);
   static_assert(HD % N == 0, "head dim must be a multiple of the vector width");
   const WorkItem& ip = pr.items[item];
   const int64_t b = ip.b, n0 = ip.n0, nt = ip.nt, kh0 = ip.kh0;
@@ -917,38 +945,46 @@ JS_INLINE void run_item(const Problem& pr, int64_t item, int64_t next_item, Scra
       } else if constexpr (DV > 0) {
         auto weigh = [&](auto rows, int64_t r0) JS_LAMBDA {
           constexpr int RB = decltype(rows)::value;
-          const bool pf = kF32 && r0 == 0;
           const float* pr0 = sc.p + r0 * clp;
-          V a0[RB][DV], a1[RB][DV];
-          for (int i = 0; i < RB; ++i)
-            for (int c = 0; c < DV; ++c) {
-              a0[i][c] = vload<N>(ak + (r0 + i) * D + c * N);
-              a1[i][c] = splat<N>(0.0f);
-            }
-          int64_t j = 0;
-          for (; j + 1 < nvalid; j += 2) {
-            if (pf && j < n_next) prefetch_row(vpool + off_next[j] + hoff, D);
-            if (pf && j + 1 < n_next) prefetch_row(vpool + off_next[j + 1] + hoff, D);
-            const float* v0 = vrow(j);
-            const float* v1 = vrow(j + 1);
-            for (int c = 0; c < DV; ++c) {
-              const V x0 = vload<N>(v0 + c * N), x1 = vload<N>(v1 + c * N);
-              for (int i = 0; i < RB; ++i) {
-                a0[i][c] += pr0[i * clp + j] * x0;
-                a1[i][c] += pr0[i * clp + j + 1] * x1;
+          for (int c0 = 0; c0 < DV; c0 += kWeighCols) {  // kWeighCols of the head's vectors at a time
+            const bool pf = kF32 && r0 == 0 && c0 == 0;
+            V a0[RB][kWeighCols], a1[RB][kTwoSets ? kWeighCols : 1];
+            for (int i = 0; i < RB; ++i)
+              for (int c = 0; c < kWeighCols; ++c) {
+                a0[i][c] = vload<N>(ak + (r0 + i) * D + (c0 + c) * N);
+                if constexpr (kTwoSets) a1[i][c] = splat<N>(0.0f);
+              }
+            int64_t j = 0;
+            if constexpr (kTwoSets) {
+              for (; j + 1 < nvalid; j += 2) {
+                if (pf && j < n_next) prefetch_row(vpool + off_next[j] + hoff, D);
+                if (pf && j + 1 < n_next) prefetch_row(vpool + off_next[j + 1] + hoff, D);
+                const float* v0 = vrow(j) + c0 * N;
+                const float* v1 = vrow(j + 1) + c0 * N;
+                for (int c = 0; c < kWeighCols; ++c) {
+                  const V x0 = vload<N>(v0 + c * N), x1 = vload<N>(v1 + c * N);
+                  for (int i = 0; i < RB; ++i) {
+                    a0[i][c] += pr0[i * clp + j] * x0;
+                    a1[i][c] += pr0[i * clp + j + 1] * x1;
+                  }
+                }
               }
             }
-          }
-          if (j < nvalid) {
-            if (pf && j < n_next) prefetch_row(vpool + off_next[j] + hoff, D);
-            const float* v0 = vrow(j);
-            for (int c = 0; c < DV; ++c) {
-              const V x0 = vload<N>(v0 + c * N);
-              for (int i = 0; i < RB; ++i) a0[i][c] += pr0[i * clp + j] * x0;
+            for (; j < nvalid; ++j) {
+              if (pf && j < n_next) prefetch_row(vpool + off_next[j] + hoff, D);
+              const float* v0 = vrow(j) + c0 * N;
+              for (int c = 0; c < kWeighCols; ++c) {
+                const V x0 = vload<N>(v0 + c * N);
+                for (int i = 0; i < RB; ++i) a0[i][c] += pr0[i * clp + j] * x0;
+              }
             }
+            for (int i = 0; i < RB; ++i)
+              for (int c = 0; c < kWeighCols; ++c) {
+                V a = a0[i][c];
+                if constexpr (kTwoSets) a += a1[i][c];
+                vstore<N>(ak + (r0 + i) * D + (c0 + c) * N, a);
+              }
           }
-          for (int i = 0; i < RB; ++i)
-            for (int c = 0; c < DV; ++c) vstore<N>(ak + (r0 + i) * D + c * N, a0[i][c] + a1[i][c]);
         };
         by_row_pairs<kPairs>(R, weigh);
       } else {
