@@ -691,13 +691,6 @@ JS_DP void probs_to_bf16(const float* p, int64_t n, uint16_t* dst) {
 // from an inlined one, and a query alone would no longer equal the query in a chunk.
 #define JS_LAMBDA __attribute__((always_inline))
 
-// One work item.  KT: page element type (float, uint16_t holding bfloat16, or int8_t with a
-// bfloat16 scale per token per KV head, multiplied in while a chunk is widened).  N: vector lanes.
-// HD: the head dim (a multiple of N), or 0 for the scalar path (any head dim).
-// `next_item`: the item this thread takes after this one (-1: none); while it reads its last
-// chunk it prefetches that item's first, when both read the same KV heads.
-// DP: the bfloat16 dot-product variant (bfloat16 pages, HD a multiple of 32, compiled for
-// AVX512-BF16; see dp_scores): K and V are packed into pairs instead of widened to float32.
 // How many of a head's dv vectors P.V takes at a time (run_item): all of them with two sets of
 // accumulators, else the largest divisor of dv whose accumulators fit in `fit` registers.
 constexpr int weigh_cols(int dv, bool two_sets, int fit) {
@@ -708,6 +701,13 @@ constexpr int weigh_cols(int dv, bool two_sets, int fit) {
   return cb;
 }
 
+// One work item.  KT: page element type (float, uint16_t holding bfloat16, or int8_t with a
+// bfloat16 scale per token per KV head, multiplied in while a chunk is widened).  N: vector lanes.
+// HD: the head dim (a multiple of N), or 0 for the scalar path (any head dim).
+// `next_item`: the item this thread takes after this one (-1: none); while it reads its last
+// chunk it prefetches that item's first, when both read the same KV heads.
+// DP: the bfloat16 dot-product variant (bfloat16 pages, HD a multiple of 32, compiled for
+// AVX512-BF16; see dp_scores): K and V are packed into pairs instead of widened to float32.
 template <class KT, int N, int HD, bool DP = false>
 JS_INLINE void run_item(const Problem& pr, int64_t item, int64_t next_item, Scratch& sc) {
   using V = Vf<N>;
