@@ -3,8 +3,9 @@
 For each combination of weights {fp32, int8, bf16, int8-bf16} and KV cache {auto, int8} (the int8
 KV cache where this checkout's EngineConfig has ``kv_cache_dtype``; bf16: the native matmul's
 bfloat16 AMX tiles or AVX512-BF16 dot products, ``matmul_dtype="bfloat16"``, on a CPU that has
-them, else bfloat16 weights widened to float32 on AVX2; int8: int8 weights with float32 arithmetic; int8-bf16: int8 weights widened to bfloat16 on
-those units, W8A16, the engine's default for ``quantization="int8"`` on such a CPU):
+them, else bfloat16 weights widened to float32 on AVX2; int8: int8 weights with float32
+arithmetic; int8-bf16: int8 weights widened to bfloat16 on those units, W8A16, the engine's
+default for ``quantization="int8"`` on such a CPU):
 
 - held-out loss: mean next-token cross-entropy (nats) over the training script's held-out split
   (Python stdlib files with sha256(path) % 50 == 0, tokenized with the shipped tokenizer, windows

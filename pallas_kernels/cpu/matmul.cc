@@ -316,10 +316,11 @@ JM_INLINE void widen_panel(const int8_t* wp, int64_t K, float* out) {
 }
 
 // NP1 / NP2: how many panels to read at once for one / two rows (what the registers hold), V1
-// the vectors of one row's slice; RM: the tallest tile of a slice of 4 vectors.  More rows than RM run in tiles of up to TR rows x TV
-// vectors of float32 weights (int8 widened first): AVX2 has 16 vector registers, so its 3 x 4
-// tile (12 accumulators, 4 weight vectors and the broadcast row value) spilled an accumulator to
-// the stack on every k and ran at about half the FMA units' rate; 6 x 2 (12 + 2 + 1) fits.
+// the vectors of one row's slice; RM: the tallest tile of a slice of 4 vectors.  More rows than
+// RM run in tiles of up to TR rows x TV vectors of float32 weights (int8 widened first): AVX2
+// has 16 vector registers, so its 3 x 4 tile (12 accumulators, 4 weight vectors and the
+// broadcast row value) spilled an accumulator to the stack on every k and ran at about half the
+// FMA units' rate; 6 x 2 (12 + 2 + 1) fits.
 // `next_item`: the item this thread takes after this one (-1: none), whose first panel the last
 // panel's tiles prefetch; PFMIN: the fewest rows that prefetch it.  AVX2 (Zen 3) streams a panel
 // faster without it below its tall tiles: 3-5 rows through SmolLM2's weights (a speculative
