@@ -1,6 +1,7 @@
 """Train the EAGLE draft head (jaxserve/models/eagle.py) for the default model, on 2 CPU cores.
 
     .venv/bin/python scripts/train_eagle.py data  --work /tmp/eagle      # prompts -> target's replies -> features
+                                              # (--corpus large: 5.5x the replies, ~1 hour on 2 cores)
     .venv/bin/python scripts/train_eagle.py train --work /tmp/eagle      # the head, teacher-forced
     .venv/bin/python scripts/train_eagle.py eval  --work /tmp/eagle      # chain-drafting acceptance, held out
     .venv/bin/python scripts/train_eagle.py export --work /tmp/eagle --out jaxserve/drafts/smollm2-135m-instruct-eagle
@@ -65,11 +66,29 @@ def held_out(name: str) -> bool:
     return int(hashlib.sha1(name.encode()).hexdigest(), 16) % 5 == 0
 
 
-def prompts() -> tuple[list[str], list[str]]:
+# Excluded from --corpus large: modules with side effects on import or none of their own text.
+SKIP = {"antigravity", "this", "idlelib", "tkinter", "turtle", "turtledemo", "lib2to3", "ensurepip", "venv"}
+TOPIC_KINDS = [
+    "Explain Python's {t} in simple terms.",
+    "Give a short example of {t} in Python and say what it does.",
+    "What should a beginner know about {t} in Python?",
+]
+
+
+def prompts(corpus: str = "small") -> tuple[list[str], list[str]]:
     """(training, held-out) user messages from the standard library's docstrings and a few chat
-    questions; a module's prompts are all in one set."""
+    questions; a module's prompts are all in one set. `large`: every importable standard-library
+    module, up to 40 functions each, two phrasings per function, and the language reference's
+    topics (pydoc_data) -- about 5x the replies of `small`."""
+    import sys
+
     train, held = [], []
-    for mod_name in MODULES:
+    if corpus == "large":
+        modules = [m for m in sorted(sys.stdlib_module_names) if not m.startswith("_") and m not in SKIP]
+        per_module, kinds_per_function = 40, 2
+    else:
+        modules, per_module, kinds_per_function = MODULES, 12, 1
+    for mod_name in modules:
         try:
             mod = importlib.import_module(mod_name)
         except Exception:  # noqa: BLE001  (a module this Python lacks)
@@ -86,13 +105,20 @@ def prompts() -> tuple[list[str], list[str]]:
             if not (20 <= len(first) <= 300) or first.startswith(n + "("):
                 continue
             s = first[0].lower() + first[1:]
-            kind = KINDS[(i + len(mod_name)) % len(KINDS)]
-            out.append(kind.format(q=f"{mod_name}.{n}", s=s))
+            for j in range(kinds_per_function):
+                kind = KINDS[(i + j + len(mod_name)) % len(KINDS)]
+                out.append(kind.format(q=f"{mod_name}.{n}", s=s))
             n_used += 1
-            if n_used >= 12:
+            if n_used >= per_module:
                 break
     for i, c in enumerate(COUNTRIES):
         (held if held_out(c) else train).append(CHAT[i % len(CHAT)].format(c=c))
+    if corpus == "large":
+        import pydoc_data.topics
+
+        for t in sorted(pydoc_data.topics.topics):
+            words = t.replace("-", " ")
+            (held if held_out(t) else train).extend(k.format(t=words) for k in TOPIC_KINDS)
     return train, held
 
 
@@ -103,7 +129,7 @@ def cmd_data(args) -> None:
 
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    train, held = prompts()
+    train, held = prompts(args.corpus)
     print(f"{len(train)} training prompts, {len(held)} held out")
     seqs_file = work / "sequences.json"
     if seqs_file.exists():
@@ -280,7 +306,7 @@ def cmd_train(args) -> None:
         ce = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.maximum(dlab, 0))
         ce = jnp.sum(ce * ok) / jnp.maximum(ok.sum(), 1)
         acc = jnp.sum((jnp.argmax(logits, -1) == dlab) * ok) / jnp.maximum(mask.sum(), 1)
-        return reg + args.ce_weight * ce, g, (reg, ce, acc)
+        return args.reg_weight * reg + args.ce_weight * ce, g, (reg, ce, acc)
 
     def loss_fn(model, tok, pos, prev, tgt, lab, mask, key):
         noise = jax.random.uniform(key, prev.shape, minval=-args.noise, maxval=args.noise)
@@ -413,12 +439,14 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--noise", type=float, default=0.1)
     ap.add_argument("--ce-weight", type=float, default=0.1)
+    ap.add_argument("--reg-weight", type=float, default=1.0, help="0: EAGLE-3's loss, cross-entropy only")
     ap.add_argument("--draft-vocab", type=int, default=8192)
     ap.add_argument("--freeze-lm-head", action="store_true")
     ap.add_argument("--resume", default=None, help="a saved head to go on training")
     ap.add_argument("--save", default=None, help="where to save the head (default: WORK/head)")
     ap.add_argument("--unroll", type=int, default=2, help="training-time test passes (1: teacher forcing only)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--corpus", choices=["small", "large"], default="small", help="data: the prompt set")
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--stride", type=int, default=7)
     ap.add_argument("--head", default=None)
