@@ -27,6 +27,7 @@ import hashlib
 import importlib
 import inspect
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -80,14 +81,14 @@ def prompts(corpus: str = "small") -> tuple[list[str], list[str]]:
     questions; a module's prompts are all in one set. `large`: every importable standard-library
     module, up to 40 functions each, two phrasings per function, and the language reference's
     topics (pydoc_data) -- about 5x the replies of `small`."""
-    import sys
-
     train, held = [], []
     if corpus == "large":
+        import pydoc_data.topics
+
         modules = [m for m in sorted(sys.stdlib_module_names) if not m.startswith("_") and m not in SKIP]
-        per_module, kinds_per_function = 40, 2
+        per_module, kinds_per_function, topics = 40, 2, sorted(pydoc_data.topics.topics)
     else:
-        modules, per_module, kinds_per_function = MODULES, 12, 1
+        modules, per_module, kinds_per_function, topics = MODULES, 12, 1, []
     for mod_name in modules:
         try:
             mod = importlib.import_module(mod_name)
@@ -113,12 +114,9 @@ def prompts(corpus: str = "small") -> tuple[list[str], list[str]]:
                 break
     for i, c in enumerate(COUNTRIES):
         (held if held_out(c) else train).append(CHAT[i % len(CHAT)].format(c=c))
-    if corpus == "large":
-        import pydoc_data.topics
-
-        for t in sorted(pydoc_data.topics.topics):
-            words = t.replace("-", " ")
-            (held if held_out(t) else train).extend(k.format(t=words) for k in TOPIC_KINDS)
+    for t in topics:
+        words = t.replace("-", " ")
+        (held if held_out(t) else train).extend(k.format(t=words) for k in TOPIC_KINDS)
     return train, held
 
 
