@@ -432,7 +432,8 @@ def test_packed_bf16_model_is_close_and_calls_the_tile_kernel(bf16):
     positions = jnp.broadcast_to(jnp.arange(9, dtype=jnp.int32), (2, 9))
     module = _model(None)
     want = np.asarray(module(tokens, positions)[0])
-    assert pack_native(module, "bfloat16") == 2 * 4 + 1
+    with cpu_isa(bf16_isas()[0]):  # the engine packs W8A16 only where the units are on
+        assert pack_native(module, "bfloat16") == 2 * 4 + 1
     graphdef, state = nnx.split(module)
     fwd = jax.jit(lambda st, t, p: nnx.merge(graphdef, st)(t, p)[0])
     for _ in bf16():
@@ -565,7 +566,8 @@ def test_int8_model_on_bf16_units_calls_the_w8a16_kernel(bf16_units):
     positions = jnp.broadcast_to(jnp.arange(9, dtype=jnp.int32), (2, 9))
     module = _model("int8")
     want = np.asarray(module(tokens, positions)[0])
-    assert pack_native(module, "bfloat16") == 2 * 4 + 1
+    with cpu_isa(bf16_isas()[0]):  # the engine packs W8A16 only where the units are on
+        assert pack_native(module, "bfloat16") == 2 * 4 + 1
     packed = [a.get_value() for p, a in nnx.to_flat_state(nnx.state(module)) if str(p[-1]) == "packed"]
     assert all(a.dtype == jnp.int8 and a.shape[2] == 2048 for a in packed)
     graphdef, state = nnx.split(module)

@@ -55,6 +55,12 @@
 namespace ffi = xla::ffi;
 
 #define JM_INLINE inline __attribute__((always_inline))
+// A lambda does not inherit its function's target("avx512f") attribute, so GCC is free to compile
+// it apart for the baseline ISA.  Left to itself, GCC 12 kept the AVX-512 float32 tiles in 8
+// vector registers with the accumulators on the stack (0.43x, from 6073b93, a one-line change in
+// run_item, to 2026-12-05 23:00), and with another small edit put float_panel out of line at
+// SSE2 (11 GFLOP/s).  Every lambda in a kernel body is forced inline.
+#define JM_LAMBDA_INLINE __attribute__((always_inline))
 #define JM_EXPORT extern "C" __attribute__((visibility("default")))
 
 // Defined in paged_attention.cc (same library): 0 baseline, 1 AVX2+FMA, 2 AVX-512,
@@ -339,13 +345,13 @@ JM_INLINE void run_item(const Problem& pr, int64_t item, int64_t next_item, floa
   constexpr int64_t row_bytes = kPanel * int64_t(sizeof(WT));
   // The panel after p: the next one of this item, else the next item's first.
   const int64_t p_after = next_item < 0 ? -1 : (next_item % pr.panel_items) * pr.panels_per_item;
-  auto next_of = [&](int64_t p) -> const char* {
+  auto next_of = [&](int64_t p) JM_LAMBDA_INLINE -> const char* {
     const int64_t q = p + 1 < p1 ? p + 1 : p_after;
     return q < 0 || m1 - m0 < PFMIN ? nullptr : reinterpret_cast<const char*>(w + q * PS);
   };
   // One choice of tile for float32 or bfloat16 panels and widened int8 alike: tall tiles from
   // TMIN rows.
-  auto float_panel = [&](const auto* fw, int64_t p) {
+  auto float_panel = [&](const auto* fw, int64_t p) JM_LAMBDA_INLINE {
     using T = typename std::remove_cv<typename std::remove_pointer<decltype(fw)>::type>::type;
     if (m1 - m0 >= TMIN)
       panel_rows<N, TR, 1, Q8, T, TV>(pr, fw, p, m0, m1, next_of(p), row_bytes);
