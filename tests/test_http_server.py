@@ -433,8 +433,9 @@ def test_a_huge_prompt_does_not_delay_a_running_stream(served):
     tokenizer releases the GIL, so a concurrent stream keeps its pace. The bound: a step of
     this model takes milliseconds; a stream held up by the work would show one gap as long as
     the whole of it (1.5 s measured with tokenization moved onto the event loop), which must
-    itself take > 0.5 s for the test to mean anything. Allow a quarter of that (and at most
-    0.4 s) for the shared, noisy CPU; measured here: max gap 40-60 ms, median 1.3 ms."""
+    itself take > 0.5 s for the test to mean anything. Allow a quarter of that for the shared,
+    noisy CPU; measured here: max gap 40-60 ms, median 1.3 ms, and once, with the other test
+    worker busy on 2 cores, 0.72 s in a 4.1 s window (a fixed 0.4 s cap failed there)."""
     st, llm, _ = served
     big = ("def f(x):\n    return x + 1\n" * 40000)[:1_000_000]
     gaps: list[tuple[float, float]] = []  # (time, gap) between successive messages of one stream
@@ -477,7 +478,7 @@ def test_a_huge_prompt_does_not_delay_a_running_stream(served):
         took = end - start
         during = [g for at, g in gaps if start <= at <= end + 0.05]
         assert took > 0.5 and len(during) > 20, (took, len(during))
-        assert max(during) < min(0.4, took / 4), (max(during), took, sorted(during)[-5:])
+        assert max(during) < took / 4, (max(during), took, sorted(during)[-5:])
     _pool_whole(llm)
 
 
