@@ -236,3 +236,26 @@ def test_bench_kernels_ragged_steps(capsys, tmp_path):
     assert first["bytes"] == 2 * (3 * 50 + 17) * 4 * 64 * 4 + 2 * (3 + 17) * 8 * 64 * 4
     code, _, err = run(["bench", "kernels", "--ragged-steps", "2x0+5"], capsys)
     assert code == 2 and "ragged_steps" in err
+
+
+def test_bench_kernels_matmul(capsys, tmp_path):
+    """`bench kernels --matmul`: the native projection kernel and XLA's dot agree with the
+    float32 oracle at every row count, each cell counts the weights' bytes once (plus x and y)
+    and 2 M K N FLOPs, and a bad shape exits 2 naming the field."""
+    out = tmp_path / "k.json"
+    argv = ["bench", "kernels", "--rows", "1", "--contexts", "16", "--reps", "1", "--ragged-steps", "0x0+4"]
+    code, _, err = run(argv + ["--matmul", "40x70", "--matmul-rows", "1,3", "--out", str(out)], capsys)
+    assert code == 0, err
+    cells = [m for m in json.loads(out.read_text())["measurements"] if m["name"] == "projection matmul"]
+    assert sorted((m["impl"], m["config"]["rows"]) for m in cells) == [
+        ("native", 1),
+        ("native", 3),
+        ("xla", 1),
+        ("xla", 3),
+    ]
+    for m in cells:
+        rows = m["config"]["rows"]
+        assert m["max_abs_diff"] < 1e-4 and m["ms"] > 0 and m["config"]["weight_copies"] >= 2
+        assert m["bytes"] == 40 * 70 * 4 + rows * (40 + 70) * 4 and m["flops"] == 2 * rows * 40 * 70
+    code, _, err = run(["bench", "kernels", "--matmul", "40by70"], capsys)
+    assert code == 2 and "matmul" in err

@@ -27,7 +27,7 @@ SUBCOMMANDS = {
     "serve": "Poisson arrivals against OpenAI-compatible servers (/v1/completions, streaming)",
     "prefix": "prefix caching on against off, on prompts sharing a long prefix",
     "speculative": "speculative decoding (n-gram, a draft model) against plain decoding",
-    "kernels": "attention kernels timed beside their memory bound (a streaming read in the same run)",
+    "kernels": "attention kernels and projections timed beside their memory bound (a streaming read in the same run)",
 }
 
 
@@ -237,6 +237,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="ragged steps: R decode rows at context C plus a T-token prompt chunk (fresh, or at context C "
         "after @); default 16x1024+256,0x0+2048",
     )
+    p.add_argument(
+        "--matmul",
+        default="",
+        metavar="KxN,...",
+        help="projection shapes to time at --matmul-rows (e.g. the 56.4M Llama's 512x1024,512x512,512x2816,"
+        "1408x512,512x32000); default none",
+    )
+    p.add_argument("--matmul-rows", default="1,32", help="rows of x for --matmul (comma list; default 1,32)")
     p.add_argument("--flash-batches", default="1,4", help="flash prefill batches (GPU/TPU only; comma list)")
     p.add_argument("--flash-seqs", default="1024,4096", help="flash prefill sequence lengths (comma list)")
     p.add_argument(

@@ -11,6 +11,13 @@ the engine's mixed step, through the serving kernel (native ragged on the CPU, t
 kernel on a GPU or TPU) and the XLA path, each beside its bytes bound and, with
 --peak-tflops, its FLOP bound.
 
+Projections (--matmul KxN,...): a decode step's other reads, x [rows, K] times a [K, N] weight
+(--matmul-rows), through the kernel the engine serves with (the native panels on the CPU:
+bfloat16 where the host runs them, else float32, as --dtype asks) and XLA's dot on the same
+values, each call on its own copy of the weights so that they come from memory, beside the bytes
+bound (the weights once / the stream read) and, with --peak-tflops, the FLOP bound. One row is
+where decode lives: the kernel should read at the stream's rate.
+
 On a GPU or TPU, causal flash prefill too: the Pallas kernel, jax.nn.dot_product_attention
 (cuDNN on a GPU) and the jnp reference, each beside its bytes bound and, given the chip's
 peak (--peak-tflops), its FLOP bound.
@@ -99,6 +106,8 @@ def run(args, argv) -> dict:
     dtype = jnp.dtype(args.dtype or ("float32" if backend == "cpu" else "bfloat16"))
     rows_list, contexts = _ints(args.rows, "rows"), _ints(args.contexts, "contexts")
     steps = _ragged_steps(args.ragged_steps)  # a bad item exits before any work
+    shapes = _matmul_shapes(args.matmul)
+    mm_rows = _ints(args.matmul_rows, "matmul_rows")
     try:
         heads, kv_heads = (int(x) for x in args.heads.split("/"))
     except ValueError:
@@ -185,6 +194,7 @@ def run(args, argv) -> dict:
                     flush=True,
                 )
     rows_out += bench_ragged(args, steps, backend, dtype, heads, kv_heads, d, probe, streams)
+    rows_out += bench_matmul(args, shapes, mm_rows, backend, dtype, llc, probe, streams)
     if backend == "cpu":
         print("flash prefill: not timed on the CPU (the Pallas kernels only run interpreted there)", flush=True)
     else:
@@ -226,6 +236,13 @@ def _timed_cell(args, probe, streams, fn, call_args, want, nbytes: int, flops: i
     except Exception as e:  # an implementation this platform lacks
         print(f"{label}: {type(e).__name__}: {str(e)[:300]}", file=sys.stderr)
         return None
+    return _bounded(args, times, streams, nbytes, flops, diff)
+
+
+def _bounded(args, times: list[float], streams: list[float], nbytes: int, flops: int, diff: float) -> dict:
+    """A cell's measurement fields (the JSON schema's): the median of `times` (ms) beside its
+    bound, the larger of nbytes / the median of the last --reps stream reads and, with
+    --peak-tflops, flops / peak."""
     ms = statistics.median(times)
     stream_gbps = statistics.median(streams[-args.reps :])
     bytes_ms = nbytes / (stream_gbps * 1e9) * 1e3
@@ -289,6 +306,109 @@ def bench_flash(args, backend, dtype, heads, kv_heads, d, probe, streams) -> lis
                     f"max abs diff {r['max_abs_diff']:.1e}",
                     flush=True,
                 )
+    return out
+
+
+def _matmul_shapes(text: str) -> list[tuple[int, int]]:
+    """'512x32000,1408x512' -> [(K, N), ...]; '' -> []."""
+    out = []
+    for part in (p for p in text.split(",") if p):
+        try:
+            k, n = (int(x) for x in part.lower().split("x"))
+        except ValueError:
+            raise ValueError(f"matmul: expected KxN items (e.g. 512x32000), got {part!r}") from None
+        if min(k, n) < 1:
+            raise ValueError(f"matmul: {part!r} needs positive K and N")
+        out.append((k, n))
+    return out
+
+
+def matmul_implementations(backend: str, dtype) -> dict:
+    """name -> (pack(w [K, N] float32) -> weights, f(x [M, K], weights) -> float32 [M, N]): the
+    engine's projection kernel for this backend and dtype (the native panels on the CPU where the
+    library loads; bfloat16 panels where the host runs them) and XLA's dot in `dtype`."""
+    import jax
+    import jax.numpy as jnp
+
+    impls = {}
+    if backend == "cpu":
+        from pallas_kernels import native_matmul as nm
+
+        bf16 = dtype == jnp.bfloat16 and nm.bf16_available()
+        if bf16 or (dtype == jnp.float32 and nm.available()):
+            pack = nm.pack_bf16 if bf16 else nm.pack
+
+            def native(x, w, n):
+                return nm.matmul(x, w, n=n)
+
+            impls["native"] = (pack, native)
+        else:
+            why = nm.bf16_unavailable_reason() if dtype == jnp.bfloat16 else nm.unavailable_reason()
+            print(f"native matmul ({dtype.name}) unavailable: {why}", file=sys.stderr)
+
+    def xla(x, w, n):
+        return jax.lax.dot(x.astype(w.dtype), w, preferred_element_type=jnp.float32)
+
+    impls["xla"] = (lambda w: jnp.asarray(w, dtype), xla)
+    return impls
+
+
+def bench_matmul(args, shapes, rows_list, backend, dtype, llc: int, probe, streams) -> list[dict]:
+    """x [rows, K] @ w [K, N] per --matmul shape and --matmul-rows, each implementation over
+    enough copies of the weights (at least 4x the last-level cache, at most 256) that every call
+    reads its weights from memory: the copies' calls run in one jitted function, each on its own
+    copy, their outputs summed (so none is skipped); the time is per call. Bytes: the weights
+    once, plus x and y; FLOPs 2 x rows x K x N. The oracle: x (rounded as the kernel rounds it)
+    times the weights' values in float32 at the highest precision."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    out = []
+    if not shapes:
+        return out
+    rng = np.random.default_rng(2)
+    impls = matmul_implementations(backend, dtype)
+    for k, n in shapes:
+        w32 = (rng.standard_normal((k, n), dtype=np.float32) * 0.05).astype(np.float32)
+        w_values = jnp.asarray(w32, dtype).astype(jnp.float32)  # what every implementation multiplies
+        wbytes = k * n * dtype.itemsize
+        copies = int(min(256, max(2, -(-4 * max(llc, 1) // wbytes))))
+        for name, (pack, fn) in impls.items():
+            packed = pack(w32)
+            ws = [jnp.array(packed, copy=True) for _ in range(copies)]
+
+            def loop(x, ws, fn=fn, n=n):
+                acc = fn(x, ws[0], n)
+                for w in ws[1:]:
+                    acc = acc + fn(x, w, n)
+                return acc
+
+            looped, single = jax.jit(loop), jax.jit(functools.partial(fn, n=n))
+            for m in rows_list:
+                x = jax.random.normal(jax.random.PRNGKey(m), (m, k), jnp.float32)
+                xr = x.astype(dtype).astype(jnp.float32)
+                want = jax.lax.dot(xr, w_values, precision=jax.lax.Precision.HIGHEST)
+                diff = float(jnp.max(jnp.abs(single(x, ws[0]) - want)))
+                jax.block_until_ready(looped(x, ws))  # compile
+                times = []
+                for _ in range(args.reps):
+                    streams.append(probe() / 1e9)
+                    t0 = time.perf_counter()
+                    jax.block_until_ready(looped(x, ws))
+                    times.append((time.perf_counter() - t0) * 1e3 / copies)
+                nbytes = wbytes + m * (k * x.dtype.itemsize + n * 4)
+                r = _bounded(args, times, streams, nbytes, 2 * m * k * n, diff)
+                config = {"rows": m, "k": k, "n": n, "dtype": dtype.name, "weight_copies": copies}
+                out.append({"name": "projection matmul", "impl": name, "config": config, **r})
+                print(
+                    f"matmul {m:4d} x {k}x{n} {name:7s}: {r['ms'] * 1e3:9.1f} us, {r['gbps']:.1f} GB/s, "
+                    f"{r['tflops'] * 1e3:.0f} GFLOP/s | bound {r['bound_ms'] * 1e3:.1f} us ({r['bound']}: "
+                    f"{nbytes / 1e6:.2f} MB at {r['stream_gbps']:.1f} GB/s) = {r['fraction_of_bound']:.2f} of bound | "
+                    f"max abs diff {diff:.1e}",
+                    flush=True,
+                )
+            del ws
     return out
 
 
