@@ -355,8 +355,9 @@ def matmul_implementations(backend: str, dtype) -> dict:
 
 def bench_matmul(args, shapes, rows_list, backend, dtype, llc: int, probe, streams) -> list[dict]:
     """x [rows, K] @ w [K, N] per --matmul shape and --matmul-rows, each implementation over
-    enough copies of the weights (at least 4x the last-level cache, at most 256) that every call
-    reads its weights from memory: the copies' calls run in one jitted function, each on its own
+    copies of the weights filling 4x the last-level cache (2 to 256 of them, so a shape under
+    0.5 MB may be partly cached) so that calls read their weights from memory: the copies'
+    calls run in one jitted function, each on its own
     copy, their outputs summed (so none is skipped); the time is per call. Bytes: the weights
     once, plus x and y; FLOPs 2 x rows x K x N. The oracle: x (rounded as the kernel rounds it)
     times the weights' values in float32 at the highest precision."""
