@@ -355,12 +355,12 @@ def matmul_implementations(backend: str, dtype) -> dict:
 
 def bench_matmul(args, shapes, rows_list, backend, dtype, llc: int, probe, streams) -> list[dict]:
     """x [rows, K] @ w [K, N] per --matmul shape and --matmul-rows, each implementation over
-    copies of the weights filling 4x the last-level cache (2 to 256 of them, so a shape under
-    0.5 MB may be partly cached) so that calls read their weights from memory: the copies'
-    calls run in one jitted function, each on its own
-    copy, their outputs summed (so none is skipped); the time is per call. Bytes: the weights
-    once, plus x and y; FLOPs 2 x rows x K x N. The oracle: x (rounded as the kernel rounds it)
-    times the weights' values in float32 at the highest precision."""
+    copies of the weights filling 4x the last-level cache, 256 MiB on an accelerator (2 to 256
+    copies, so a shape under 0.5 MB may be partly cached on the CPU), so that every call reads
+    its weights from memory: the copies' calls run in one jitted function, each on its own copy,
+    their outputs summed (so none is skipped); the time is per call. Bytes: the weights once,
+    plus x and y; FLOPs 2 x rows x K x N. The oracle: x (rounded as the kernel rounds it) times
+    the weights' values in float32 at the highest precision."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -374,7 +374,8 @@ def bench_matmul(args, shapes, rows_list, backend, dtype, llc: int, probe, strea
         w32 = (rng.standard_normal((k, n), dtype=np.float32) * 0.05).astype(np.float32)
         w_values = jnp.asarray(w32, dtype).astype(jnp.float32)  # what every implementation multiplies
         wbytes = k * n * dtype.itemsize
-        copies = int(min(256, max(2, -(-4 * max(llc, 1) // wbytes))))
+        fill = 4 * llc if llc else 256 << 20  # an accelerator's caches: well under 256 MiB
+        copies = int(min(256, max(2, -(-fill // wbytes))))
         for name, (pack, fn) in impls.items():
             packed = pack(w32)
             ws = [jnp.array(packed, copy=True) for _ in range(copies)]
