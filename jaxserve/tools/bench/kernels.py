@@ -371,8 +371,14 @@ def bench_matmul(args, shapes, rows_list, backend, dtype, llc: int, probe, strea
     rng = np.random.default_rng(2)
     impls = matmul_implementations(backend, dtype)
     for k, n in shapes:
-        w32 = (rng.standard_normal((k, n), dtype=np.float32) * 0.05).astype(np.float32)
+        w32 = rng.standard_normal((k, n), dtype=np.float32) * np.float32(0.05)
         w_values = jnp.asarray(w32, dtype).astype(jnp.float32)  # what every implementation multiplies
+        # x, and the oracle: x as the kernels round it times those values, once per row count
+        cases = {}
+        for m in rows_list:
+            x = jax.random.normal(jax.random.PRNGKey(m), (m, k), jnp.float32)
+            xr = x.astype(dtype).astype(jnp.float32)
+            cases[m] = (x, jax.lax.dot(xr, w_values, precision=jax.lax.Precision.HIGHEST))
         wbytes = k * n * dtype.itemsize
         fill = 4 * llc if llc else 256 << 20  # an accelerator's caches: well under 256 MiB
         copies = int(min(256, max(2, -(-fill // wbytes))))
@@ -387,10 +393,7 @@ def bench_matmul(args, shapes, rows_list, backend, dtype, llc: int, probe, strea
                 return acc
 
             looped, single = jax.jit(loop), jax.jit(functools.partial(fn, n=n))
-            for m in rows_list:
-                x = jax.random.normal(jax.random.PRNGKey(m), (m, k), jnp.float32)
-                xr = x.astype(dtype).astype(jnp.float32)
-                want = jax.lax.dot(xr, w_values, precision=jax.lax.Precision.HIGHEST)
+            for m, (x, want) in cases.items():
                 diff = float(jnp.max(jnp.abs(single(x, ws[0]) - want)))
                 jax.block_until_ready(looped(x, ws))  # compile
                 times = []
