@@ -489,9 +489,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--measure-host",
         action="store_true",
-        help="measure this machine and predict decode steps at batch 1, 8, 32 (KV fp32, or --kv-dtype "
-        "int8/fp8; weights bf16 (AMX / AVX512-BF16) where the CPU has them, else fp32; --weight-dtype fp32, "
-        "or int8: the engine's quantization)",
+        help="measure this machine and predict decode steps at batch 1, 8, 32 (KV bf16 by default, or "
+        "--kv-dtype fp32/int8/fp8; weights bf16 where the native bf16 matmul runs (AVX2 or better), else "
+        "fp32; --weight-dtype fp32, or int8: the engine's quantization)",
     )
     ap.add_argument(
         "--rounds",
