@@ -317,6 +317,9 @@ BAD_COMPLETION = [
     (dict(logprobs=-1), "logprobs"),
     (dict(n=65), "n"),
     (dict(max_tokens=-1), "max_tokens"),
+    # past int32: refused with the request, not raised in the step (which would fail every stream)
+    (dict(extra_body={"top_k": 2**31}), "top_k"),
+    (dict(max_tokens=2**31), "max_tokens"),
 ]
 
 

@@ -250,7 +250,7 @@ def test_eos_finishes_unless_ignored(llm, tok_model, monkeypatch):
         (dict(prompt=[1], params=dict(temperature=-0.5)), "temperature"),
         (dict(prompt=[1], params=dict(top_p=0.0)), "top_p"),
         (dict(prompt=[1], params=dict(top_p=1.5)), "top_p"),
-        (dict(prompt=[1], params=dict(top_k=-1)), "top_k"),
+        (dict(prompt=[1], params=dict(top_k=-2)), "top_k"),
         (dict(prompt=[1], params=dict(max_tokens=0)), "max_tokens"),
     ],
 )

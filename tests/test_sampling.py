@@ -271,6 +271,10 @@ def test_sampling_params_reject_non_finite_and_out_of_range_values():
         ("frequency_penalty", -inf),
         ("min_tokens", -1),
         ("min_tokens", 99),
+        ("top_k", -2),
+        ("top_k", 2**31),  # the step holds it as int32: refused here, not in the step
+        ("top_k", -1.0),
+        ("max_tokens", 2**31),
         ("n", 0),
         ("logit_bias", {3: nan}),
         ("logit_bias", {3: 101.0}),
@@ -286,6 +290,7 @@ def test_sampling_params_reject_non_finite_and_out_of_range_values():
         SamplingParams(regex="a", json_object=True)
     ok = SamplingParams(logit_bias={"7": -100}, json_schema={"type": "object"}, n=3, min_tokens=2)
     assert ok.logit_bias == {7: -100.0} and ok.constraint == ("json_schema", '{"type":"object"}')
+    assert SamplingParams(top_k=-1).top_k == 0  # vLLM's "top-k off"
 
 
 def test_argmax_is_numpys_first_index_with_ties_and_ragged_blocks():

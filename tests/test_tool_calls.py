@@ -283,6 +283,8 @@ def test_smollm2_grammar_accepts_its_format():
         ([TOOLS[0], TOOLS[0]], None, None, r"^tools\[1\]\.function\.name: 'get_weather' is given twice"),
         (TOOLS, "sometimes", None, r"^tool_choice: must be"),
         (TOOLS, {"type": "function", "function": {"name": "nope"}}, None, r"^tool_choice\.function\.name"),
+        (TOOLS, {"type": "function", "function": "get_weather"}, None, r"^tool_choice\.function: must be an object"),
+        (TOOLS, {"type": "function", "function": {"name": ["get_weather"]}}, None, r"^tool_choice\.function: "),
         (TOOLS, None, "yes", r"^parallel_tool_calls: must be a boolean"),
         (None, "required", None, r"^tool_choice: needs tools"),
     ],
@@ -533,6 +535,7 @@ def test_auto_passes_a_reply_without_calls_through_whole_streamed_or_not(tool_se
             dict(tools=SERVER_TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}),
             "tool_choice.function.name",
         ),
+        (dict(tools=SERVER_TOOLS, tool_choice={"type": "function", "function": "f"}), "tool_choice.function"),
         (dict(tools=SERVER_TOOLS, tool_choice="required", response_format={"type": "json_object"}), "response_format"),
         (
             dict(

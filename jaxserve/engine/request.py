@@ -13,6 +13,7 @@ from typing import Any, Mapping
 
 MAX_LOGPROBS = 20  # top-n alternatives computed on the device: a static bound keeps one compile
 MAX_LOGIT_BIAS = 64  # logit_bias entries per request: the device takes a fixed [rows, 64] list
+INT32_MAX = 2**31 - 1  # counts and ids the device step holds as int32
 MAX_STOP_IDS = 16  # EOS + stop_token_ids masked while min_tokens is not reached: a fixed [rows, 16] list
 PENALTY_TOKENS = 256  # the most recent distinct tokens (prompt and output) the penalties see
 MAX_N = 64  # completions of one prompt
@@ -76,9 +77,13 @@ class SamplingParams:
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731
         set_("stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
         set_("stop_token_ids", tuple(_integer("stop_token_ids", t, 0) for t in self.stop_token_ids))
-        set_("max_tokens", _integer("max_tokens", self.max_tokens, 1))
+        # Counts and ids reach the device step as int32: anything larger is refused here, where the
+        # request alone fails, not in the step, where every request in flight would.
+        set_("max_tokens", _integer("max_tokens", self.max_tokens, 1, INT32_MAX))
         set_("temperature", _number("temperature", self.temperature, 0.0, 1e6))
-        set_("top_k", _integer("top_k", self.top_k, 0, what=" (0 disables it)"))
+        off = isinstance(self.top_k, numbers.Integral) and not isinstance(self.top_k, bool) and self.top_k == -1
+        top_k = 0 if off else self.top_k  # -1: vLLM's "off"
+        set_("top_k", _integer("top_k", top_k, 0, INT32_MAX, what=" (0 or -1 disables it)"))
         set_("top_p", _number("top_p", self.top_p, 0.0, 1.0, lo_open=True))
         if self.seed is not None:
             set_("seed", _integer("seed", self.seed, 0, 2**63 - 1))

@@ -160,7 +160,10 @@ class ToolRequest:
                 raise ValueError(f"tool_choice: must be auto, none, required or a function, got {tool_choice!r}")
             choice = tool_choice
         elif isinstance(tool_choice, Mapping) and tool_choice.get("type", "function") == "function":
-            name = (tool_choice.get("function") or {}).get("name")
+            fn = tool_choice.get("function")
+            if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
+                raise ValueError("tool_choice.function: must be an object with the tool's name")
+            name = fn["name"]
             if name not in names:
                 raise ValueError(f"tool_choice.function.name: {name!r} is not one of the tools")
             choice = name
