@@ -17,7 +17,7 @@ import openai
 import pytest
 import torch
 import transformers
-from conftest import TEST_MODEL, pool_whole
+from conftest import TEST_MODEL, make_hf_model, pool_whole
 from test_http_server import ServerThread
 
 from jaxserve import LLM, SamplingParams
@@ -93,11 +93,58 @@ def test_echo_with_max_tokens_0_scores_a_batch_of_token_id_prompts(served):
         assert c.text == llm.tokenizer.decode(p) and c.finish_reason == "length"
         assert len(lp.tokens) == len(p) and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
         np.testing.assert_allclose(lp.token_logprobs[1:], _prompt_lps(p, o), atol=1e-4)
-        for i in range(1, len(p)):  # top 1: the oracle's most likely token
-            ((tok, v),) = lp.top_logprobs[i].items()
+        for i in range(1, len(p)):  # top 1: the oracle's most likely token, then the prompt token if another
+            top = lp.top_logprobs[i]
+            (tok, v), *rest = top.items()
             assert tok == llm.tokenizer.decode([int(np.argmax(o[i - 1]))]) and abs(v - o[i - 1].max()) < 1e-4
+            assert len(rest) == (p[i] != int(np.argmax(o[i - 1]))) and top[lp.tokens[i]] == lp.token_logprobs[i]
         assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(p))]
     assert r.usage.prompt_tokens == sum(map(len, ids)) and r.usage.completion_tokens == 0
+
+
+def _check_top_logprobs(lp, n: int, start: int = 0) -> int:
+    """Each position's top_logprobs (from `start`): the n most likely, most likely first, then
+    the position's own token when not among them; its value is token_logprobs'. The count of
+    positions whose token lies outside the top n."""
+    outside = 0
+    for tok, value, top in zip(lp.tokens[start:], lp.token_logprobs[start:], lp.top_logprobs[start:]):
+        assert tok in top and top[tok] == value, (tok, value, top)
+        assert len(top) in (n, n + 1) and len(top) >= 1, top
+        values = list(top.values())
+        assert values == sorted(values, reverse=True)
+        if len(top) == n + 1:
+            assert list(top)[-1] == tok
+            outside += 1
+    return outside
+
+
+def test_completion_top_logprobs_include_the_chosen_token(served):
+    """OpenAI's legacy completions: up to logprobs + 1 top_logprobs, the sampled (or echoed
+    prompt) token among them even when it is not one of the `logprobs` most likely, as vLLM."""
+    st, llm, ids, _, _ = served
+    c = _client(st)
+    ids_ = {"return_tokens_as_token_ids": True}  # names no two tokens share
+    kw = dict(model=_model(st), prompt=TEXTS[0], max_tokens=16, temperature=5.0, seed=7, extra_body=ids_)
+    outside = 0
+    for n in (0, 2):
+        r = c.completions.create(logprobs=n, **kw)
+        lp = r.choices[0].logprobs
+        assert len(lp.tokens) == r.usage.completion_tokens > 0
+        outside += _check_top_logprobs(lp, n)
+        if n == 0:  # just the sampled token
+            assert all(top == {t: v} for t, v, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs))
+        chunks = list(c.completions.create(logprobs=n, stream=True, **kw))
+        for x in chunks:
+            if x.choices and x.choices[0].logprobs is not None:
+                _check_top_logprobs(x.choices[0].logprobs, n)
+        # echoed prompt positions alike, the prompt token in the place of the sampled one
+        r = c.completions.create(logprobs=n, echo=True, **{**kw, "prompt": ids[0]})
+        lp = r.choices[0].logprobs
+        assert lp.top_logprobs[0] is None and len(lp.tokens) == len(ids[0]) + r.usage.completion_tokens
+        assert lp.tokens[: len(ids[0])] == [f"token_id:{t}" for t in ids[0]]
+        outside += _check_top_logprobs(lp, n, start=1)
+    assert outside > 0  # hot sampling and real text on a random model: the chosen token is often not the top
+    pool_whole(llm)
 
 
 def test_echo_with_max_tokens_1_is_lm_evals_loglikelihood_request(served):
@@ -265,3 +312,26 @@ def test_no_compile_after_warmup(served):
     """Runs last: every request above (scoring prefills included) used warmed-up executables."""
     _, llm, _, _, _ = served
     assert llm.compiles_since_warmup() == 0
+
+
+def test_echo_of_a_token_id_prompt_without_a_tokenizer_is_a_400_and_submits_nothing(tmp_path):
+    """A checkpoint without a tokenizer cannot decode a token-id prompt for echo: the request
+    is refused before any prompt is submitted (nothing runs on unread), and serving goes on."""
+    make_hf_model("llama", tmp_path)
+    llm = LLM(tmp_path, max_slots=2, page_size=8, max_model_len=64, num_pages=32, token_buckets=(16,))
+    assert llm.core.tokenizer is None
+    st = ServerThread(llm)
+    try:
+        model = _model(st)
+        for prompt in ([5, 6, 7], [[5, 6], [7, 8, 9]]):
+            body = dict(model=model, prompt=prompt, echo=True, max_tokens=40, ignore_eos=True)
+            status, r = _post(st, "/v1/completions", body)
+            assert status == 400 and r["error"]["param"] == "echo" and "tokenizer" in r["error"]["message"], r
+            assert st.server.engine.in_flight == []
+        pool_whole(llm)
+        status, r = _post(st, "/v1/completions", dict(model=model, prompt=[5, 6, 7], max_tokens=2, ignore_eos=True))
+        assert status == 200 and r["usage"]["completion_tokens"] == 2, r
+        pool_whole(llm)
+        assert st.server.engine.in_flight == []
+    finally:
+        st.stop()

@@ -41,7 +41,9 @@ def _fake_step(s: Scheduler, rng: random.Random) -> None:
     if cap is not None and decoding and not plan.preempted:  # a stream is waiting on this step
         assert sum(c.end - c.start for c in plan.prefills) <= cap
     for seq in plan.decodes:
-        assert len(seq.pages) >= s.kv.alloc.pages_for(seq.length + s.lookahead), "decode without pages for its tokens"
+        # pages through the lookahead, which stops at max_model_len (positions past it go to the dummy page)
+        need = min(seq.length + s.lookahead, s.max_model_len)
+        assert len(seq.pages) >= s.kv.alloc.pages_for(need), "decode without pages for its tokens"
         assert seq.status is Status.RUNNING
     for c in plan.prefills:
         assert c.seq.num_computed == c.start < c.end <= c.seq.length - 1
@@ -234,3 +236,57 @@ def test_a_long_prompt_passed_over_by_shorter_ones_still_progresses():
         )
     ]
     assert max(gaps, default=0) <= Scheduler.PROMPT_SKIPS + 1
+
+
+def _completions(seq: Sequence) -> list[Sequence]:
+    """The n sequences of a request, as EngineCore._completions makes them: one arrival, own index."""
+    return [seq] + [
+        Sequence(
+            f"{seq.request_id}#{i}",
+            seq.prompt_ids,
+            seq.params,
+            i,
+            seq.arrival,
+            index=i,
+            parent_id=seq.request_id,
+            leader=seq,
+        )
+        for i in range(1, seq.params.n)
+    ]
+
+
+def test_sibling_completions_do_not_preempt_each_other_forever():
+    """The n completions of a request share its arrival: "preempt the newest" must not flip
+    between them as they are re-admitted. With a 2-token lookahead and 17 usable pages the two
+    completions of "a" once preempted each other for good (each step: one prefills, the other
+    is preempted, and the next step the other way round)."""
+    s = Scheduler(KVManager(PageAllocator(18, 4)), 3, 64, max_num_batched_tokens=8, lookahead=2)
+    c = Sequence("c", [5], SamplingParams(max_tokens=20, ignore_eos=True), 0, 0)
+    a = _completions(Sequence("a", [6] * 8, SamplingParams(max_tokens=30, n=2, ignore_eos=True), 0, 1))
+    for q in [c, *a]:
+        s.add(q)
+    for _ in range(100):  # 44 steps when the oldest completion keeps its place
+        if not s.has_unfinished():
+            break
+        _step(s)  # one token a step: every lookahead is rejected
+        _check_ownership(s)
+    assert not s.has_unfinished()
+    assert [(len(q.output_ids), q.finish_reason) for q in [c, *a]] == [(20, "length"), (30, "length"), (30, "length")]
+    assert s.kv.alloc.num_free == s.kv.alloc.capacity
+
+
+def test_a_request_near_max_model_len_fits_the_smallest_pool_with_lookahead():
+    """resolve() accepts a pool of max_pages_per_seq + 1 pages (10 usable here: exactly
+    max_model_len). A request's lookahead past max_model_len needs no pages (those positions
+    write to the dummy page and their tokens are dropped), so a lone request finishes there
+    instead of preempting itself forever."""
+    s = Scheduler(KVManager(PageAllocator(11, 4)), 1, 40, max_num_batched_tokens=64, lookahead=3)
+    seq = Sequence("a", [5] * 30, SamplingParams(max_tokens=10, ignore_eos=True), 0, 0)
+    s.add(seq)
+    for _ in range(20):
+        if not s.has_unfinished():
+            break
+        _step(s)
+        _check_ownership(s)
+    assert (seq.finish_reason, len(seq.output_ids), s.num_preemptions) == ("length", 10, 0)
+    assert s.kv.alloc.num_free == s.kv.alloc.capacity

@@ -131,7 +131,13 @@ class EngineClient:
                 raise QueueFull(f"the waiting queue is full ({self.max_waiting} requests)")
             self._routes[seq.request_id] = (loop, q)
             self._unfinished[seq.request_id] = seq.params.n
-        self.core.add(seq)
+        try:
+            self.core.add(seq)
+        except BaseException:  # refused (e.g. a completion id already live): nothing stays routed
+            with self._lock:
+                self._routes.pop(seq.request_id, None)
+                self._unfinished.pop(seq.request_id, None)
+            raise
         self._wake.set()
         return RequestStream(seq.request_id, seq.prompt_ids, q, seq.params.n)
 
@@ -158,6 +164,10 @@ class EngineClient:
     def in_flight(self) -> list[str]:
         with self._lock:
             return list(self._routes)
+
+    @property
+    def has_tokenizer(self) -> bool:
+        return self.core.tokenizer is not None
 
     def token_texts(self, token_ids: Seq[int]) -> dict[int, str]:
         """Each token's own text (for logprobs); tokenizer work, so call it off the event loop."""

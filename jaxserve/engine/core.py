@@ -135,6 +135,9 @@ class EngineCore:
         self.mask_seconds, self.mask_steps = 0.0, 0  # host time computing grammar bitmasks, and steps that did
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._detok: dict[str, IncrementalDetokenizer] = {}
+        # The ids of every completion added and not yet finished (under _lock: add is called from
+        # other threads): a new request may not reuse any of them.
+        self._live_ids: set[str] = set()
         self._arrival = itertools.count()
         self._rng = np.random.default_rng(self.cfg.seed)
         self._lock = threading.Lock()
@@ -289,11 +292,11 @@ class EngineCore:
         """The n sequences of a request: index 0 is `seq`; the others share its prompt (and,
         once it has been prefilled, its KV pages: Scheduler forks them) with their own seeds."""
         out = [seq]
-        for i in range(1, seq.params.n):
+        for i, rid in enumerate(self._completion_ids(seq)[1:], start=1):
             state = np.random.SeedSequence([seq.seed, i]).generate_state(2, np.uint64)
             out.append(
                 Sequence(
-                    request_id=f"{seq.request_id}#{i}",
+                    request_id=rid,
                     prompt_ids=seq.prompt_ids,
                     params=seq.params,
                     seed=int(state[0] >> np.uint64(1)),
@@ -306,8 +309,21 @@ class EngineCore:
             )
         return out
 
+    @staticmethod
+    def _completion_ids(seq: Sequence) -> list[str]:
+        """The request ids of a request's n completions: its own, then `id#i`."""
+        return [seq.request_id] + [f"{seq.request_id}#{i}" for i in range(1, seq.params.n)]
+
     def add(self, seq: Sequence) -> str:
-        """Queue a sequence made by make_sequence (thread-safe)."""
+        """Queue a sequence made by make_sequence (thread-safe). ValueError naming request_id
+        when any of its completions' ids is live: a client's own "x#1" and completion 1 of "x"
+        would share the engine's per-id state, and a KeyError would end the engine loop."""
+        ids = self._completion_ids(seq)
+        with self._lock:
+            taken = next((rid for rid in ids if rid in self._live_ids), None)
+            if taken is not None:
+                raise ValueError(f"request_id: {taken!r} is already in use")
+            self._live_ids.update(ids)
         self._inbox.put(("add", seq))
         return seq.request_id
 
@@ -376,15 +392,9 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         """One scheduler step. Returns each touched request's output since its last one."""
         finished_now: list[Sequence] = []
-        rejected: list[RequestOutput] = []
         while not self._inbox.empty():
             op, arg = self._inbox.get()
-            if op == "add":
-                if arg.request_id in self._detok:  # the id of a live request: the newcomer is aborted
-                    arg.status, arg.finish_reason = Status.FINISHED, "abort"
-                    rejected.append(RequestOutput(arg.request_id, arg.prompt_ids, [], "", "abort"))
-                    log.warning("duplicate request id %s rejected", arg.request_id)
-                    continue
+            if op == "add":  # its ids are unique among the live ones (`add` checked)
                 stop_ids = self.scheduler.eos | set(arg.params.stop_token_ids)
                 for seq in self._completions(arg):
                     self._detok[seq.request_id] = IncrementalDetokenizer(self.tokenizer, stop_ids)
@@ -432,7 +442,7 @@ class EngineCore:
         # a sequence can get tokens from two steps in one call (the previous step's, then this
         # one's read at once): one output each
         once = list({id(s): s for s in touched + finished_now}.values())
-        return [self._output(seq) for seq in once] + rejected
+        return [self._output(seq) for seq in once]
 
     def _propose(self, seq: Sequence) -> list[int]:
         """Prompt lookup's drafts for a sequence (EngineConfig's prompt_lookup_min/max)."""
@@ -614,6 +624,10 @@ class EngineCore:
     def _output(self, seq: Sequence) -> RequestOutput:
         d = self._detok[seq.request_id]
         if d.update(seq):
+            if seq.finish_reason == "length":
+                # the last allowed token completed the stop string: the text ends at the stop
+                # string, so the reason is "stop" (as vLLM reports it), not "length"
+                seq.finish_reason = "stop"
             self.scheduler.finish(seq, "stop")
         out = d.delta(seq)
         out.request_id, out.index = seq.parent_id, seq.index
@@ -623,4 +637,6 @@ class EngineCore:
             seq.prompt_logprobs_sent = True
         if seq.status is Status.FINISHED:
             self._detok.pop(seq.request_id, None)
+            with self._lock:
+                self._live_ids.discard(seq.request_id)
         return out

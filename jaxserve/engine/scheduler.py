@@ -112,11 +112,11 @@ class Scheduler:
         preempted: list[Sequence] = []
         # 1. Every decoding sequence needs a writable page for position length-1; when the
         #    pool runs dry, the newest running request is preempted.
-        for seq in sorted(self.running, key=lambda s: s.arrival):
+        for seq in sorted(self.running, key=self._age):
             if seq.status is not Status.RUNNING or seq.prefilling or self._last_token_pending(seq):
                 continue
-            while not self.kv.allocate_slots(seq, seq.length + self.lookahead, copies):
-                victim = max((s for s in self.running if s.status is Status.RUNNING), key=lambda s: s.arrival)
+            while not self.kv.allocate_slots(seq, self._decode_tokens(seq), copies):
+                victim = max((s for s in self.running if s.status is Status.RUNNING), key=self._age)
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is seq:
@@ -124,7 +124,7 @@ class Scheduler:
         # 2. The token budget: a decode token for every running sequence first. While any
         #    sequence decodes, prompt chunks get at most `max_prefill_tokens_while_decoding` of
         #    what is left: a streaming client's inter-token gap is the step's time.
-        running = sorted(self.running, key=lambda s: s.arrival)
+        running = sorted(self.running, key=self._age)
         decodes = [s for s in running if not s.prefilling and not self._last_token_pending(s)]
         per_decode = 1 + self.lookahead  # a speculative row: its last token and k drafts
         prefills, budget = [], self.max_num_batched_tokens - len(decodes) * per_decode
@@ -214,7 +214,22 @@ class Scheduler:
         """A sequence joining the decodes mid-step owns pages for the k positions a speculative
         step writes past its last token (the running ones got theirs in step 1). Without them
         it waits: the next step's step 1 reserves them or preempts."""
-        return not self.lookahead or self.kv.allocate_slots(seq, seq.length + self.lookahead, copies)
+        return not self.lookahead or self.kv.allocate_slots(seq, self._decode_tokens(seq), copies)
+
+    def _decode_tokens(self, seq: Sequence) -> int:
+        """The tokens a decoding sequence owns pages for: through its k lookahead positions, but
+        never past max_model_len. Positions past the page table write to the dummy page, and the
+        tokens they would yield are dropped (`apply` finishes the request at max_model_len); without
+        the cap, a request near max_model_len on a pool of max_pages_per_seq + 1 pages (the least
+        resolve() accepts) could never get its lookahead and would preempt itself forever."""
+        return min(seq.length + self.lookahead, self.max_model_len)
+
+    @staticmethod
+    def _age(seq: Sequence) -> tuple[int, int]:
+        """Oldest first: the n completions of a request share its arrival, so their index breaks
+        the tie. Ordering by arrival alone fell back to the order in `running`, which changes on
+        re-admission: two siblings could preempt each other forever."""
+        return (seq.arrival, seq.index)
 
     @staticmethod
     def _fork_source(seq: Sequence) -> Sequence | None | bool:

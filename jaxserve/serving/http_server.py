@@ -679,6 +679,7 @@ class HttpFrontend:
         if self.draining:
             raise APIError(503, "the server is shutting down", type_="service_unavailable")
         call.id, call.created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        echo = await self._echo_texts(call)  # before submitting: a refusal leaves nothing in flight
         streams: list[RequestStream] = []
         try:
             for p, prompt in enumerate(call.prompts):
@@ -687,18 +688,33 @@ class HttpFrontend:
             for st in streams:
                 self.engine.abort(st.request_id)
             raise
-        echo = [""] * len(streams)
-        if call.echo:  # the prompt's text as given, or the decoded token ids
-            loop = asyncio.get_running_loop()
-            for p, (prompt, st) in enumerate(zip(call.prompts, streams)):
-                echo[p] = (
-                    prompt
-                    if isinstance(prompt, str)
-                    else await loop.run_in_executor(None, self.engine.detokenize, st.prompt_token_ids)
-                )
         if call.body.stream:
             return EventSourceResponse(self._completion_events(call, streams, echo), ping=15, sep="\n")
         return await self._until_done_or_gone(self._completion_collect(call, streams, echo), request)
+
+    async def _echo_texts(self, call: _Call) -> list[str]:
+        """Each prompt's echo: its text as given, or its token ids decoded (the engine keeps
+        token-id prompts as given). A 400 when they cannot be decoded (no tokenizer, an id
+        outside the vocabulary); called before any prompt is submitted."""
+        if not call.echo:
+            return [""] * len(call.prompts)
+        loop = asyncio.get_running_loop()
+        out = []
+        for prompt in call.prompts:
+            if isinstance(prompt, str):
+                out.append(prompt)
+                continue
+            if not self.engine.has_tokenizer:
+                raise _invalid(
+                    "echo",
+                    f"echo: {self.model_name} has no tokenizer to decode a token-id prompt with; send the request"
+                    " without echo",
+                )
+            try:
+                out.append(await loop.run_in_executor(None, self.engine.detokenize, prompt))
+            except ValueError as e:
+                raise _invalid("prompt", str(e).removeprefix("tokens: ")) from None
+        return out
 
     async def _merged(self, call: _Call, streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(prompt index, output) of every stream as they come; closing it aborts the rest."""
@@ -835,7 +851,10 @@ class HttpFrontend:
     async def _completion_logprobs(self, call: _Call, prompt_part: list, lps: list, offset: int) -> dict:
         """OpenAI's legacy completions logprobs over the echoed prompt tokens (the first one's
         null: nothing predicts it) and the generated ones: tokens, token_logprobs, top_logprobs
-        (the `logprobs` most likely, split_logprobs' order) and text_offset (into the text)."""
+        and text_offset (into the text). Each position's top_logprobs are up to logprobs + 1
+        entries, as OpenAI documents and vLLM does: the `logprobs` most likely (split_logprobs'
+        order), then the position's own token (sampled or prompt) when not among them, so
+        logprobs=0 gives just that token. Chat's top_logprobs stay the n most likely."""
         n = call.logprobs
         rows: list[tuple[int, float | None, list[TokenLogprob] | None]] = []
         for tid, lp in prompt_part:
@@ -853,10 +872,18 @@ class HttpFrontend:
         for tok in tokens:
             offsets.append(offset)
             offset += len(tok)
+        tops: list[dict[str, float] | None] = []
+        for tok, (_, value, top) in zip(tokens, rows):
+            if top is None:
+                tops.append(None)
+                continue
+            d = {name(x.token_id): x.logprob for x in top}
+            d[tok] = value  # appended when outside the top n (it ranks last); its own value either way
+            tops.append(d)
         return {
             "tokens": tokens,
             "token_logprobs": [lp for _, lp, _ in rows],
-            "top_logprobs": [None if top is None else {name(x.token_id): x.logprob for x in top} for _, _, top in rows],
+            "top_logprobs": tops,
             "text_offset": offsets,
         }
 
