@@ -395,3 +395,38 @@ def test_eagle_head_reads_the_targets_features(tok_model, tmp_path):
     d.kv, drafts, _ = r._propose(d.params, d.kv, batch, do_sample=False)
     want = int(np.argmax(np.asarray(logits[0, n - 2])))
     assert np.asarray(drafts)[0].tolist() == [want] * k
+
+
+def test_a_stop_string_inside_a_speculative_step_ends_the_tokens_as_plain_decoding_does():
+    """A speculative step can accept drafts past the token that completes a stop string; plain
+    decoding stops at that token. The request's token_ids (and so its usage) end there too,
+    not only its text. The stop string is picked from the engine's own steps: one that the
+    first token of a multi-token step completes."""
+    from conftest import TEST_MODEL
+
+    opts = dict(max_slots=2, page_size=16, max_model_len=256, token_buckets=(16, 32, 64), enable_prefix_caching=False)
+    plain = LLM(TEST_MODEL, **opts, **COLD)
+    spec = LLM(TEST_MODEL, speculative_model="ngram", num_speculative_tokens=4, prompt_lookup_min=1, **opts, **COLD)
+    tok = plain.tokenizer
+    prompt, base = "def parse(data):\n    return ", dict(max_tokens=60, temperature=0, ignore_eos=True)
+    spec.add_request(prompt, SamplingParams(**base))
+    steps = []
+    while spec.has_unfinished():
+        steps += [list(o.token_ids) for o in spec.step() if o.token_ids]
+    ids = [t for s in steps for t in s]
+    full = tok.decode(ids, skip_special_tokens=True)
+    stop, pos = None, 0
+    for s in steps:
+        if len(s) >= 2:  # a step that accepted drafts: its first token completes `stop`
+            head = tok.decode(ids[: pos + 1], skip_special_tokens=True)
+            stop = next((head[-n:] for n in range(1, len(head) + 1) if full.find(head[-n:]) == len(head) - n), None)
+            if stop and stop.strip():
+                break
+            stop = None
+        pos += len(s)
+    assert stop is not None, f"no multi-token step to test with: {steps}"
+    params = SamplingParams(stop=[stop], **base)
+    want, got = plain.generate([prompt], params)[0], spec.generate([prompt], params)[0]
+    assert got.finish_reason == want.finish_reason == "stop"
+    assert (got.token_ids, got.text) == (want.token_ids, want.text)
+    assert len(got.token_ids) == pos + 1

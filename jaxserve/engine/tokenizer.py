@@ -129,6 +129,9 @@ class IncrementalDetokenizer:
     sent_text: int = 0
     sent_tokens: int = 0
     sent_logprobs: int = 0
+    # Output tokens through the one that completed a stop string (None: no stop string yet). A
+    # speculative step can accept drafts past it; plain decoding would have stopped there.
+    keep: int | None = None
 
     def update(self, seq: Sequence) -> bool:
         """Decode the sequence's new tokens. True when a stop string ended the text (the
@@ -139,6 +142,7 @@ class IncrementalDetokenizer:
         ids = seq.output_ids
         if seq.finish_reason == "stop" and ids and ids[-1] in self.stop_token_ids:
             ids = ids[:-1]  # the stop token itself is not text
+        start = (self.prefix_offset, self.read_offset, len(self.text))
         while self.read_offset < len(ids):
             prefix = tok.decode(ids[self.prefix_offset : self.read_offset], skip_special_tokens=True)
             new = tok.decode(ids[self.prefix_offset :], skip_special_tokens=True)
@@ -150,25 +154,41 @@ class IncrementalDetokenizer:
         stops = seq.params.stop
         if stops and seq.finish_reason != "abort":
             window_start = max(0, self.sent_text - max(map(len, stops)))
-            hits = [i for i in (self.text.find(s, window_start) for s in stops) if i >= 0]
+            hits = [(i, i + len(s)) for s in stops if (i := self.text.find(s, window_start)) >= 0]
             if hits:
-                self.text = self.text[: min(hits)]
+                self.keep = self._tokens_through(ids, min(end for _, end in hits), *start)
+                self.text = self.text[: min(i for i, _ in hits)]
                 return True
         return False
+
+    def _tokens_through(self, ids: list[int], end: int, prefix: int, read: int, length: int) -> int:
+        """How many of `ids` the text needs to reach `end` characters, given that ids[:read]
+        made the first `length` (decoded from `prefix`, as update does): the token that
+        completed the stop string and the ones before it."""
+        base = len(self.tokenizer.decode(ids[prefix:read], skip_special_tokens=True))
+        for j in range(read + 1, len(ids)):
+            text = self.tokenizer.decode(ids[prefix:j], skip_special_tokens=True)
+            if not text.endswith("\ufffd") and length + len(text) - base >= end:
+                return j
+        return len(ids)
 
     def delta(self, seq: Sequence) -> RequestOutput:
         """What the request produced since its last output."""
         finished = seq.status is Status.FINISHED
         hold = 0 if finished or not seq.params.stop else max(map(len, seq.params.stop)) - 1
         end = max(self.sent_text, len(self.text) - hold)
+        n = len(seq.output_ids) if self.keep is None else min(self.keep, len(seq.output_ids))
         out = RequestOutput(
             request_id=seq.request_id,
             prompt_token_ids=seq.prompt_ids,
-            token_ids=seq.output_ids[self.sent_tokens :],
+            token_ids=seq.output_ids[self.sent_tokens : max(n, self.sent_tokens)],
             text=self.text[self.sent_text : end],
             finish_reason=seq.finish_reason,
-            logprobs=seq.logprobs[self.sent_logprobs :] if seq.params.logprobs is not None else None,
+            logprobs=seq.logprobs[self.sent_logprobs : max(n, self.sent_logprobs)]
+            if seq.params.logprobs is not None
+            else None,
             num_cached_prompt_tokens=seq.num_cached_prompt_tokens,
         )
-        self.sent_text, self.sent_tokens, self.sent_logprobs = end, len(seq.output_ids), len(seq.logprobs)
+        self.sent_text, self.sent_tokens = end, max(n, self.sent_tokens)
+        self.sent_logprobs = max(min(n, len(seq.logprobs)), self.sent_logprobs)
         return out
