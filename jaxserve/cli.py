@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -210,11 +211,11 @@ def enable_compilation_cache(cache_dir: str | None) -> str | None:
     return str(path)
 
 
-def _build_llm(args, flags: dict):
+def _build_llm(args, flags: dict, cfg=None):
     """The LLM of `serve` and `generate`. With JAXSERVE_COORDINATOR set, this process first joins
     the others (jax.distributed); only process 0 goes on to serve, the others replay its engine
     calls inside LLM() and return when it shuts down (`LLM.is_follower`)."""
-    cfg = load_cli_config(args, flags)
+    cfg = cfg if cfg is not None else load_cli_config(args, flags)
     _log_effective_config(args, cfg, _overrides(args, flags))
     from jaxserve.parallel import multihost
 
@@ -229,18 +230,38 @@ def _build_llm(args, flags: dict):
     return cfg, LLM(cfg.model, log_progress=True, **cfg.engine_options())
 
 
+def _read_file(flag: str, path: str | None) -> bytes | None:
+    """The bytes of a file a flag names; ValueError naming the flag (exit 2) when unreadable."""
+    if path is None:
+        return None
+    try:
+        return Path(path).expanduser().read_bytes()
+    except OSError as e:
+        raise ValueError(f"{flag}: cannot read {path!r}: {e.strerror or e}") from None
+
+
 def cmd_serve(args) -> int:
     """Exit code: 0 after a drained SIGTERM/SIGINT, non-zero when the engine failed (a
     supervisor restarts the process)."""
     from jaxserve.serving.server import serve
 
-    cfg, llm = _build_llm(args, {**ENGINE_FLAGS, **SERVER_FLAGS})
+    flags = {**ENGINE_FLAGS, **SERVER_FLAGS}
+    cfg = load_cli_config(args, flags)
+
+    def files() -> tuple[bytes | None, bytes | None, str | None]:
+        token = args.token or (_read_file("--token-file", cfg.token_file).decode().strip() if cfg.token_file else None)
+        return _read_file("--tls-cert", cfg.tls_cert), _read_file("--tls-key", cfg.tls_key), token
+
+    # The files first, so that a bad path exits 2 before minutes of loading and warm-up. With
+    # several processes only the serving one (known after they join) needs them: it reads them
+    # then, inside the try, so that the others are released either way.
+    read = None if os.environ.get("JAXSERVE_COORDINATOR") else files()
+    cfg, llm = _build_llm(args, flags, cfg)
     if llm.is_follower:
         return 0
-    tls = (Path(cfg.tls_cert).read_bytes(), Path(cfg.tls_key).read_bytes()) if cfg.tls_cert else (None, None)
-    token = args.token or (Path(cfg.token_file).read_text().strip() if cfg.token_file else None)
     try:
-        return serve(llm.core, token=token, tls_cert=tls[0], tls_key=tls[1], **cfg.server_options())
+        tls_cert, tls_key, token = read or files()
+        return serve(llm.core, token=token, tls_cert=tls_cert, tls_key=tls_key, **cfg.server_options())
     finally:
         llm.shutdown()  # release the other processes
 
@@ -352,7 +373,7 @@ _KV_DTYPES = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}
 def kv_math_args_from_config(cfg) -> list[str]:
     """kv-math flags for a ServeConfig: the checkpoint (or its shape preset), chips, page size,
     context, dtypes, memory fraction. Put them before the user's flags so those win."""
-    if cfg.model_path.is_dir():
+    if cfg.model_path.is_dir() or (cfg.model_path.is_file() and cfg.model_path.suffix == ".gguf"):
         model = str(cfg.model_path)
     elif cfg.kv_math_preset:
         model = cfg.kv_math_preset

@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import numbers
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Iterable, Iterator
 from typing import Sequence as Seq
 
+import numpy as np
+
 from jaxserve.engine.chat import Conversation, is_conversation
-from jaxserve.engine.core import EngineCore
+from jaxserve.engine.core import EngineCore, completion_ids
 from jaxserve.engine.request import RequestOutput, SamplingParams, Sequence
 from jaxserve.engine.tool_calls import ToolCalling, ToolRequest
 
@@ -124,8 +128,16 @@ class LLM:
         prompts: Seq[str] | Seq[Seq[int]] | str,
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, Conversation) or (
+            isinstance(prompts, Seq) and not isinstance(prompts, str) and prompts and isinstance(prompts[0], Mapping)
+        ):
+            raise ValueError("prompt: a list of chat messages is a conversation; use LLM.chat for it")
+        if isinstance(prompts, str) or _is_token_ids(prompts):
             prompts = [prompts]
+        if not isinstance(prompts, (Seq, np.ndarray)):
+            raise ValueError(
+                f"prompt: must be text, a list of token ids, or a list of those, got {type(prompts).__name__}"
+            )
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
         if len(sampling_params) != len(prompts):
@@ -163,6 +175,8 @@ class LLM:
         `tool_calls` is then the list of calls parsed from the reply (ToolCall: id, name,
         arguments as JSON text) and its `text` the rest; tool_choice "required" or a function
         enforces calls with a grammar, so sampling_params may not carry another constraint."""
+        if isinstance(messages, Conversation):
+            messages = [messages]
         if not isinstance(messages, Seq) or isinstance(messages, str) or not messages:
             raise ValueError(
                 "messages: must be a non-empty list of {'role', 'content'} dicts (or a list of such lists)"
@@ -202,16 +216,53 @@ class LLM:
         yield from self._run_until({rid: (params or SamplingParams()).n})
 
     def _run_until(self, ids: dict[str, int]) -> Iterable[RequestOutput]:
-        """Step until each request id has finished its count of completions."""
+        """Step until each request id has finished its count of completions. Left early (the
+        caller closes the generator, or a step raises), it aborts the requests still running and
+        steps until they are gone, so their slots and pages return to the pool."""
         pending = dict(ids)
-        while pending:
-            for out in self.step():
-                if out.request_id in ids:
-                    yield out
-                    if out.finished:
-                        pending[out.request_id] -= 1
-                        if not pending[out.request_id]:
-                            del pending[out.request_id]
+        try:
+            while pending:
+                for out in self.step():
+                    if out.request_id in pending:
+                        if out.finished:
+                            pending[out.request_id] -= 1
+                            if not pending[out.request_id]:
+                                del pending[out.request_id]
+                        yield out
+        finally:
+            if pending:
+                self._abandon({rid: ids[rid] for rid in pending})
+
+    def _abandon(self, ids: dict[str, int]) -> None:
+        """Abort these requests (id: number of completions) and step until none is live."""
+        live = [cid for rid, n in ids.items() for cid in completion_ids(rid, n)]
+        for rid in ids:
+            self.abort(rid)
+        try:
+            for _ in range(_ABANDON_STEPS):
+                if not self.core.any_live(live):
+                    return
+                self.step()
+            log.warning("requests %s still live %d steps after their abort", sorted(ids), _ABANDON_STEPS)
+        except Exception:  # the step that raised first is the error to report
+            log.exception("stepping to drain the aborted requests %s failed", sorted(ids))
+
+
+# An abort takes effect at the start of the next step; an async step in flight adds one more.
+_ABANDON_STEPS = 16
+
+
+def _is_token_ids(prompt: object) -> bool:
+    """One prompt of token ids (a 1-D numpy array, or a sequence whose first item is an
+    integer), as opposed to a list of prompts."""
+    if isinstance(prompt, np.ndarray):
+        return prompt.ndim == 1
+    return (
+        isinstance(prompt, Seq)
+        and bool(prompt)
+        and isinstance(prompt[0], numbers.Integral)
+        and not isinstance(prompt[0], bool)
+    )
 
 
 def _merge(acc: RequestOutput, delta: RequestOutput) -> None:

@@ -293,12 +293,12 @@ def _load_config(gin_files, gin_params, overrides) -> ServeConfig:
             gin.parse_config_files_and_bindings([f], None, finalize_config=False)
         except OSError as e:  # a file it includes is missing
             raise ValueError(f"gin file {f!r}: {_gin_message(e, in_file=True)}") from None
-        except (ValueError, SyntaxError, tokenize.TokenError, TypeError) as e:
+        except (ValueError, SyntaxError, tokenize.TokenError, TypeError, ImportError) as e:  # ImportError: `import`
             raise ValueError(f"gin file {f!r}: {_gin_message(e, in_file=True)}") from None
     for b in gin_params:
         try:
             gin.parse_config_files_and_bindings(None, [b], finalize_config=False)
-        except (ValueError, SyntaxError, tokenize.TokenError, TypeError, OSError) as e:
+        except (ValueError, SyntaxError, tokenize.TokenError, TypeError, OSError, ImportError) as e:
             raise ValueError(f"gin binding {b!r}: {_gin_message(e)}") from None
     overrides = {k: v for k, v in (overrides or {}).items()}
     unknown = sorted(set(overrides) - set(FIELDS))
@@ -308,6 +308,12 @@ def _load_config(gin_files, gin_params, overrides) -> ServeConfig:
         gin.bind_parameter(f"ServeConfig.{name}", value)
     try:
         return ServeConfig()
+    except TypeError as e:  # a configurable gin calls without its values: an undefined %MACRO
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        call = next((re.sub(r" \(<.*?>\)", "", ln) for ln in lines if ln.startswith("In call to configurable")), None)
+        if call is None:
+            raise
+        raise ValueError(f"gin configuration: {lines[0]} ({call}; an undefined macro?)") from None
     except ValueError as e:
         msg = str(e).split("\n")[0]  # gin appends "In call to configurable ..." lines
         field = msg.split(" ", 1)[0].split(".", 1)[-1] if msg.startswith("ServeConfig.") else None

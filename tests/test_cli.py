@@ -79,6 +79,11 @@ def test_usage_errors_exit_2_with_a_message(argv, message, capsys):
         (["convert", "--gin_param", "ServeConfig.dtype = 3"], "jaxserve convert: error: ServeConfig.dtype must be"),
         (["kv-math", "--gin_param", "ServeConfig.page_size = 0"], "jaxserve kv-math: error: ServeConfig.page_size = 0"),
         (
+            ["serve", "--gin_param", "import no_such_module"],
+            "jaxserve serve: error: gin binding 'import no_such_module': No module named 'no_such_module'",
+        ),
+        (["generate", "--dtype", "foo", "hi"], "jaxserve generate: error: ServeConfig.dtype = 'foo': dtype must be"),
+        (
             ["bench", "throughput", "--gin_param", "ServeConfig.bogus = 1"],
             "jaxserve bench throughput: error: gin binding",
         ),
@@ -232,3 +237,29 @@ def test_kv_math_sizes_a_gin_deployment(capsys):
 def test_client_target_from_gin():
     assert cli._client_target("0.0.0.0", 9000) == "127.0.0.1:9000"
     assert cli._client_target("10.1.2.3", 50051) == "10.1.2.3:50051"
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--token-file", "/nope/token"], "jaxserve serve: error: --token-file: cannot read '/nope/token'"),
+        (["--tls-cert", "/nope/c.pem", "--tls-key", "/nope/k.pem"], "jaxserve serve: error: --tls-cert: cannot read"),
+    ],
+)
+def test_serve_reads_its_files_before_loading_the_model(argv, message, capsys, monkeypatch):
+    def no_model(*a, **k):
+        raise AssertionError("the model was loaded before the files were read")
+
+    monkeypatch.setattr(cli, "_build_llm", no_model)
+    code, _, err = run(["serve", "--port", "0", *argv], capsys)
+    assert code == 2 and message in err
+
+
+def test_kv_math_takes_the_default_gguf_model(capsys):
+    from jaxserve.models.registry import default_model
+
+    if not str(load_config([DEFAULT_GIN_FILE]).model_path).endswith(".gguf") or not default_model().is_file():
+        pytest.skip("the default model is not an installed GGUF file")
+    code, out, err = run(["kv-math", "--gin_file", "default.gin", "--json"], capsys)
+    assert code == 0, err
+    assert json.loads(out)

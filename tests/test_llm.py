@@ -261,6 +261,72 @@ def test_bad_input_names_the_field(llm, kwargs, field):
     assert not llm.scheduler.waiting and not llm.scheduler.running
 
 
+@pytest.mark.parametrize(
+    "prompts, field",
+    [
+        ([{"role": "user", "content": "hi"}], "use LLM.chat"),
+        ([[{"role": "user", "content": "hi"}]], "use LLM.chat"),
+        ([[1.9, 2.2]], "prompt_token_ids"),
+        ([["1", "2"]], "prompt_token_ids"),
+        ([[1, True]], "prompt_token_ids"),
+        ([None], "prompt"),
+        ([7.0], "prompt"),
+        (7, "prompt"),
+        ([np.array([1.0, 2.0])], "prompt_token_ids"),
+        ([np.array([[1, 2]])], "prompt_token_ids"),
+    ],
+)
+def test_wrong_type_prompts_name_the_field(llm, prompts, field):
+    with pytest.raises(ValueError, match=field):
+        llm.generate(prompts, SamplingParams(max_tokens=1))
+    assert not llm.scheduler.waiting and not llm.scheduler.running
+    assert llm.generate([[5, 6]], SamplingParams(max_tokens=1))[0].prompt_token_ids == [5, 6]  # still serving
+
+
+def test_numpy_integer_prompts(llm):
+    sp = SamplingParams(max_tokens=2, **GREEDY)
+    want = llm.generate([[5, 6, 7]], sp)[0].token_ids
+    arr = np.array([5, 6, 7], dtype=np.int32)
+    for prompt in (arr, list(arr), [arr]):
+        outs = llm.generate(prompt, sp)
+        assert [(o.prompt_token_ids, o.token_ids) for o in outs] == [([5, 6, 7], want)]
+    _assert_pool_whole(llm)
+
+
+def test_closing_a_stream_early_aborts_its_request(engine):
+    llm = engine
+    g = llm.stream([7] * 20, SamplingParams(max_tokens=80, n=2, **GREEDY))
+    next(g)
+    assert llm.has_unfinished()
+    g.close()
+    assert not llm.has_unfinished()
+    _assert_pool_whole(llm)
+
+
+def test_a_failing_step_aborts_the_generate_calls_requests(llm, monkeypatch):
+    real, calls = llm.core.step, []
+
+    def step():
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("boom")
+        return real()
+
+    monkeypatch.setattr(llm.core, "step", step)
+    with pytest.raises(RuntimeError, match="boom"):
+        llm.generate([[7] * 20, [8] * 9], SamplingParams(max_tokens=80, **GREEDY))
+    assert not llm.has_unfinished()
+    _assert_pool_whole(llm)
+
+
+def test_chat_takes_a_conversation(llm, monkeypatch):
+    from jaxserve.engine.chat import Conversation
+
+    monkeypatch.setattr(llm.core, "render_chat", lambda conversation: [5, 6, 7])
+    out = llm.chat(Conversation.of([{"role": "user", "content": "hi"}]), SamplingParams(max_tokens=1))
+    assert [o.prompt_token_ids for o in out] == [[5, 6, 7]]
+
+
 def test_refuses_a_pool_that_cannot_hold_one_request(tok_model):
     with pytest.raises(ValueError, match=r"KV cache too small.*max_model_len=160.*20 pages.*pool has 10"):
         LLM(tok_model[0], max_slots=2, page_size=8, max_model_len=160, num_pages=10, warmup=False)

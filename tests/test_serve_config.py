@@ -151,6 +151,8 @@ def test_to_gin_round_trips(tmp_path):
         (["ServeConfig.port = 70000"], [], r"ServeConfig.port must be in \[0, 65535\], got 70000"),
         (["ServeConfig.tls_cert = '/c.pem'"], [], r"tls_cert and ServeConfig.tls_key must be set together"),
         (["ServeConfig.kv_math_preset = 'gpt-5'"], [], r"kv_math_preset must be one of"),
+        (["import no_such_module"], [], r"gin binding 'import no_such_module': No module named 'no_such_module'"),
+        (["ServeConfig.max_slots = %UNDEFINED"], [], r"gin configuration: .*an undefined macro"),
         (
             [],
             ["no-such-config.gin"],
@@ -171,9 +173,39 @@ def test_bad_file_names_file_and_line(tmp_path):
     bad.write_text("include 'base/nope.gin'\n")
     with pytest.raises(ValueError, match=r"gin file '.*bad.gin'.*base/nope.gin"):
         load_config([bad])
+    bad.write_text("import no_such_module\n")
+    with pytest.raises(ValueError, match=r"gin file '.*bad.gin'.*No module named 'no_such_module'"):
+        load_config([bad])
     bad.write_text("ServeConfig.max_slots = -1\n")
     with pytest.raises(ValueError, match=r"ServeConfig.max_slots = -1: .*\(from the gin files: .*bad.gin\)"):
         load_config([bad])
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(dtype="foo"), "dtype must be"),
+        (dict(dtype="float64"), "dtype must be"),
+        (dict(max_model_len=0), "max_model_len must be >= 1"),
+        (dict(max_model_len=-5), "max_model_len must be >= 1"),
+        (dict(num_pages=0), "num_pages must be >= 1"),
+        (dict(kv_cache_memory_bytes=-1), "kv_cache_memory_bytes must be >= 1"),
+        (dict(memory_fraction=7.0), r"memory_fraction must be in \(0, 1\]"),
+        (dict(memory_fraction=0.0), r"memory_fraction must be in \(0, 1\]"),
+        (dict(tensor_parallel_size=0), "tensor_parallel_size must be >= 1"),
+        (dict(speculative_model="ngram", num_speculative_tokens=0), "num_speculative_tokens must be >= 1"),
+        (dict(speculative_model="ngram", num_speculative_tokens=-1), "num_speculative_tokens must be >= 1"),
+        (dict(speculative_model="/ckpt/draft", num_speculative_tokens=0), "num_speculative_tokens must be >= 1"),
+    ],
+)
+def test_engine_config_refuses_bad_values(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**kwargs)
+
+
+def test_engine_config_accepts_the_edges():
+    EngineConfig(dtype="bfloat16", max_model_len=1, num_pages=1, memory_fraction=1.0, num_speculative_tokens=0)
+    EngineConfig(speculative_model="ngram", num_speculative_tokens=1)
 
 
 def test_flag_overrides_are_named_in_errors():

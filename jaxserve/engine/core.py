@@ -13,11 +13,13 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import numbers
 import queue
 import sys
 import threading
 import time
 import uuid
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Sequence as Seq
 
@@ -37,6 +39,11 @@ from jaxserve.models import registry
 from jaxserve.runner.step_batch import Chunk, Controls
 
 log = logging.getLogger("jaxserve.engine")
+
+
+def completion_ids(request_id: str, n: int) -> list[str]:
+    """The request ids of a request's n completions: its own, then `id#1` .. `id#(n-1)`."""
+    return [request_id] + [f"{request_id}#{i}" for i in range(1, n)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -232,11 +239,30 @@ class EngineCore:
             if not ids:
                 raise ValueError("prompt: the text tokenizes to no tokens")
             return ids
-        ids = [int(t) for t in prompt]
+        ids = self._token_ids(prompt)
         if not ids:
             raise ValueError("prompt: must not be empty")
         self.check_in_vocab("prompt_token_ids", ids)
         return ids
+
+    @staticmethod
+    def _token_ids(prompt: object) -> list[int]:
+        """A prompt of token ids as a list of ints: a sequence of integers (Python or numpy ints,
+        not bools) or a 1-D numpy integer array; ValueError naming `prompt_token_ids` (or `prompt`)."""
+        if isinstance(prompt, np.ndarray):
+            if prompt.ndim != 1 or not np.issubdtype(prompt.dtype, np.integer):
+                raise ValueError(
+                    f"prompt_token_ids: a numpy prompt must be a 1-D integer array, got {prompt.ndim}-D {prompt.dtype}"
+                )
+            return [int(t) for t in prompt]
+        if isinstance(prompt, (str, bytes, bytearray)) or not isinstance(prompt, Seq):
+            raise ValueError(f"prompt: must be text or a list of token ids, got {type(prompt).__name__}")
+        if any(isinstance(t, Mapping) for t in prompt):
+            raise ValueError("prompt: a list of chat messages is a conversation; use LLM.chat (or send it as messages)")
+        for i, t in enumerate(prompt):
+            if isinstance(t, (bool, np.bool_)) or not isinstance(t, numbers.Integral):
+                raise ValueError(f"prompt_token_ids[{i}]: token ids must be integers, got {type(t).__name__} {t!r:.40}")
+        return [int(t) for t in prompt]
 
     def check_in_vocab(self, name: str, ids: Seq[int]) -> None:
         """ValueError naming `name` when a token id lies outside the vocabulary."""
@@ -311,8 +337,12 @@ class EngineCore:
 
     @staticmethod
     def _completion_ids(seq: Sequence) -> list[str]:
-        """The request ids of a request's n completions: its own, then `id#i`."""
-        return [seq.request_id] + [f"{seq.request_id}#{i}" for i in range(1, seq.params.n)]
+        return completion_ids(seq.request_id, seq.params.n)
+
+    def any_live(self, ids: Iterable[str]) -> bool:
+        """Whether any of these completion ids is added and not yet finished (thread-safe)."""
+        with self._lock:
+            return not self._live_ids.isdisjoint(ids)
 
     def add(self, seq: Sequence) -> str:
         """Queue a sequence made by make_sequence (thread-safe). ValueError naming request_id

@@ -73,6 +73,10 @@ class EngineConfig:
         for name in (
             "max_slots",
             "page_size",
+            "max_model_len",
+            "num_pages",
+            "kv_cache_memory_bytes",
+            "tensor_parallel_size",
             "max_num_batched_tokens",
             "max_prefill_tokens_while_decoding",
             "speculative_disable_by_batch_size",
@@ -80,6 +84,10 @@ class EngineConfig:
         ):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 < self.memory_fraction <= 1:
+            raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
+        if self.dtype not in (None, "float32", "bfloat16"):
+            raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
         if self.kv_cache_dtype not in ("auto", "float32", "bfloat16", "int8", "fp8"):
             raise ValueError(
                 f"kv_cache_dtype must be 'auto', 'float32', 'bfloat16', 'int8' or 'fp8', got {self.kv_cache_dtype!r}"
@@ -103,5 +111,5 @@ class EngineConfig:
             raise ValueError(
                 f"prompt_lookup_max must be >= prompt_lookup_min ({self.prompt_lookup_min}), got {self.prompt_lookup_max}"
             )
-        if self.speculative_model not in (None, "ngram") and self.num_speculative_tokens < 1:
+        if self.speculative_model is not None and self.num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
