@@ -373,7 +373,9 @@ _KV_DTYPES = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}
 def kv_math_args_from_config(cfg) -> list[str]:
     """kv-math flags for a ServeConfig: the checkpoint (or its shape preset), chips, page size,
     context, dtypes, memory fraction. Put them before the user's flags so those win."""
-    if cfg.model_path.is_dir() or (cfg.model_path.is_file() and cfg.model_path.suffix == ".gguf"):
+    from jaxserve.models import gguf
+
+    if cfg.model_path.is_dir() or (cfg.model_path.is_file() and gguf.is_gguf(cfg.model_path)):
         model = str(cfg.model_path)
     elif cfg.kv_math_preset:
         model = cfg.kv_math_preset

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import numbers
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Iterable, Iterator
 from typing import Sequence as Seq
@@ -128,10 +127,8 @@ class LLM:
         prompts: Seq[str] | Seq[Seq[int]] | str,
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        if isinstance(prompts, Conversation) or (
-            isinstance(prompts, Seq) and not isinstance(prompts, str) and prompts and isinstance(prompts[0], Mapping)
-        ):
-            raise ValueError("prompt: a list of chat messages is a conversation; use LLM.chat for it")
+        if isinstance(prompts, Conversation):  # chat messages in a list are refused with each prompt (core)
+            raise ValueError("prompt: a conversation is not a prompt; use LLM.chat for it")
         if isinstance(prompts, str) or _is_token_ids(prompts):
             prompts = [prompts]
         if not isinstance(prompts, (Seq, np.ndarray)):

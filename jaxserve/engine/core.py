@@ -249,6 +249,10 @@ class EngineCore:
     def _token_ids(prompt: object) -> list[int]:
         """A prompt of token ids as a list of ints: a sequence of integers (Python or numpy ints,
         not bools) or a 1-D numpy integer array; ValueError naming `prompt_token_ids` (or `prompt`)."""
+        if isinstance(prompt, Mapping) or (
+            isinstance(prompt, Seq) and not isinstance(prompt, str) and any(isinstance(t, Mapping) for t in prompt)
+        ):
+            raise ValueError("prompt: a list of chat messages is a conversation; use LLM.chat (or send it as messages)")
         if isinstance(prompt, np.ndarray):
             if prompt.ndim != 1 or not np.issubdtype(prompt.dtype, np.integer):
                 raise ValueError(
@@ -257,8 +261,6 @@ class EngineCore:
             return [int(t) for t in prompt]
         if isinstance(prompt, (str, bytes, bytearray)) or not isinstance(prompt, Seq):
             raise ValueError(f"prompt: must be text or a list of token ids, got {type(prompt).__name__}")
-        if any(isinstance(t, Mapping) for t in prompt):
-            raise ValueError("prompt: a list of chat messages is a conversation; use LLM.chat (or send it as messages)")
         for i, t in enumerate(prompt):
             if isinstance(t, (bool, np.bool_)) or not isinstance(t, numbers.Integral):
                 raise ValueError(f"prompt_token_ids[{i}]: token ids must be integers, got {type(t).__name__} {t!r:.40}")
@@ -318,7 +320,7 @@ class EngineCore:
         """The n sequences of a request: index 0 is `seq`; the others share its prompt (and,
         once it has been prefilled, its KV pages: Scheduler forks them) with their own seeds."""
         out = [seq]
-        for i, rid in enumerate(self._completion_ids(seq)[1:], start=1):
+        for i, rid in enumerate(completion_ids(seq.request_id, seq.params.n)[1:], start=1):
             state = np.random.SeedSequence([seq.seed, i]).generate_state(2, np.uint64)
             out.append(
                 Sequence(
@@ -335,10 +337,6 @@ class EngineCore:
             )
         return out
 
-    @staticmethod
-    def _completion_ids(seq: Sequence) -> list[str]:
-        return completion_ids(seq.request_id, seq.params.n)
-
     def any_live(self, ids: Iterable[str]) -> bool:
         """Whether any of these completion ids is added and not yet finished (thread-safe)."""
         with self._lock:
@@ -348,7 +346,7 @@ class EngineCore:
         """Queue a sequence made by make_sequence (thread-safe). ValueError naming request_id
         when any of its completions' ids is live: a client's own "x#1" and completion 1 of "x"
         would share the engine's per-id state, and a KeyError would end the engine loop."""
-        ids = self._completion_ids(seq)
+        ids = completion_ids(seq.request_id, seq.params.n)
         with self._lock:
             taken = next((rid for rid in ids if rid in self._live_ids), None)
             if taken is not None:
