@@ -3,6 +3,8 @@ oracle, and no value changes."""
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import platform
 import sys
 
@@ -23,6 +25,15 @@ def _supported() -> bool:
     except OSError:
         return False
     return (major, minor) >= (6, 1) and "[never]" not in mode
+
+
+def _expect_huge(huge: int) -> None:
+    """A mapping's huge-page bytes: none where unsupported, some where supported, unless this
+    process has seen a collapse fail under memory pressure (host_memory.last_error)."""
+    if not _supported():
+        assert huge == 0
+    elif host_memory.last_error() not in host_memory.TRANSIENT:
+        assert huge > 0
 
 
 def _mappings():
@@ -67,14 +78,51 @@ def test_a_big_array_lands_on_huge_pages_unchanged():
     if not _supported():
         assert got == 0
         return
-    assert got >= 30 << 20  # every whole 2 MiB run inside 32 MiB, whatever its alignment
-    huge, most = huge_bytes_in(x.unsafe_buffer_pointer(), x.unsafe_buffer_pointer() + x.nbytes)
+    start = x.unsafe_buffer_pointer()
+    runs = _whole_runs(start, start + x.nbytes)
+    assert runs >= 15 << 21  # 32 MiB hold 15 or 16 whole 2 MiB runs, whatever their alignment
+    # Linux collapses all of them, or (under memory pressure: CI once saw none collapsed by one
+    # call) only some, for a transient reason, and then only the runs that succeeded are counted.
+    assert got == runs or host_memory.last_error() in host_memory.TRANSIENT, host_memory.last_error()
+    huge, most = huge_bytes_in(start, start + x.nbytes)
     # Every run that a mapping boundary does not cut is collapsed. Where the allocator placed the
     # buffer across several mappings (CI once saw 14 of 15 runs whole, the full suite 12), the runs
-    # a boundary crosses cannot be; most of the buffer still can.
+    # a boundary crosses cannot be (Linux reports them done); most of the buffer still can.
     assert most >= 8 << 20
-    assert huge == most
+    assert got - (runs - most) <= huge <= min(got, most)
     np.testing.assert_array_equal(np.asarray(x), np.arange(8 << 20, dtype=np.float32))
+
+
+def test_a_run_that_fails_leaves_the_others_collapsed_and_uncounted():
+    """One call over a range with a hole fails as a whole (ENOMEM: not mapped), as a run Linux
+    cannot allocate or charge does; asked run by run, every other run is collapsed and counted."""
+    if not _supported():
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    size = 12 * host_memory.HUGE_PAGE
+    base = libc.mmap(None, size, 0x3, 0x22, -1, 0)  # PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS
+    assert base not in (None, ctypes.c_void_p(-1).value)
+    try:
+        start = -(-base // host_memory.HUGE_PAGE) * host_memory.HUGE_PAGE  # 10 whole runs from here
+        view = np.ctypeslib.as_array((ctypes.c_uint32 * (size // 4)).from_address(base))
+        view[:] = np.arange(size // 4, dtype=np.uint32)
+        hole = start + 4 * host_memory.HUGE_PAGE
+        assert libc.munmap(hole, host_memory.HUGE_PAGE) == 0
+        got = host_memory.collapse_range(start, 10 * host_memory.HUGE_PAGE)
+        assert host_memory.last_error() in host_memory.TRANSIENT
+        assert got == 9 * host_memory.HUGE_PAGE or host_memory.last_error() != errno.ENOMEM
+        huge, most = huge_bytes_in(start, start + 10 * host_memory.HUGE_PAGE)
+        assert most == 9 * host_memory.HUGE_PAGE  # the hole is no mapping
+        assert huge == got
+        words = host_memory.HUGE_PAGE // 4
+        off = (start - base) // 4
+        kept = np.r_[off : off + 4 * words, off + 5 * words : off + 10 * words]
+        np.testing.assert_array_equal(view[kept], kept.astype(np.uint32))
+    finally:
+        libc.munmap(base, size)
 
 
 def test_small_arrays_and_the_switch_leave_memory_alone(monkeypatch):
@@ -94,11 +142,11 @@ def test_the_engine_pool_stays_on_huge_pages_while_serving(tok_model, monkeypatc
     pool = llm.runner.target.kv[0][0]
     address = pool.unsafe_buffer_pointer()
     assert pool.nbytes >= 8 << 20
-    assert (huge_bytes_at(address + pool.nbytes // 2) > 0) == _supported()
+    _expect_huge(huge_bytes_at(address + pool.nbytes // 2))
     got = [o.token_ids for o in llm.generate(prompts, p)]
     pool = llm.runner.target.kv[0][0]
     assert pool.unsafe_buffer_pointer() == address
-    assert (huge_bytes_at(address + pool.nbytes // 2) > 0) == _supported()
+    _expect_huge(huge_bytes_at(address + pool.nbytes // 2))
     monkeypatch.setenv(host_memory.ENV_DISABLE, "0")
     plain = LLM(tok_model[0], **opts)
     assert got == [o.token_ids for o in plain.generate(prompts, p)]

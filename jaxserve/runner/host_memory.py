@@ -19,6 +19,7 @@ writes the result in place, so the pool keeps its address (and its huge pages) w
 from __future__ import annotations
 
 import ctypes
+import errno
 import logging
 import os
 import sys
@@ -49,6 +50,15 @@ def _madvise():
 
 _MADVISE = _madvise()
 _warned = False
+_last_error = 0
+RETRIES = 3  # EAGAIN: a page was briefly locked, pinned or off the LRU lists
+TRANSIENT = (errno.EAGAIN, errno.EBUSY, errno.ENOMEM)  # retry-worthy or memory pressure
+
+
+def last_error() -> int:
+    """errno of the last failed collapse in this process (0 if none): why a buffer stayed on
+    small pages."""
+    return _last_error
 
 
 def _buffers(tree) -> Iterable[tuple[int, int]]:
@@ -68,24 +78,46 @@ def _buffers(tree) -> Iterable[tuple[int, int]]:
                 continue
 
 
+def _collapse(lo: int, hi: int) -> bool:
+    """One MADV_COLLAPSE over [lo, hi), retried on EAGAIN; True if every run was collapsed."""
+    global _last_error
+    for _ in range(RETRIES):
+        if _MADVISE(lo, hi - lo, MADV_COLLAPSE) == 0:
+            return True
+        _last_error = ctypes.get_errno()
+        if _last_error != errno.EAGAIN:
+            break
+    return False
+
+
 def collapse_range(address: int, nbytes: int) -> int:
     """Collapse the whole 2 MiB pages inside [address, address + nbytes); returns the bytes
-    advised (0 if none fit or the call is unsupported). Linux succeeds without collapsing a run
-    that a mapping boundary crosses, so the kernel may collapse up to one run less per boundary."""
+    collapsed (0 if none fit or the call is unsupported).
+
+    One call covers the range. Linux stops at the first run it cannot collapse and reports only
+    the failure (a huge page it could not allocate or charge under memory pressure, a page briefly
+    pinned), so then each run is asked for alone and only the runs that succeed are counted. Linux
+    also succeeds without collapsing a run that a mapping boundary crosses, so the kernel may
+    collapse up to one run less per boundary than is returned."""
     global _warned
     lo = -(-address // HUGE_PAGE) * HUGE_PAGE
     hi = (address + nbytes) // HUGE_PAGE * HUGE_PAGE
     if _MADVISE is None or hi <= lo:
         return 0
-    if _MADVISE(lo, hi - lo, MADV_COLLAPSE) != 0:
-        if not _warned:
-            _warned = True
-            err = ctypes.get_errno()
-            log.info(
-                "huge pages unavailable (madvise MADV_COLLAPSE: %s); buffers stay on small pages", os.strerror(err)
-            )
-        return 0
-    return hi - lo
+    if _collapse(lo, hi):
+        return hi - lo
+    done = 0
+    if _last_error in TRANSIENT:
+        done = sum(HUGE_PAGE for run in range(lo, hi, HUGE_PAGE) if _collapse(run, run + HUGE_PAGE))
+    if done < hi - lo and not _warned:
+        _warned = True
+        log.info(
+            "huge pages: %d of %d MiB collapsed (madvise MADV_COLLAPSE: %s); the rest stays on small pages",
+            done >> 20,
+            (hi - lo) >> 20,
+            os.strerror(_last_error),
+        )
+    return done
 
 
 def _ranges(tree) -> list[tuple[int, int]]:
