@@ -6,7 +6,7 @@ HASH := $(shell cat pyproject.toml setup.py 2>/dev/null | sha1sum | cut -c1-12)
 RUNTIME_STAMP := $(VENV)/.runtime-$(HASH)
 STAMP := $(VENV)/.installed-$(HASH)
 
-.PHONY: demo test lint install install-shellcheck bench clean
+.PHONY: demo test lint install bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -31,11 +31,6 @@ $(STAMP): $(BIN)/python pyproject.toml
 
 install: $(STAMP)
 
-# tests/test_launch_scripts.py runs shellcheck on scripts/*.sh (and fails without it).
-SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
-install-shellcheck:
-	@command -v shellcheck >/dev/null || ($(SUDO) apt-get install -y shellcheck || ($(SUDO) apt-get update && $(SUDO) apt-get install -y shellcheck))
-
 # Habits first (seconds): lint, format, and the layers contract (no arrow back up, no cycle).
 lint: $(STAMP)
 	$(BIN)/ruff check .
@@ -46,7 +41,7 @@ lint: $(STAMP)
 # time is single-threaded XLA compilation, so two files at once nearly halve it on 2 cores.
 # Files go out longest first (tests/conftest.py orders them; xdist would sort them by test count).
 PYTEST_ARGS ?= -n 2 --dist loadfile --no-loadscope-reorder --durations=15
-test: $(STAMP) install-shellcheck lint
+test: $(STAMP) lint
 	JAX_PLATFORMS=cpu $(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 demo: $(RUNTIME_STAMP)

@@ -13,6 +13,7 @@ from conftest import TEST_MODEL, make_hf_model
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
+from jaxserve.models import loader
 from jaxserve.models.loader import load_model
 
 
@@ -32,7 +33,7 @@ def test_sharded_checkpoint_loads_identically(tmp_path, hf_models):
         np.testing.assert_array_equal(a[k], b[k], err_msg=k)
 
 
-def test_orbax_cache_is_faster_identical_and_rebuilt_when_corrupt(tmp_path, caplog):
+def test_orbax_cache_is_used_identical_and_rebuilt_when_corrupt(tmp_path, caplog, monkeypatch):
     # A model whose conversion costs real time (~60 MB of float32 weights to transpose and copy).
     path = tmp_path / "m"
     make_hf_model(
@@ -49,11 +50,14 @@ def test_orbax_cache_is_faster_identical_and_rebuilt_when_corrupt(tmp_path, capl
     t0 = time.perf_counter()
     m1, _ = load_model(path, cache_dir=cache)
     cold = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    m2, _ = load_model(path, cache_dir=cache)
-    warm = time.perf_counter() - t0
+    # The second load reads the cache, not the checkpoint (which is what makes it faster; the
+    # time is printed, not asserted: this machine is noisy).
+    with monkeypatch.context() as m:
+        m.setattr(loader, "_read_checkpoint", lambda *a: pytest.fail("the checkpoint was read again"))
+        t0 = time.perf_counter()
+        m2, _ = load_model(path, cache_dir=cache)
+        warm = time.perf_counter() - t0
     print(f"first load (convert + save cache) {cold:.3f}s, second load (from orbax cache) {warm:.3f}s")
-    assert warm < cold
     p1, p2 = _params(m1), _params(m2)
     for k in p1:
         np.testing.assert_array_equal(p1[k], p2[k], err_msg=k)

@@ -586,8 +586,9 @@ def test_int8_model_on_bf16_units_calls_the_w8a16_kernel(bf16_units):
 def test_sums_in_blocks_of_k_are_closer_to_exact_than_one_running_sum(int8):
     """Each y element is summed over k in blocks (matmul.cc kSumBlock), the block sums then added
     in order: rounding error grows with about sqrt(block) + sqrt(K / block) rather than sqrt(K).
-    Over the MLP's down projection (K = 1,536) that is under 0.6x the error of one running
-    float32 sum in k order (NumPy's cumsum) against float64, for any row count; one running sum
+    Over the MLP's down projection (K = 1,536) that is about half the error of one running
+    float32 sum in k order (NumPy's cumsum) against float64 (0.46-0.52x on one seed; bound 0.75x,
+    as the order within a block differs between instruction sets), for any row count; one running sum
     was 2.5x as far from float64 as PyTorch's float32 matmul (scripts/gguf_logit_noise.py)."""
     x, w, scale, dense = _case(16, 1536, 256, 11, int8)
     ref = x.astype(np.float64) @ dense
@@ -597,4 +598,4 @@ def test_sums_in_blocks_of_k_are_closer_to_exact_than_one_running_sum(int8):
         y = np.asarray(f(x[:rows], w, scale, n=256)).astype(np.float64)
         ours, one_sum = np.abs(y - ref[:rows]).mean(), np.abs(running[:rows] - ref[:rows]).mean()
         print(f"{rows} rows: mean |error| {ours:.2e}, one running sum {one_sum:.2e} ({ours / one_sum:.2f}x)")
-        assert ours < 0.6 * one_sum
+        assert ours < 0.75 * one_sum

@@ -160,7 +160,7 @@ def test_chat_rendering_is_the_gguf_template(llm, gguf_path, hf_tok):
     "question, keywords",
     [
         ("What is the capital of France?", ["Paris"]),
-        ("Write a Python function that returns the square of a number.", ["def ", "return", "**"]),
+        ("Write a Python function that returns the square of a number.", ["def ", "return"]),
         ("What is the chemical symbol for water?", ["H2O"]),
     ],
 )

@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import shutil
+import tempfile
 import time
 from pathlib import Path
 
@@ -168,18 +169,30 @@ def _cached_config(cache: Path, fp: str) -> ModelConfig | None:
 
 
 def _save_cache(cache: Path, fp: str, arrays: dict[str, np.ndarray], cfg: ModelConfig) -> None:
+    """Write the converted weights beside `cache` and rename them into place, so that a process
+    reading the cache never sees half of it, and two processes converting the same checkpoint at
+    once (two servers started together) do not write into one folder: the first rename wins and
+    the other's copy, the same weights, is dropped."""
     import orbax.checkpoint as ocp
 
-    if cache.exists():
-        shutil.rmtree(cache)
-    cache.mkdir(parents=True)
-    keys = {f"t{i}": n for i, n in enumerate(arrays)}
-    ckptr = ocp.StandardCheckpointer()
-    ckptr.save((cache / "params").absolute(), {k: arrays[n] for k, n in keys.items()})
-    ckptr.wait_until_finished()
-    (cache / "jaxserve_meta.json").write_text(
-        json.dumps({"fingerprint": fp, "keys": keys, "checksums": _checksums(arrays), "config": cfg.to_json()})
-    )
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{cache.name}.", dir=cache.parent))
+    try:
+        keys = {f"t{i}": n for i, n in enumerate(arrays)}
+        ckptr = ocp.StandardCheckpointer()
+        ckptr.save((tmp / "params").absolute(), {k: arrays[n] for k, n in keys.items()})
+        ckptr.wait_until_finished()
+        (tmp / "jaxserve_meta.json").write_text(
+            json.dumps({"fingerprint": fp, "keys": keys, "checksums": _checksums(arrays), "config": cfg.to_json()})
+        )
+        if cache.exists():  # stale, corrupt or another fingerprint's: _restore_cache refused it
+            shutil.rmtree(cache, ignore_errors=True)
+        try:
+            tmp.rename(cache)
+        except OSError:  # another process put its copy there first
+            log.info("converted-weight cache %s was written by another process; keeping that copy", cache)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def check_checkpoint(path: str | Path) -> None:
