@@ -198,3 +198,21 @@ def test_warm_start_imports_neither_torch_nor_transformers_auto_classes(tmp_path
     )
     assert "transformers.models.auto.configuration_auto" in run()  # cold: transformers parses config.json
     assert run() == "[]"
+
+
+def test_two_loads_converting_at_once_leave_one_whole_cache(tmp_path, hf_models, monkeypatch):
+    """Two servers started together convert the same checkpoint at once: each writes beside the
+    cache and renames its copy into place, so one whole copy stays (no temporary folder is left)
+    and the next load reads it, not the checkpoint."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    path, _ = hf_models["llama"]
+    cache = tmp_path / "converted" / "m"
+    with ThreadPoolExecutor(2) as ex:
+        loaded = list(ex.map(lambda _: _params(load_model(path, cache_dir=cache)[0]), range(2)))
+    assert [p.name for p in cache.parent.iterdir()] == ["m"]
+    monkeypatch.setattr(loader, "_read_checkpoint", lambda *a: pytest.fail("the checkpoint was read again"))
+    again = _params(load_model(path, cache_dir=cache)[0])
+    for k in again:
+        np.testing.assert_array_equal(again[k], loaded[0][k], err_msg=k)
+        np.testing.assert_array_equal(again[k], loaded[1][k], err_msg=k)
