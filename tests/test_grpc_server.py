@@ -14,7 +14,6 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import numpy as np
 import pytest
-from conftest import free_port
 from conftest import pool_whole as _pool_whole
 
 from jaxserve import LLM, SamplingParams
@@ -176,10 +175,11 @@ def test_logprobs_over_grpc(served):
 def test_metrics_endpoint(tok_model):
     import urllib.request
 
-    port = free_port()
     llm = LLM(tok_model[0], **OPTS)
-    st = ServerThread(llm, metrics_port=port)
+    st = ServerThread(llm, metrics_port=0)  # the server binds a free port and says which
     try:
+        port = st.server.metrics_port
+        assert port > 0
         Client(st.target).complete([1, 2, 3], max_tokens=5, temperature=0, ignore_eos=True)
         body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
         assert re.search(r'jaxserve_requests_total\{outcome="length"\} 1\.0', body)

@@ -94,6 +94,8 @@ class Server:
             self._server = server
         if self.metrics_port is not None:
             self._metrics_http = self.metrics.serve(self.metrics_port, self.host)
+            self.metrics_port = self._metrics_http[0].server_port  # the port bound (0 asks for a free one)
+            log.info("Prometheus metrics on %s:%d/metrics", self.host, self.metrics_port)
         if self.http_port is not None:
             from jaxserve.serving.http_server import HttpFrontend  # FastAPI and uvicorn only when asked for
 
