@@ -19,10 +19,11 @@ from jaxserve.runner.executable_cache import compile_count, trace_count
 pytestmark = pytest.mark.no_suite_xla_cache
 
 GREEDY = dict(temperature=0, ignore_eos=True)
-# 6 slots: one batch bucket of 6, a shape no other test compiles. XLA:CPU cannot serialize a sort
-# it has already executed, and jax's in-process cache returns the same executable to every
+# 11 slots: one batch bucket of 11, a shape no other test compiles (test_speculative and
+# test_prefix_caching use 6, and may run earlier in the same worker). XLA:CPU cannot serialize a
+# sort it has already executed, and jax's in-process cache returns the same executable to every
 # engine in the process that compiles the same computation (the sampler's sort).
-SMALL = dict(max_slots=6, page_size=8, max_model_len=128, num_pages=80, token_buckets=(16, 32))
+SMALL = dict(max_slots=11, page_size=8, max_model_len=128, num_pages=80, token_buckets=(16, 32))
 
 
 def _steps(llm: LLM) -> int:

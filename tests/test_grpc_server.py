@@ -239,6 +239,7 @@ def test_sigterm_drains_with_a_final_message(tok_model, tmp_path):
         "160",
         "--num-pages",
         "64",
+        "--no-compilation-cache",  # not default.gin's store in ~/.cache, which outlives the run
     ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:

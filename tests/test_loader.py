@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 import time
 
 import jax.numpy as jnp
@@ -201,18 +204,27 @@ def test_warm_start_imports_neither_torch_nor_transformers_auto_classes(tmp_path
 
 
 def test_two_loads_converting_at_once_leave_one_whole_cache(tmp_path, hf_models, monkeypatch):
-    """Two servers started together convert the same checkpoint at once: each writes beside the
-    cache and renames its copy into place, so one whole copy stays (no temporary folder is left)
-    and the next load reads it, not the checkpoint."""
-    from concurrent.futures import ThreadPoolExecutor
-
+    """Two servers started together convert the same checkpoint at once: each process writes
+    beside the cache and renames its copy into place, so one whole copy stays (no temporary
+    folder is left) and the next load reads it, not the checkpoint. (Processes, not threads:
+    orbax's checkpointer is not safe for two saves at once in one process.)"""
     path, _ = hf_models["llama"]
     cache = tmp_path / "converted" / "m"
-    with ThreadPoolExecutor(2) as ex:
-        loaded = list(ex.map(lambda _: _params(load_model(path, cache_dir=cache)[0]), range(2)))
+    code = "import sys; from jaxserve.models.loader import load_model; load_model(sys.argv[1], cache_dir=sys.argv[2])"
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, str(path), str(cache)], env=env, stderr=subprocess.PIPE, text=True
+        )
+        for _ in range(2)
+    ]
+    for p in procs:
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err[-3000:]
     assert [p.name for p in cache.parent.iterdir()] == ["m"]
+    fresh = _params(load_model(path, use_cache=False)[0])
     monkeypatch.setattr(loader, "_read_checkpoint", lambda *a: pytest.fail("the checkpoint was read again"))
     again = _params(load_model(path, cache_dir=cache)[0])
+    assert again.keys() == fresh.keys()
     for k in again:
-        np.testing.assert_array_equal(again[k], loaded[0][k], err_msg=k)
-        np.testing.assert_array_equal(again[k], loaded[1][k], err_msg=k)
+        np.testing.assert_array_equal(again[k], fresh[k], err_msg=k)
