@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
-from conftest import free_port, pool_whole
+from conftest import pool_whole
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from test_grpc_server import ServerThread
 
@@ -234,19 +234,26 @@ def test_serve_exits_nonzero_when_the_engine_fails(tok_model):
 
 
 SERVE_AND_COUNT_OBJECTS = """
-import gc, json, os, signal, sys, threading, time, urllib.request
+import gc, json, logging, os, signal, sys, threading, time, urllib.request
 from jaxserve import LLM
 from jaxserve.serving import server
+ports = []
+class Port(logging.Handler):  # the HTTP port the server bound (it is given 0), from its log line
+    def emit(self, record):
+        if record.msg.startswith("OpenAI-compatible HTTP on"):
+            ports.append(record.args[1])
+logging.getLogger("jaxserve.server").addHandler(Port())
+logging.getLogger("jaxserve.server").setLevel(logging.INFO)
 llm = LLM(sys.argv[1], **{opts!r})
 gc.collect()
 before = len(gc.get_objects())
 def probe():
     deadline = time.monotonic() + 60
-    while gc.get_freeze_count() == 0 and time.monotonic() < deadline:
+    while (gc.get_freeze_count() == 0 or not ports) and time.monotonic() < deadline:
         time.sleep(0.05)
     try:
         # one request served after the freeze: the server still answers, its objects are young
-        base = os.environ["PROBE_BASE"]
+        base = f"http://127.0.0.1:{{ports[0]}}"
         model = json.load(urllib.request.urlopen(base + "/v1/models"))["data"][0]["id"]
         body = json.dumps({{"model": model, "prompt": [5, 6, 7], "max_tokens": 4}}).encode()
         req = urllib.request.Request(base + "/v1/completions", body, {{"Content-Type": "application/json"}})
@@ -255,15 +262,14 @@ def probe():
     finally:
         os.kill(os.getpid(), signal.SIGTERM)
 threading.Thread(target=probe, daemon=True).start()
-sys.exit(server.serve(llm.core, port=None, http_port=int(os.environ["PROBE_PORT"])))
+sys.exit(server.serve(llm.core, port=None, http_port=0))
 """
 
 
 def test_serve_freezes_the_startup_heap(tok_model):
     """A full garbage collection in a serving process walks only what serving allocated, not the
     ~0.5M objects start-up leaves (a 250-300 ms stall of every stream when it walked them)."""
-    port = free_port()
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PROBE_PORT": str(port), "PROBE_BASE": f"http://127.0.0.1:{port}"}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run(
         [sys.executable, "-c", SERVE_AND_COUNT_OBJECTS.format(opts=OPTS), str(tok_model[0])],
         capture_output=True,

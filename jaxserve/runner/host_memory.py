@@ -6,7 +6,8 @@ a two-level page walk. XLA allocates its buffers with malloc, so they land on 4 
 the system's THP mode is "always" (it is usually "madvise"). After allocation we ask Linux to
 collapse each buffer's whole 2 MiB-aligned runs into huge pages (madvise MADV_COLLAPSE, Linux 6.1+).
 This changes no value, only how memory is mapped; where the call is unsupported (another OS, an
-older kernel, THP "never") nothing happens.
+older kernel, a kernel without THP) nothing happens. The sysfs THP mode does not matter: the call
+collapses under "never" too.
 
 Measured on the development VM (docs/benchmarks.md): paged attention over a 512 MiB pool
 3.5-8% faster, the batch-32 decode step of the 56.4M bench model 2% faster, its batch-1 step
