@@ -24,6 +24,11 @@ def _params(model) -> dict:
     return {str(p): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
 
 
+def _refuse_checkpoint_reads(monkeypatch) -> None:
+    """From here on, a load that reads the checkpoint instead of the converted cache fails the test."""
+    monkeypatch.setattr(loader, "_read_checkpoint", lambda *a: pytest.fail("the checkpoint was read again"))
+
+
 def test_sharded_checkpoint_loads_identically(tmp_path, hf_models):
     single, _ = hf_models["llama"]
     sharded = tmp_path / "sharded"
@@ -56,7 +61,7 @@ def test_orbax_cache_is_used_identical_and_rebuilt_when_corrupt(tmp_path, caplog
     # The second load reads the cache, not the checkpoint (which is what makes it faster; the
     # time is printed, not asserted: this machine is noisy).
     with monkeypatch.context() as m:
-        m.setattr(loader, "_read_checkpoint", lambda *a: pytest.fail("the checkpoint was read again"))
+        _refuse_checkpoint_reads(m)
         t0 = time.perf_counter()
         m2, _ = load_model(path, cache_dir=cache)
         warm = time.perf_counter() - t0
@@ -223,7 +228,7 @@ def test_two_loads_converting_at_once_leave_one_whole_cache(tmp_path, hf_models,
         assert p.returncode == 0, err[-3000:]
     assert [p.name for p in cache.parent.iterdir()] == ["m"]
     fresh = _params(load_model(path, use_cache=False)[0])
-    monkeypatch.setattr(loader, "_read_checkpoint", lambda *a: pytest.fail("the checkpoint was read again"))
+    _refuse_checkpoint_reads(monkeypatch)
     again = _params(load_model(path, cache_dir=cache)[0])
     assert again.keys() == fresh.keys()
     for k in again:

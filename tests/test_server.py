@@ -65,7 +65,10 @@ def _request(base: str, method: str, path: str, body: dict | None = None, timeou
         conn.close()
 
 
-def _complete(base: str, model: str, max_tokens: int = 150) -> tuple[int, dict]:
+LONG = 150  # tokens a queue-bound request runs: most of the 160-token context
+
+
+def _complete(base: str, model: str, max_tokens: int = LONG) -> tuple[int, dict]:
     body = {"model": model, "prompt": [5, 6, 7], "max_tokens": max_tokens, "ignore_eos": True}
     return _request(base, "POST", "/v1/completions", body)
 
@@ -74,8 +77,8 @@ def test_queue_bound_refuses_past_it_and_serves_the_rest(llm):
     """One slot and max_waiting=2: of 6 requests sent at once, at most 1 running + 2 waiting
     are taken (2 if the first has not started running when the others arrive); the others get
     429 over HTTP and RESOURCE_EXHAUSTED over gRPC, and every taken one runs to its length.
-    Each asks for 150 tokens (the context is 160), so the first holds its slot long enough for a
-    client thread the noisy CPU delays to still find the queue full."""
+    Each asks for LONG (150) tokens of the 160-token context, so the first holds its slot long
+    enough for a client thread the noisy CPU delays to still find the queue full."""
     st = ServerThread(llm, http_port=0, max_waiting=2)
     try:
         base, model = f"http://127.0.0.1:{st.server.http_port}", st.server.http.model_name
@@ -92,14 +95,14 @@ def test_queue_bound_refuses_past_it_and_serves_the_rest(llm):
         def grpc_call(_):
             try:
                 return sum(
-                    len(r.token_ids) for r in Client(st.target).generate([5, 6, 7], max_tokens=150, ignore_eos=True)
+                    len(r.token_ids) for r in Client(st.target).generate([5, 6, 7], max_tokens=LONG, ignore_eos=True)
                 )
             except grpc.RpcError as e:
                 return e.code()
 
         with ThreadPoolExecutor(6) as ex:
             results = list(ex.map(grpc_call, range(6)))
-        served = [r for r in results if r == 150]
+        served = [r for r in results if r == LONG]
         assert len(served) + results.count(grpc.StatusCode.RESOURCE_EXHAUSTED) == 6, results
         assert 2 <= len(served) <= 3, results
         pool_whole(llm)

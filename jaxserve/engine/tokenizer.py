@@ -45,14 +45,11 @@ def _gguf_tokenizer(path: Path) -> Any:
     saved as tokenizer.json beside the converted weights' cache, keyed by the file's fingerprint;
     a restart loads that in a fraction of a second."""
     import hashlib
-    import os
-    import shutil
-    import tempfile
 
     from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
     from jaxserve.models import gguf
-    from jaxserve.models.loader import default_cache_root
+    from jaxserve.models.loader import default_cache_root, replace_dir
 
     h = hashlib.sha256(b"tokenizer:2")
     gguf.fingerprint_update(h, path)
@@ -64,11 +61,7 @@ def _gguf_tokenizer(path: Path) -> Any:
             log.warning("tokenizer cache %s is unreadable (%s); converting again", cache, e)
     tok = _convert_gguf_tokenizer(path)
     try:
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=cache.parent))
-        tok.save_pretrained(str(tmp))
-        shutil.rmtree(cache, ignore_errors=True)
-        os.replace(tmp, cache)
+        replace_dir(cache, lambda tmp: tok.save_pretrained(str(tmp)))
     except OSError as e:  # a read-only home: convert every time
         log.warning("could not cache the GGUF tokenizer in %s (%s)", cache, e)
     return tok

@@ -15,6 +15,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -134,6 +135,26 @@ def default_cache_root() -> Path:
     return Path(os.environ.get("JAXSERVE_CACHE_DIR", Path.home() / ".cache" / "jaxserve")) / "converted"
 
 
+def replace_dir(target: Path, write: Callable[[Path], None]) -> None:
+    """Write a folder beside `target` (`write(tmp)`) and rename it into place, replacing what was
+    there. A process reading `target` never sees half of it, and two processes writing the same
+    target at once (two servers converting one checkpoint) never write into one folder: the later
+    rename replaces the earlier copy, which holds the same content, and where the other process
+    re-creates `target` between removal and rename, its copy is kept. No temporary folder outlives
+    the call; OSError from creating the parent (a read-only cache) reaches the caller."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        write(tmp)
+        shutil.rmtree(target, ignore_errors=True)
+        try:
+            os.replace(tmp, target)
+        except OSError:  # another process put its copy there in between
+            log.info("%s was written by another process; keeping that copy", target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def _restore_cache(cache: Path, fp: str, names: list[str]) -> dict[str, np.ndarray] | None:
     meta_file = cache / "jaxserve_meta.json"
     if not meta_file.is_file():
@@ -169,30 +190,18 @@ def _cached_config(cache: Path, fp: str) -> ModelConfig | None:
 
 
 def _save_cache(cache: Path, fp: str, arrays: dict[str, np.ndarray], cfg: ModelConfig) -> None:
-    """Write the converted weights beside `cache` and rename them into place, so that a process
-    reading the cache never sees half of it, and two processes converting the same checkpoint at
-    once (two servers started together) do not write into one folder: the first rename wins and
-    the other's copy, the same weights, is dropped."""
     import orbax.checkpoint as ocp
 
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{cache.name}.", dir=cache.parent))
-    try:
+    def write(d: Path) -> None:
         keys = {f"t{i}": n for i, n in enumerate(arrays)}
         ckptr = ocp.StandardCheckpointer()
-        ckptr.save((tmp / "params").absolute(), {k: arrays[n] for k, n in keys.items()})
+        ckptr.save((d / "params").absolute(), {k: arrays[n] for k, n in keys.items()})
         ckptr.wait_until_finished()
-        (tmp / "jaxserve_meta.json").write_text(
+        (d / "jaxserve_meta.json").write_text(
             json.dumps({"fingerprint": fp, "keys": keys, "checksums": _checksums(arrays), "config": cfg.to_json()})
         )
-        if cache.exists():  # stale, corrupt or another fingerprint's: _restore_cache refused it
-            shutil.rmtree(cache, ignore_errors=True)
-        try:
-            tmp.rename(cache)
-        except OSError:  # another process put its copy there first
-            log.info("converted-weight cache %s was written by another process; keeping that copy", cache)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+
+    replace_dir(cache, write)  # a stale, corrupt or other fingerprint's copy (_restore_cache refused it) goes
 
 
 def check_checkpoint(path: str | Path) -> None:

@@ -79,16 +79,17 @@ def _buffers(tree) -> Iterable[tuple[int, int]]:
                 continue
 
 
-def _collapse(lo: int, hi: int) -> bool:
-    """One MADV_COLLAPSE over [lo, hi), retried on EAGAIN; True if every run was collapsed."""
+def _collapse(lo: int, hi: int) -> int:
+    """One MADV_COLLAPSE over [lo, hi), retried on EAGAIN; 0 if every run was collapsed, else the
+    errno (also kept for last_error)."""
     global _last_error
     for _ in range(RETRIES):
         if _MADVISE(lo, hi - lo, MADV_COLLAPSE) == 0:
-            return True
-        _last_error = ctypes.get_errno()
-        if _last_error != errno.EAGAIN:
+            return 0
+        _last_error = err = ctypes.get_errno()
+        if err != errno.EAGAIN:
             break
-    return False
+    return err
 
 
 def collapse_range(address: int, nbytes: int) -> int:
@@ -105,11 +106,12 @@ def collapse_range(address: int, nbytes: int) -> int:
     hi = (address + nbytes) // HUGE_PAGE * HUGE_PAGE
     if _MADVISE is None or hi <= lo:
         return 0
-    if _collapse(lo, hi):
+    err = _collapse(lo, hi)
+    if not err:
         return hi - lo
     done = 0
-    if _last_error in TRANSIENT:
-        done = sum(HUGE_PAGE for run in range(lo, hi, HUGE_PAGE) if _collapse(run, run + HUGE_PAGE))
+    if err in TRANSIENT:
+        done = sum(HUGE_PAGE for run in range(lo, hi, HUGE_PAGE) if not _collapse(run, run + HUGE_PAGE))
     if done < hi - lo and not _warned:
         _warned = True
         log.info(
