@@ -212,8 +212,9 @@ def enable_compilation_cache(cache_dir: str | None) -> str | None:
 
 
 def _build_llm(args, flags: dict, cfg=None):
-    """The LLM of `serve` and `generate`. With JAXSERVE_COORDINATOR set, this process first joins
-    the others (jax.distributed); only process 0 goes on to serve, the others replay its engine
+    """The LLM of `serve` and `generate`. With JAXSERVE_COORDINATOR set (or in a LeaderWorkerSet
+    group of several pods: multihost.coordinator_from_env), this process first joins the others
+    (jax.distributed); only process 0 goes on to serve, the others replay its engine
     calls inside LLM() and return when it shuts down (`LLM.is_follower`)."""
     cfg = cfg if cfg is not None else load_cli_config(args, flags)
     _log_effective_config(args, cfg, _overrides(args, flags))
@@ -255,7 +256,9 @@ def cmd_serve(args) -> int:
     # The files first, so that a bad path exits 2 before minutes of loading and warm-up. With
     # several processes only the serving one (known after they join) needs them: it reads them
     # then, inside the try, so that the others are released either way.
-    read = None if os.environ.get("JAXSERVE_COORDINATOR") else files()
+    from jaxserve.parallel.multihost import coordinator_from_env
+
+    read = None if coordinator_from_env(os.environ)[0] else files()
     cfg, llm = _build_llm(args, flags, cfg)
     if llm.is_follower:
         return 0

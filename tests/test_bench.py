@@ -63,6 +63,21 @@ def test_shared_prefix_and_long_short():
     assert all(isinstance(r.prompt, str) and len(r.prompt.split()) == 5 for r in text)
 
 
+def test_prefix_groups():
+    spec = WorkloadSpec(kind="prefix-groups", num_requests=12, num_groups=3, prompt_len=(4, 4), prefix_len=10)
+    wl = Workload.load(spec)
+    r0, r1 = wl.round(0), wl.round(1)
+    heads = [tuple(r.prompt[:10]) for r in r0]
+    assert len(set(heads)) == 3 and sorted(heads.count(h) for h in set(heads)) == [4, 4, 4]
+    assert [heads.index(h) for h in heads] != sorted(heads.index(h) for h in heads)  # interleaved, not in blocks
+    assert all(r.prompt_len == 14 for r in r0) and len({tuple(r.prompt[10:]) for r in r0}) == 12
+    assert not set(heads) & {tuple(r.prompt[:10]) for r in r1}  # every round its own prefixes
+    assert wl.groups == Workload.load(spec).groups  # the same groups each load (seeded)
+    assert wl.describe()["num_groups"] == 3 and wl.describe()["total_prompt_tokens"] == 12 * 14
+    with pytest.raises(ValueError, match="num_groups"):
+        Workload.load(WorkloadSpec(kind="prefix-groups", num_groups=0))
+
+
 def test_json_workload_round0_is_the_file_then_fresh_ids(tmp_path):
     f = tmp_path / "w.json"
     f.write_text(
@@ -191,6 +206,7 @@ def test_bench_serve_against_a_real_server(capsys, tmp_path, opts):
         out = tmp_path / "serve.json"
         flags = ["--num-requests", "6", "--prompt-len", "4-20", "--output-len", "3-8", "--vocab-size", "4096"]
         argv = ["bench", "serve", "--base-url", f"http://127.0.0.1:{server.http_port}/v1", "--rate", "30", *flags]
+        before = llm.stats()
         code, stdout, err = run(argv + ["--seed", "3", "--out", str(out)], capsys)
         assert code == 0, err
         doc = json.loads(out.read_text())
@@ -200,6 +216,17 @@ def test_bench_serve_against_a_real_server(capsys, tmp_path, opts):
         _check_runs(doc, Workload.load(spec), rounds=1)
         assert "round 0: 6/6 ok" in stdout
         assert llm.stats()["kv_pages_active"] == 0  # every request finished on the server
+        # prefix groups, the server as its own replica: the round's counts are the engine's own
+        groups = ["--workload", "prefix-groups", "--num-groups", "2", "--prefix-len", "16", "--no-warmup"]
+        metrics = ["--replica-metrics", f"http://127.0.0.1:{server.http_port}"]
+        before = llm.stats()
+        code, stdout, err = run(argv + groups + metrics + ["--out", str(out)], capsys)
+        assert code == 0, err
+        after, rep = llm.stats(), json.loads(out.read_text())["configs"][0]["rounds"][0]["extra"]["replicas"]
+        assert rep["requests_per_replica"] == [6]
+        assert rep["queried_tokens"] == after["prefix_cache_queried_tokens"] - before["prefix_cache_queried_tokens"]
+        assert rep["hit_tokens"] == after["prefix_cache_hit_tokens"] - before["prefix_cache_hit_tokens"]
+        assert "median prefix-cache hit rate" in stdout
     finally:
         asyncio.run_coroutine_threadsafe(server.stop(0), loop).result(30)
         loop.call_soon_threadsafe(loop.stop)

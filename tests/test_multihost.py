@@ -11,7 +11,10 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 from conftest import TEST_MODEL, free_port, make_hf_model, suite_xla_flags
+
+from jaxserve.parallel import multihost
 
 # The pieces of Gloo's "[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected
 # peer ranks is : 1" lines, in any order.
@@ -84,7 +87,8 @@ def test_two_processes_match_one(tmp_path):
 
 def test_the_cli_joins_processes_from_the_environment(tmp_path):
     """`jaxserve generate` started the same way in two processes (as the launch scripts start
-    `serve` on every worker of a slice), told apart only by JAXSERVE_PROCESS_ID: process 0
+    `serve` on every worker of a slice, and a LeaderWorkerSet every pod of a group), told apart
+    only by LWS_WORKER_INDEX: process 0
     prints the completion of a 4-chip mesh, process 1 replays its steps and exits 0, and the
     text equals one process on one device."""
     args = [
@@ -118,11 +122,14 @@ def test_the_cli_joins_processes_from_the_environment(tmp_path):
             stderr=subprocess.PIPE,
             text=True,
             cwd=REPO,
+            # A LeaderWorkerSet group of two pods (deploy/k8s, docs/scaling.md): LWS's own
+            # variables, the coordinator on the leader at JAXSERVE_COORDINATOR_PORT.
             env=dict(
                 env,
-                JAXSERVE_COORDINATOR=f"127.0.0.1:{port}",
-                JAXSERVE_NUM_PROCESSES="2",
-                JAXSERVE_PROCESS_ID=str(i),
+                LWS_LEADER_ADDRESS="127.0.0.1",
+                LWS_GROUP_SIZE="2",
+                LWS_WORKER_INDEX=str(i),
+                JAXSERVE_COORDINATOR_PORT=str(port),
                 JAXSERVE_LOCAL_DEVICE_COUNT="2",
             ),
         )
@@ -141,3 +148,53 @@ def test_the_cli_joins_processes_from_the_environment(tmp_path):
     assert completion == single.stdout
     assert GLOO_NOISE.fullmatch(noise), outs[0][0][:500]
     assert GLOO_NOISE.fullmatch(outs[1][0]), outs[1][0][:500]
+
+
+@pytest.mark.parametrize(
+    "env, want",
+    [
+        ({}, (None, None, None)),
+        (
+            {"JAXSERVE_COORDINATOR": "10.0.0.2:9000", "JAXSERVE_NUM_PROCESSES": "4", "JAXSERVE_PROCESS_ID": "3"},
+            ("10.0.0.2:9000", 4, 3),
+        ),
+        ({"JAXSERVE_COORDINATOR": "auto"}, ("auto", None, None)),
+        ({"LWS_LEADER_ADDRESS": "g-0.g", "LWS_GROUP_SIZE": "4", "LWS_WORKER_INDEX": "2"}, ("g-0.g:8476", 4, 2)),
+        (
+            {
+                "LWS_LEADER_ADDRESS": "g-0.g",
+                "LWS_GROUP_SIZE": "2",
+                "LWS_WORKER_INDEX": "0",
+                "JAXSERVE_COORDINATOR_PORT": "7000",
+            },
+            ("g-0.g:7000", 2, 0),
+        ),
+        ({"LWS_LEADER_ADDRESS": "g-0.g", "LWS_GROUP_SIZE": "1", "LWS_WORKER_INDEX": "0"}, (None, None, None)),
+        # JAXSERVE_COORDINATOR wins over LWS (e.g. "auto" on a TPU slice: jax's own detection)
+        (
+            {
+                "JAXSERVE_COORDINATOR": "auto",
+                "LWS_LEADER_ADDRESS": "g-0.g",
+                "LWS_GROUP_SIZE": "4",
+                "LWS_WORKER_INDEX": "1",
+            },
+            ("auto", None, None),
+        ),
+    ],
+)
+def test_the_coordinator_comes_from_jaxserve_or_leaderworkerset_variables(env, want):
+    assert multihost.coordinator_from_env(env) == want
+
+
+@pytest.mark.parametrize(
+    "env, message",
+    [
+        ({"LWS_LEADER_ADDRESS": "g-0.g", "LWS_GROUP_SIZE": "two", "LWS_WORKER_INDEX": "0"}, "LWS_GROUP_SIZE"),
+        ({"LWS_LEADER_ADDRESS": "g-0.g", "LWS_GROUP_SIZE": "2", "LWS_WORKER_INDEX": "2"}, "LWS_WORKER_INDEX"),
+        ({"LWS_LEADER_ADDRESS": "g-0.g"}, "LWS_GROUP_SIZE"),
+        ({"JAXSERVE_COORDINATOR": "h:1", "JAXSERVE_NUM_PROCESSES": "0"}, "JAXSERVE_NUM_PROCESSES"),
+    ],
+)
+def test_a_malformed_variable_is_named(env, message):
+    with pytest.raises(ValueError, match=message):
+        multihost.coordinator_from_env(env)

@@ -46,6 +46,7 @@ from jaxserve.engine.chat import Conversation
 from jaxserve.engine.client import EngineClient, EngineDead, QueueFull, RequestStream, TokenLogprob, split_logprobs
 from jaxserve.engine.request import RequestOutput, SamplingParams
 from jaxserve.engine.tool_calls import ToolCalling, ToolRequest, finish_reason
+from jaxserve.serving import routing
 from jaxserve.serving.lifecycle import RequestLife, default_max_tokens
 from jaxserve.serving.metrics import Metrics
 
@@ -245,6 +246,7 @@ class HttpFrontend:
         self.tls = tls
         info = engine.model_info()
         self.model_name, self.max_model_len = info.model_name, info.context_length
+        self.page_size = info.page_size
         self.created = int(time.time())
         self.draining = False
         self._token_texts: dict[int, str] = {}
@@ -364,6 +366,9 @@ class HttpFrontend:
         async def metrics():
             return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+        app.include_router(
+            routing.build_router(self, [self._authorize], CompletionRequest, ChatCompletionRequest, APIError)
+        )  # /live, /get_load, render
         return app
 
     async def _authorize(self, request: Request) -> None:

@@ -48,8 +48,10 @@ class Metrics:
         )
         self.preemptions = Gauge("jaxserve_preemptions", "Requests preempted so far", registry=r)
         self.vllm = VllmMetrics(r, model_name, page_size, num_pages)
+        self.engine_stats: dict = {}  # the last step's EngineCore.stats (routers' /get_load reads it)
 
     def update_engine(self, stats: dict) -> None:
+        self.engine_stats = stats
         self.running.set(stats["running"])
         self.waiting.set(stats["waiting"])
         self.kv_pages_used.set(stats["kv_pages_used"])

@@ -89,7 +89,10 @@ def _workload_flags(p: argparse.ArgumentParser, *, kind: str, n: int, plen: str,
     g.add_argument("--num-requests", type=_positive, default=n, help=f"requests per round (default {n})")
     g.add_argument("--prompt-len", type=_range, metavar="N|LO-HI", help=f"default {plen} (long-short: 48-256)")
     g.add_argument("--output-len", type=_range, metavar="N|LO-HI", help=f"default {olen} (long-short: 64-160)")
-    g.add_argument("--prefix-len", type=int, default=1024, help="shared-prefix: shared tokens (default 1024)")
+    g.add_argument(
+        "--prefix-len", type=int, default=1024, help="shared-prefix, prefix-groups: shared tokens (default 1024)"
+    )
+    g.add_argument("--num-groups", type=_positive, default=8, help="prefix-groups: distinct prefixes (default 8)")
     g.add_argument("--long-fraction", type=float, default=0.25, help="long-short: share of long prompts (0.25)")
     g.add_argument("--long-len", type=_range, default=(1200, 1800), metavar="LO-HI", help="long-short: 1200-1800")
     g.add_argument("--seed", type=int, default=0)
@@ -108,6 +111,7 @@ def _workload_spec(args, vocab: int, **over) -> WorkloadSpec:
         prompt_len=args.prompt_len or plen,
         output_len=args.output_len or olen,
         prefix_len=args.prefix_len,
+        num_groups=args.num_groups,
         long_fraction=args.long_fraction,
         long_len=args.long_len,
         path=args.workload_file,
@@ -194,6 +198,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-format", choices=("ids", "text"), default="ids", help="token-id lists or text of words")
     p.add_argument("--vocab-size", type=int, default=256, help="random token ids are drawn below this (default 256)")
     p.add_argument("--no-warmup", action="store_true", help="skip the one unmeasured request per server")
+    p.add_argument(
+        "--replica-metrics",
+        action="append",
+        default=[],
+        metavar="URL,URL,...",
+        help="the replicas behind a --base-url (a router), comma-separated, once per --base-url in the same order: "
+        "their /metrics give each round's prefix-cache hit rate and requests per replica",
+    )
     _workload_flags(p, kind="random", n=64, plen="16-512", olen="16-256", rounds=1)
     _out_flag(p)
     p.set_defaults(run=cmd_serve)
@@ -358,15 +370,49 @@ def cmd_serve(args, argv) -> dict:
     if not args.no_warmup:
         for ep in endpoints:
             serve.warm_up(ep, "hello world" if spec.text else [3, 4, 5, 6])
+    if args.replica_metrics and len(args.replica_metrics) != len(endpoints):
+        raise ValueError(
+            f"replica_metrics: give it once per --base-url ({len(endpoints)}), got {len(args.replica_metrics)}"
+        )
+    replicas = [[u for u in group.split(",") if u] for group in args.replica_metrics]
     configs = [ab.Config(ep.base_url, {"base_url": ep.base_url, "model": ep.model}) for ep in endpoints]
+    for cfg, urls in zip(configs, replicas):
+        cfg.spec["replicas"] = urls
     cache: dict[int, list] = {}
-    results = ab.run_ab(
-        configs,
-        lambda c, k: serve.run_serving(endpoints[c], cache.setdefault(k, wl.round(k)), args.rate, args.seed + k),
-        args.rounds,
-    )
+
+    def run_round(c: int, k: int):
+        before = [serve.scrape_counters(u) for u in replicas[c]] if replicas else []
+        stats = serve.run_serving(endpoints[c], cache.setdefault(k, wl.round(k)), args.rate, args.seed + k)
+        if replicas:
+            stats.extra["replicas"] = serve.replica_deltas(before, [serve.scrape_counters(u) for u in replicas[c]])
+            r = stats.extra["replicas"]
+            print(f"[{configs[c].label}] round {k}: prefix-cache hit rate {r['hit_rate']:.3f}, "
+                  f"requests per replica {r['requests_per_replica']}", flush=True)  # fmt: skip
+        return stats
+
+    results = ab.run_ab(configs, run_round, args.rounds)
     ab.print_medians(results)
+    if replicas:
+        _replica_medians(results)
     return result.document("serve", argv, workload={**wl.describe(), "rate": args.rate}, configs=results)
+
+
+def _replica_medians(results: list[dict]) -> None:
+    """Each configuration's median prefix-cache hit rate over its rounds (and the ratio to the first)."""
+    import statistics
+
+    for r in results:
+        r["median"]["prefix_cache_hit_rate"] = statistics.median(
+            x["extra"]["replicas"]["hit_rate"] for x in r["rounds"]
+        )
+    first = results[0]["median"]["prefix_cache_hit_rate"]
+    for r in results:
+        rate = r["median"]["prefix_cache_hit_rate"]
+        line = f"{r['label']}: median prefix-cache hit rate {rate:.3f}"
+        if r is not results[0]:
+            r["ratio_vs_first"]["prefix_cache_hit_rate"] = rate / first if first else float("nan")
+            line += f" | vs {results[0]['label']}: {r['ratio_vs_first']['prefix_cache_hit_rate']:.3f}x"
+        print(line, flush=True)
 
 
 def cmd_prefix(args, argv) -> dict:

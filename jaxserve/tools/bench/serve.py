@@ -152,6 +152,41 @@ def run_serving(ep: Endpoint, requests: list[Request], rate: float, seed: int) -
     return RoundStats(wall, records, {"rate": rate if math.isfinite(rate) else "inf", "base_url": ep.base_url})
 
 
+# The replicas' own counters (vLLM's names; jaxserve exports them too): what routing changed.
+REPLICA_COUNTERS = {
+    "hits": "vllm:prefix_cache_hits_total",
+    "queries": "vllm:prefix_cache_queries_total",
+    "requests": "vllm:request_success_total",
+}
+
+
+def scrape_counters(metrics_url: str, timeout: float = 10.0) -> dict[str, float]:
+    """REPLICA_COUNTERS read from one replica's Prometheus text (GET .../metrics), summed over labels."""
+    url = normalize_base_url(metrics_url) + "/metrics"
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            text = r.read().decode()
+    except (urllib.error.URLError, OSError) as e:
+        raise ValueError(f"replica_metrics: GET {url} failed: {e}") from None
+    out = dict.fromkeys(REPLICA_COUNTERS, 0.0)
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        name = name.split("{", 1)[0]
+        for key, metric in REPLICA_COUNTERS.items():
+            if name == metric:
+                out[key] += float(value.split()[0])
+    return out
+
+
+def replica_deltas(before: list[dict], after: list[dict]) -> dict:
+    """What one round did on each replica, and the prefix-cache hit rate over all of them:
+    sum of hit tokens / sum of queried tokens, from the replicas' own counters."""
+    per = [{k: a[k] - b[k] for k in REPLICA_COUNTERS} for b, a in zip(before, after)]
+    hits, queries = sum(p["hits"] for p in per), sum(p["queries"] for p in per)
+    return {"hit_rate": hits / queries if queries else 0.0, "hit_tokens": hits, "queried_tokens": queries,
+            "requests_per_replica": [int(p["requests"]) for p in per]}  # fmt: skip
+
+
 def warm_up(ep: Endpoint, prompt: list[int] | str) -> None:
     """One short unmeasured request: the first request of a fresh server pays one-time costs."""
     rec = stream_completion(ep, Request(prompt, 4), RequestTimer())

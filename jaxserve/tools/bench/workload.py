@@ -6,6 +6,11 @@ same thing the same way:
 - ``random``: prompt and output lengths uniform in their ranges (inclusive);
 - ``shared-prefix``: one shared prefix of ``prefix_len`` tokens, then a random suffix;
 - ``long-short``: a ``long_fraction`` of the prompts long (``long_len``), the rest short;
+- ``prefix-groups``: ``num_groups`` groups (shared system prompts, or the conversations of a
+  multi-turn chat), each with its own prefix of ``prefix_len`` tokens; every request belongs to
+  one group (drawn once from ``seed``, the groups interleaved in arrival order) and adds a
+  random suffix. The workload that tells cache-aware routing from round-robin: a replica that
+  sees a group again serves its prefix from its cache (docs/scaling.md);
 - ``json``: the requests of a file such as ../shared/workloads/mixed-64.json (below).
 
 Lengths are drawn once from ``seed``, so every round (and every configuration of an A/B run)
@@ -32,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-KINDS = ("random", "shared-prefix", "long-short", "json")
+KINDS = ("random", "shared-prefix", "prefix-groups", "long-short", "json")
 
 # Text prompts (`serve --prompt-format text`): common words, about one token each in any
 # English BPE vocabulary, so a prompt of N words is about N tokens.
@@ -68,7 +73,8 @@ class WorkloadSpec:
     num_requests: int = 64
     prompt_len: tuple[int, int] = (16, 512)
     output_len: tuple[int, int] = (16, 256)
-    prefix_len: int = 1024  # shared-prefix: the shared part; prompt_len is then the unique suffix
+    prefix_len: int = 1024  # shared-prefix, prefix-groups: the shared part; prompt_len is the unique suffix
+    num_groups: int = 8  # prefix-groups: how many distinct prefixes
     long_fraction: float = 0.25  # long-short
     long_len: tuple[int, int] = (1200, 1800)
     path: str | None = None  # json
@@ -93,6 +99,8 @@ class WorkloadSpec:
             raise ValueError(f"long_fraction: must be in [0, 1], got {self.long_fraction}")
         if self.prefix_len < 0:
             raise ValueError(f"prefix_len: must be >= 0, got {self.prefix_len}")
+        if self.num_groups < 1:
+            raise ValueError(f"num_groups: must be >= 1, got {self.num_groups}")
         if not self.temperature >= 0.0:
             raise ValueError(f"temperature: must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
@@ -105,11 +113,19 @@ class WorkloadSpec:
 class Workload:
     """The requests of each round: `workload.round(k)`. Build with `Workload.load(spec)`."""
 
-    def __init__(self, spec: WorkloadSpec, lengths: list[tuple[int, int]], prompts0: list | None = None, info=None):
+    def __init__(
+        self,
+        spec: WorkloadSpec,
+        lengths: list[tuple[int, int]],
+        prompts0: list | None = None,
+        info=None,
+        groups: list[int] | None = None,
+    ):
         self.spec = spec
         self.lengths = lengths  # (prompt_len, output_len) per request; prompt_len excludes a shared prefix
         self._prompts0 = prompts0  # a JSON file's own prompts, sent in round 0
         self.info = info or {}  # a JSON file's other fields (description, model, ...)
+        self.groups = groups  # prefix-groups: each request's group
 
     @classmethod
     def load(cls, spec: WorkloadSpec) -> Workload:
@@ -125,7 +141,10 @@ class Workload:
             is_long = np.zeros(n, bool)
             is_long[rng.choice(n, n_long, replace=False)] = True  # spread through the arrival order
             plen = np.where(is_long, rng.integers(spec.long_len[0], spec.long_len[1], n, endpoint=True), plen)
-        return cls(spec, [(int(p), int(o)) for p, o in zip(plen, olen)])
+        groups = None
+        if spec.kind == "prefix-groups":  # every group about equally often, interleaved at random
+            groups = [int(g) for g in rng.permutation(np.arange(n) % spec.num_groups)]
+        return cls(spec, [(int(p), int(o)) for p, o in zip(plen, olen)], groups=groups)
 
     @classmethod
     def _from_file(cls, spec: WorkloadSpec) -> Workload:
@@ -169,12 +188,13 @@ class Workload:
             return [Request(p, o, **how) for p, (_, o) in zip(self._prompts0, self.lengths)]
         rng = np.random.default_rng([spec.seed, k + 1])
         prefix = self._draw(rng, spec.prefix_len if spec.kind == "shared-prefix" else 0)
+        group_prefixes = [self._draw(rng, spec.prefix_len) for _ in range(spec.num_groups)] if self.groups else []
         out = []
         for i, (p, o) in enumerate(self.lengths):
             if self._prompts0 is not None and isinstance(self._prompts0[i], str):
                 out.append(Request(f"{k} {self._prompts0[i]}", o, **how))
             else:
-                ids = prefix + self._draw(rng, p)
+                ids = (group_prefixes[self.groups[i]] if self.groups else prefix) + self._draw(rng, p)
                 out.append(Request(" ".join(ids) if spec.text else ids, o, **how))
         return out
 
@@ -188,14 +208,16 @@ class Workload:
     def describe(self) -> dict:
         """The workload as the result JSON records it."""
         d = {k: v for k, v in dataclasses.asdict(self.spec).items() if v is not None}
-        if self.spec.kind != "shared-prefix":
+        if self.spec.kind not in ("shared-prefix", "prefix-groups"):
             d.pop("prefix_len")
+        if self.spec.kind != "prefix-groups":
+            d.pop("num_groups")
         if self.spec.kind != "long-short":
             d.pop("long_fraction"), d.pop("long_len")
         if self.spec.kind == "json":  # the file's lengths, not the flags'
             d.pop("prompt_len"), d.pop("output_len")
         d["total_prompt_tokens"] = sum(p for p, _ in self.lengths) + (
-            self.spec.prefix_len * len(self.lengths) if self.spec.kind == "shared-prefix" else 0
+            self.spec.prefix_len * len(self.lengths) if self.spec.kind in ("shared-prefix", "prefix-groups") else 0
         )
         d["total_output_tokens"] = sum(o for _, o in self.lengths)
         if self.info.get("description"):
