@@ -226,54 +226,88 @@ def test_every_set_validates(case):
         assert problems(doc) == [], f"{doc['kind']} {doc['metadata']['name']}"
 
 
-def test_core_kinds_strict_rejects_a_misspelled_field():
-    deployment = find(render(CASES["deployment-cpu"]), "Deployment")
-    assert problems(deployment) == []
-    container = deployment["spec"]["template"]["spec"]["containers"][0]
-    container["readinessProb"] = container.pop("readinessProbe")
-    (message,) = problems(deployment)
-    assert "readinessProb" in message
+def edited(doc: dict, path: tuple, key: str, rename_to: str | None, value) -> dict:
+    """A copy of doc with the field `key` under `path` renamed to rename_to, or else set to value."""
+    out = copy.deepcopy(doc)
+    parent = functools.reduce(lambda d, k: d[k], path, out)
+    if rename_to is not None:
+        parent[rename_to] = parent.pop(key)
+    else:
+        parent[key] = value
+    return out
 
 
-def test_core_kinds_reject_a_wrong_type():
-    service = find(render(CASES["deployment-cpu"]), "Service")
-    service["spec"]["ports"][0]["port"] = "eight thousand"
-    assert problems(service)
+_LEADER = ("spec", "leaderWorkerTemplate", "leaderTemplate", "spec", "containers", 0)
+# (set, kind, where, field, renamed to, or else set to, what the error names): both checkers, both
+# ways (an unknown field, a wrong type or value), down to a container inside a custom resource.
+BROKEN = {
+    "deployment-readinessProb": (
+        "deployment-cpu",
+        "Deployment",
+        ("spec", "template", "spec", "containers", 0),
+        "readinessProbe",
+        "readinessProb",
+        None,
+        "readinessProb",
+    ),
+    "service-port-type": ("deployment-cpu", "Service", ("spec", "ports", 0), "port", None, "eight thousand", "port"),
+    "pool-matchLabel": (
+        "inferencepool",
+        "InferencePool",
+        ("spec", "selector"),
+        "matchLabels",
+        "matchLabel",
+        None,
+        "matchLabel",
+    ),
+    "pool-port-type": (
+        "inferencepool",
+        "InferencePool",
+        ("spec", "targetPorts", 0),
+        "number",
+        None,
+        "8000",
+        "targetPorts.0.number",
+    ),
+    "pool-failure-mode": (
+        "inferencepool",
+        "InferencePool",
+        ("spec", "endpointPickerRef"),
+        "failureMode",
+        None,
+        "FailSometimes",
+        "failureMode",
+    ),
+    "lws-sise": ("lws-gpu", "LeaderWorkerSet", ("spec", "leaderWorkerTemplate"), "size", "sise", None, "sise"),
+    "lws-size-type": ("lws-gpu", "LeaderWorkerSet", ("spec", "leaderWorkerTemplate"), "size", None, "two", "size"),
+    "lws-leader-readinessProb": (
+        "lws-gpu",
+        "LeaderWorkerSet",
+        _LEADER,
+        "readinessProbe",
+        "readinessProb",
+        None,
+        "readinessProb",
+    ),
+    "route-backend-nmae": (
+        "inferencepool",
+        "HTTPRoute",
+        ("spec", "rules", 0, "backendRefs", 0),
+        "name",
+        "nmae",
+        None,
+        "nmae",
+    ),
+}
 
 
-def test_inferencepool_rejects_a_wrong_field_and_a_wrong_type():
-    pool = find(render(CASES["inferencepool"]), "InferencePool")
-    assert problems(pool) == []
-    typo = copy.deepcopy(pool)
-    typo["spec"]["selector"]["matchLabel"] = typo["spec"]["selector"].pop("matchLabels")
-    assert any("matchLabel" in p for p in problems(typo))
-    wrong_type = copy.deepcopy(pool)
-    wrong_type["spec"]["targetPorts"][0]["number"] = "8000"
-    assert any("targetPorts.0.number" in p for p in problems(wrong_type))
-    out_of_range = copy.deepcopy(pool)
-    out_of_range["spec"]["endpointPickerRef"]["failureMode"] = "FailSometimes"
-    assert problems(out_of_range)
-
-
-def test_leaderworkerset_rejects_wrong_fields_even_inside_the_pod_template():
-    lws = find(render(CASES["lws-gpu"]), "LeaderWorkerSet")
-    assert problems(lws) == []
-    typo = copy.deepcopy(lws)
-    typo["spec"]["leaderWorkerTemplate"]["sise"] = typo["spec"]["leaderWorkerTemplate"].pop("size")
-    assert any("sise" in p for p in problems(typo))
-    deep = copy.deepcopy(lws)
-    leader = deep["spec"]["leaderWorkerTemplate"]["leaderTemplate"]["spec"]["containers"][0]
-    leader["readinessProb"] = leader.pop("readinessProbe")
-    assert any("readinessProb" in p for p in problems(deep))
-    wrong_type = copy.deepcopy(lws)
-    wrong_type["spec"]["leaderWorkerTemplate"]["size"] = "two"
-    assert problems(wrong_type)
-
-
-def test_httproute_rejects_a_backend_ref_typo():
-    route = find(render(CASES["inferencepool"]), "HTTPRoute")
-    route["spec"]["rules"][0]["backendRefs"][0]["nmae"] = "llama"
-    assert any("nmae" in p for p in problems(route))
+@pytest.mark.parametrize("broken", BROKEN)
+def test_a_wrong_field_or_type_fails(broken):
+    case, kind, path, key, rename_to, value, named = BROKEN[broken]
+    doc = find(render(CASES[case]), kind)
+    assert problems(doc) == []
+    found = problems(edited(doc, path, key, rename_to, value))
+    assert any(named in p for p in found), found
 
 
 # -- the checked-in examples --------------------------------------------------------------------------
