@@ -454,6 +454,8 @@ def test_probe_paths_are_routes_of_the_http_server():
         (["--kind", "deployment", "--grpc-port", "8000"], "--grpc-port"),
         (["--kind", "router", "--cache-threshold", "2"], "--cache-threshold"),
         (["--kind", "inferencepool", "--epp-image", "two words"], "--epp-image"),
+        (["--kind", "inferencepool", "--gateway", "My Gateway"], "--gateway"),
+        (["--kind", "deployment", "--model-pvc", "Models"], "--model-pvc"),
     ],
 )
 def test_bad_input_exits_2_naming_the_flag(argv, named, capsys):

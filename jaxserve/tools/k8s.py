@@ -62,6 +62,7 @@ ROUTER_POLICIES = ("cache_aware", "round_robin", "power_of_two", "consistent_has
 DEFAULT_REQUESTS = {"cpu": ("2", "4Gi"), "nvidia": ("8", "64Gi"), "tpu": ("8", "64Gi")}
 
 _DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 _QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$")
 _TOPOLOGY = re.compile(r"^[1-9][0-9]*(x[1-9][0-9]*){1,2}$")
 _LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
@@ -190,6 +191,8 @@ def _check_common(a: argparse.Namespace) -> None:
         f"{COORDINATOR_PORT} is jax.distributed's coordinator port",
     )
     _check(a.replicas >= 1, "--replicas", f"must be >= 1, got {a.replicas}")
+    for flag, name in (("--gateway", a.gateway), ("--gateway-class", a.gateway_class or "x")):
+        _check(bool(_DNS_SUBDOMAIN.match(name)) and len(name) <= 253, flag, f"not an object name: {name!r}")
     for flag, image in (("--image", a.image), ("--epp-image", a.epp_image), ("--router-image", a.router_image)):
         _check(bool(image) and not any(c.isspace() for c in image), flag, f"not an image reference: {image!r}")
 
@@ -203,7 +206,9 @@ def _check_pods(a: argparse.Namespace) -> None:
     for flag, value in (("--cpu", a.cpu), ("--memory", a.memory)):
         _check(value is None or bool(_QUANTITY.match(value)), flag, f"not a Kubernetes quantity: {value!r}")
     _check(
-        a.model_pvc is None or bool(_DNS_LABEL.match(a.model_pvc)), "--model-pvc", f"not a claim name: {a.model_pvc!r}"
+        a.model_pvc is None or bool(_DNS_SUBDOMAIN.match(a.model_pvc)),
+        "--model-pvc",
+        f"not a claim name: {a.model_pvc!r}",
     )
     if a.accelerator == "tpu":
         _check(
