@@ -1,4 +1,4 @@
-"""The `jaxserve` command: serve, generate, client, kv-math, bench, convert.
+"""The `jaxserve` command: serve, generate, client, kv-math, bench, convert, k8s.
 
 Every command takes gin configuration (see docs/deploy.md):
 
@@ -458,6 +458,13 @@ def cmd_bench(argv) -> int:
     return main(argv)
 
 
+def cmd_k8s(argv) -> int:
+    """Kubernetes manifests (jaxserve/tools/k8s.py): its own subcommand and flags."""
+    from jaxserve.tools.k8s import main
+
+    return main(argv)
+
+
 def build_parser() -> argparse.ArgumentParser:
     gin_parent = _gin_parent()
     ap = argparse.ArgumentParser(prog="jaxserve", description="A JAX/XLA inference server for LLMs.", epilog=GIN_HELP)
@@ -536,6 +543,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="benchmarks: jaxserve bench {throughput,latency,serve,prefix,speculative,kernels} [args]",
         add_help=False,
     )
+    sub.add_parser(
+        "k8s",
+        help="Kubernetes manifests: jaxserve k8s render --kind {deployment,lws,inferencepool,router}",
+        add_help=False,
+    )
     p = sub.add_parser(
         "convert",
         help="convert a Hugging Face checkpoint into the converted-weight cache",
@@ -556,6 +568,8 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_kv_math(argv[1:])
     if argv and argv[0] == "bench":
         return cmd_bench(argv[1:])
+    if argv and argv[0] == "k8s":
+        return cmd_k8s(argv[1:])
     ap = build_parser()
     args, extra = ap.parse_known_args(argv)
     if extra:  # name the command in the message: "jaxserve serve: error: unrecognized arguments"
