@@ -21,6 +21,7 @@ import yaml
 
 from jaxserve import cli
 from jaxserve.serve_config import CONFIG_DIR, load_config
+from jaxserve.serving import routing
 from jaxserve.tools import k8s
 
 K8S_VERSION = "1.33"
@@ -434,9 +435,10 @@ def test_probe_paths_are_routes_of_the_http_server():
     frontend = HttpFrontend(SimpleNamespace(model_info=lambda: info), Metrics("m", 16, 8))
     routes = {getattr(r, "path", None) for r in frontend.app.routes}
     assert {k8s.PROBE_PATHS["startup"], k8s.PROBE_PATHS["readiness"], k8s.METRICS_PATH} <= routes
-    if k8s.PROBE_PATHS["liveness"] not in routes:
-        pytest.xfail("GET /live arrives with the server change of issue #63 (jaxserve/serving)")
     assert k8s.PROBE_PATHS["liveness"] in routes
+    assert (
+        k8s.PROBE_PATHS["liveness"] == routing.LIVENESS_PATH and k8s.PROBE_PATHS["readiness"] == routing.READINESS_PATH
+    )
 
 
 # -- the command line ---------------------------------------------------------------------------------

@@ -366,9 +366,8 @@ class HttpFrontend:
         async def metrics():
             return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-        app.include_router(
-            routing.build_router(self, [self._authorize], CompletionRequest, ChatCompletionRequest, APIError)
-        )  # /live, /get_load, render
+        # the routers' endpoints: /live, /get_load, /v1/completions/render, /v1/chat/completions/render
+        routing.add_routes(app, self, [self._authorize], CompletionRequest, ChatCompletionRequest, APIError)
         return app
 
     async def _authorize(self, request: Request) -> None:

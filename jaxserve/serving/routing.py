@@ -21,7 +21,7 @@ import asyncio
 import uuid
 from typing import TYPE_CHECKING, Any
 
-from fastapi import APIRouter, Depends
+from fastapi import Depends, FastAPI
 
 if TYPE_CHECKING:
     from jaxserve.serving.http_server import HttpFrontend
@@ -73,15 +73,14 @@ def rendered_params(params) -> dict[str, Any]:
     return d
 
 
-def build_router(
-    frontend: "HttpFrontend", auth: list, completion_request: type, chat_request: type, api_error: type
-) -> APIRouter:
-    """The routes above, over one HttpFrontend (its engine, metrics and request mapping).
+def add_routes(
+    r: FastAPI, frontend: "HttpFrontend", auth: list, completion_request: type, chat_request: type, api_error: type
+) -> None:
+    """The routes above on the app, over one HttpFrontend (its engine, metrics and request mapping).
 
     completion_request, chat_request, api_error: the frontend's request models and error type (passed in,
     not imported: http_server imports this module). No `from __future__ import annotations`
     here, so that FastAPI sees the request model itself in render's signature."""
-    r = APIRouter()
 
     @r.get(LIVENESS_PATH)
     async def live():
@@ -103,8 +102,6 @@ def build_router(
         frontend._check_model(body.model)  # noqa: SLF001
         call = frontend._chat_call(body)  # noqa: SLF001 - the chat template, tools and all
         return await _rendered(frontend, call, call.prompt, "chatcmpl")
-
-    return r
 
 
 async def _render(frontend: "HttpFrontend", body) -> list[dict]:
