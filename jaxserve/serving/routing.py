@@ -18,7 +18,9 @@ what they ask a replica (docs/scaling.md):
 """
 
 import asyncio
+import dataclasses
 import uuid
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Depends, FastAPI
@@ -29,25 +31,6 @@ if TYPE_CHECKING:
 # The probe paths the Kubernetes manifests use (jaxserve/tools/k8s.py reads them from here).
 LIVENESS_PATH = "/live"
 READINESS_PATH = "/health"
-
-# SamplingParams fields that render reports (JSON scalars and lists; grammars stay out).
-_RENDERED = (
-    "max_tokens",
-    "temperature",
-    "top_k",
-    "top_p",
-    "seed",
-    "stop",
-    "stop_token_ids",
-    "ignore_eos",
-    "logprobs",
-    "n",
-    "min_p",
-    "min_tokens",
-    "repetition_penalty",
-    "presence_penalty",
-    "frequency_penalty",
-)
 
 
 def load_report(in_flight: int, stats: dict, page_size: int) -> list[dict]:
@@ -67,14 +50,19 @@ def load_report(in_flight: int, stats: dict, page_size: int) -> list[dict]:
 
 
 def rendered_params(params) -> dict[str, Any]:
-    """The JSON-able part of a request's SamplingParams, as render reports it."""
-    d = {k: getattr(params, k) for k in _RENDERED}
-    d["stop"], d["stop_token_ids"] = list(d["stop"]), list(d["stop_token_ids"])
-    return d
+    """A request's SamplingParams as JSON: tuples as lists, logit_bias with string keys (the
+    constraints stay as the request gave them: text, or a JSON Schema as canonical JSON text)."""
+    out = {}
+    for f in dataclasses.fields(params):
+        v = getattr(params, f.name)
+        out[f.name] = (
+            list(v) if isinstance(v, tuple) else {str(k): b for k, b in v.items()} if isinstance(v, Mapping) else v
+        )
+    return out
 
 
 def add_routes(
-    r: FastAPI, frontend: "HttpFrontend", auth: list, completion_request: type, chat_request: type, api_error: type
+    app: FastAPI, frontend: "HttpFrontend", auth: list, completion_request: type, chat_request: type, api_error: type
 ) -> None:
     """The routes above on the app, over one HttpFrontend (its engine, metrics and request mapping).
 
@@ -82,22 +70,22 @@ def add_routes(
     not imported: http_server imports this module). No `from __future__ import annotations`
     here, so that FastAPI sees the request model itself in render's signature."""
 
-    @r.get(LIVENESS_PATH)
+    @app.get(LIVENESS_PATH)
     async def live():
         if frontend.engine.error is not None:
             raise api_error(503, f"the engine failed: {frontend.engine.error!r}", type_="service_unavailable")
         return {"status": "ok", "draining": frontend.draining}
 
-    @r.get("/get_load", dependencies=[Depends(a) for a in auth])
+    @app.get("/get_load", dependencies=[Depends(a) for a in auth])
     async def get_load():
         return load_report(len(frontend.engine.in_flight), frontend.metrics.engine_stats, frontend.page_size)
 
-    @r.post("/v1/completions/render", dependencies=[Depends(a) for a in auth])
+    @app.post("/v1/completions/render", dependencies=[Depends(a) for a in auth])
     async def render(body: completion_request):
         frontend._check_model(body.model)  # noqa: SLF001 - the frontend's own check, shared
         return await _render(frontend, body)
 
-    @r.post("/v1/chat/completions/render", dependencies=[Depends(a) for a in auth])
+    @app.post("/v1/chat/completions/render", dependencies=[Depends(a) for a in auth])
     async def render_chat(body: chat_request):
         frontend._check_model(body.model)  # noqa: SLF001
         call = frontend._chat_call(body)  # noqa: SLF001 - the chat template, tools and all
