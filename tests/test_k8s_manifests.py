@@ -436,6 +436,9 @@ def test_probe_paths_are_routes_of_the_http_server():
     routes = {getattr(r, "path", None) for r in frontend.app.routes}
     assert {k8s.PROBE_PATHS["startup"], k8s.PROBE_PATHS["readiness"], k8s.METRICS_PATH} <= routes
     assert k8s.PROBE_PATHS["liveness"] in routes
+    from jaxserve.parallel.multihost import DEFAULT_COORDINATOR_PORT
+
+    assert k8s.COORDINATOR_PORT == DEFAULT_COORDINATOR_PORT
     assert (
         k8s.PROBE_PATHS["liveness"] == routing.LIVENESS_PATH and k8s.PROBE_PATHS["readiness"] == routing.READINESS_PATH
     )

@@ -32,20 +32,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from jaxserve.serving.routing import LIVENESS_PATH, READINESS_PATH
+
 TEMPLATE_DIR = Path(__file__).resolve().parent / "k8s_templates"
 KINDS = ("deployment", "lws", "inferencepool", "router")
 ACCELERATORS = ("cpu", "nvidia", "tpu")
 
-# The probes' paths on the serving port (jaxserve/serving/http_server.py): /health answers 200 while
+# The probes' paths on the serving port (jaxserve/serving/routing.py): /health answers 200 while
 # serving, 503 while draining or after an engine failure; /live 200 while the engine loop runs
 # (draining too), 503 after an engine failure. The HTTP port binds only after loading and warm-up.
-PROBE_PATHS = {"startup": "/health", "readiness": "/health", "liveness": "/live"}
+PROBE_PATHS = {"startup": READINESS_PATH, "readiness": READINESS_PATH, "liveness": LIVENESS_PATH}
 METRICS_PATH = "/metrics"  # vllm:num_requests_waiting etc. on the serving port (serving/metrics.py)
 
 # What Server.drain does after the grace period: it aborts what is left and waits up to 10 s for
 # the streams to end, then stops gRPC (2 s) and uvicorn (5 s graceful shutdown). 20 s covers that.
 DRAIN_MARGIN_S = 20
-COORDINATOR_PORT = 8476  # jax.distributed's coordinator on the LWS leader
+COORDINATOR_PORT = 8476  # jax.distributed's coordinator on the LWS leader (multihost.DEFAULT_COORDINATOR_PORT)
 CONFIG_MOUNT = "/etc/jaxserve"
 CACHE_DIR = "/var/cache/jaxserve"  # JAXSERVE_CACHE_DIR; the compilation cache is CACHE_DIR/xla
 MODEL_MOUNT = "/models"
