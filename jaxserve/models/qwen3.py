@@ -36,20 +36,16 @@ class Qwen3ForCausalLM(llama.LlamaForCausalLM):
     attention = Qwen3Attention
 
 
-def hf_config(get: Getter) -> dict:
-    """config.json -> the fields Qwen3 sets beyond the shared ones (model_config.from_hf)."""
-    return {"qk_norm": True}
-
-
-def gguf_config(get: Getter) -> dict:
-    """A `qwen3` GGUF: the same (its head width is `qwen3.attention.key_length`, read by every family)."""
+def config(get: Getter) -> dict:
+    """config.json or GGUF metadata -> the field Qwen3 adds (its `head_dim` is read by the shared
+    parser: config.json's `head_dim`, a GGUF's `qwen3.attention.key_length`)."""
     return {"qk_norm": True}
 
 
 QWEN3 = Family(
     model=Qwen3ForCausalLM,
     tp_layout=llama.TP_LAYOUT,
-    hf_config=hf_config,
-    gguf_config=gguf_config,
+    hf_config=config,
+    gguf_config=config,
     gguf_tensors={"attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight"},
 )

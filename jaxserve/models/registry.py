@@ -69,6 +69,7 @@ FAMILIES: tuple[Entry, ...] = (
     Entry(("MistralForCausalLM",), ("mistral",), (), "jaxserve.models.llama:MISTRAL"),
     Entry(("Qwen2ForCausalLM",), ("qwen2",), (), "jaxserve.models.llama:QWEN2"),
     Entry(("Qwen3ForCausalLM",), ("qwen3",), ("qwen3",), "jaxserve.models.qwen3:QWEN3"),
+    Entry(("Qwen3MoeForCausalLM",), ("qwen3_moe",), (), "jaxserve.models.qwen3_moe:QWEN3_MOE"),
 )
 
 
