@@ -14,11 +14,12 @@ import pytest
 import torch
 from conftest import hf_greedy, make_hf_model, run_on_devices
 from gguf import GGMLQuantizationType as Q
-from gguf import GGUFWriter, quants
+from gguf import GGUFWriter
+from test_gguf import add_hf_tensors
 from test_llama import _greedy_dense
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.models import gguf, registry
+from jaxserve.models import registry
 from jaxserve.models.loader import load_model
 from jaxserve.models.model_config import ModelConfig
 from jaxserve.runner.executable_cache import compile_count
@@ -60,17 +61,18 @@ def _last_logits_error(model, hf, vocab: int) -> float:
     return err
 
 
-def test_last_position_logits_match_transformers(qwen3):
-    path, hf = qwen3
-    model, cfg = load_model(path, dtype=jnp.float32)
+def assert_matches_transformers(model, cfg: ModelConfig, hf) -> None:
+    """Last-position logits of a right-padded batch within 1e-4 of transformers', and 32
+    greedy tokens identical to its generate."""
     assert _last_logits_error(model, hf, cfg.vocab_size) < 1e-4
-
-
-def test_greedy_continuation_matches_generate(qwen3):
-    path, hf = qwen3
-    model, cfg = load_model(path, dtype=jnp.float32)
     prompt = [int(x) for x in np.random.default_rng(2).integers(2, cfg.vocab_size, 11)]
     assert _greedy_dense(model, prompt, 32) == hf_greedy(hf, prompt, 32)
+
+
+def test_logits_and_greedy_continuation_match_transformers(qwen3):
+    path, hf = qwen3
+    model, cfg = load_model(path, dtype=jnp.float32)
+    assert_matches_transformers(model, cfg, hf)
 
 
 def mixed_shared_prefix_requests(vocab: int, seed: int, n: int = 12) -> tuple[list[list[int]], list[int]]:
@@ -124,26 +126,8 @@ def write_qwen3_gguf(path, hf, qtype: Q | None) -> None:
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)
     w.add_eos_token_id(cfg.eos_token_id)
-    layer = {v: k for k, v in gguf.LAYER_NAMES.items()}
-    layer.update({"self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight"})
-    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
-    for name, t in hf.state_dict().items():
-        if name == "lm_head.weight":  # tied: the file has no output.weight
-            continue
-        a = t.detach().numpy().astype(np.float32)
-        if name.startswith("model.layers."):
-            _, _, i, rest = name.split(".", 3)
-            out = f"blk.{i}.{layer[rest]}"
-        else:
-            out = top[name]
-        if a.ndim == 2 and qtype is not None:
-            w.add_tensor(out, quants.quantize(a, qtype), raw_dtype=qtype)
-        else:
-            w.add_tensor(out, a)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    norms = {"self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight"}
+    add_hf_tensors(w, hf, qtype, norms, permute=False)
 
 
 def test_written_gguf_loads_and_matches(qwen3, tmp_path):

@@ -12,9 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from conftest import hf_greedy, make_hf_model, run_on_devices
-from test_llama import _greedy_dense
-from test_qwen3 import _last_logits_error, engine_matches_transformers
+from conftest import make_hf_model, run_on_devices
+from test_qwen3 import assert_matches_transformers, engine_matches_transformers
 
 from jaxserve.models import qwen3_moe
 from jaxserve.models.loader import load_model
@@ -80,20 +79,13 @@ def test_routing_spreads_over_the_experts(moe):
     assert (counts > 0).sum() >= 6 and counts.max() < 40
 
 
-def test_last_position_logits_match_transformers(moe):
+def test_logits_and_greedy_continuation_match_transformers(moe):
     path, hf = moe
     model, cfg = load_model(path, dtype=jnp.float32)
     assert isinstance(model.layers[0].mlp, qwen3_moe.SparseMoe) and not isinstance(
         model.layers[1].mlp, qwen3_moe.SparseMoe
     )
-    assert _last_logits_error(model, hf, cfg.vocab_size) < 1e-4
-
-
-def test_greedy_continuation_matches_generate(moe):
-    path, hf = moe
-    model, cfg = load_model(path, dtype=jnp.float32)
-    prompt = [int(x) for x in np.random.default_rng(2).integers(2, cfg.vocab_size, 11)]
-    assert _greedy_dense(model, prompt, 32) == hf_greedy(hf, prompt, 32)
+    assert_matches_transformers(model, cfg, hf)
 
 
 def test_engine_greedy_with_preemption_and_prefix_cache_matches_transformers(moe):
