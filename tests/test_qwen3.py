@@ -15,7 +15,7 @@ import torch
 from conftest import hf_greedy, make_hf_model, run_on_devices
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFWriter
-from test_gguf import add_hf_tensors
+from test_gguf import add_hf_tensors, add_shape
 from test_llama import _greedy_dense
 
 from jaxserve import LLM, SamplingParams
@@ -114,17 +114,9 @@ def write_qwen3_gguf(path, hf, qtype: Q | None) -> None:
     names, Q/K rows as transformers has them), the 2-D weights in `qtype` (None: float32)."""
     cfg = hf.config
     w = GGUFWriter(str(path), "qwen3")
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
+    add_shape(w, cfg)
     w.add_key_length(cfg.head_dim)
     w.add_value_length(cfg.head_dim)
-    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_vocab_size(cfg.vocab_size)
     w.add_eos_token_id(cfg.eos_token_id)
     norms = {"self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight"}
     add_hf_tensors(w, hf, qtype, norms, permute=False)
