@@ -221,6 +221,21 @@ def make_hf_model(kind: str, path, seed: int = 0, max_shard_size: str | None = N
     elif kind == "qwen2":
         base.update(tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
         cls, cfg_cls = tf.Qwen2ForCausalLM, tf.Qwen2Config
+    elif kind == "qwen3":  # head_dim 32, not hidden / heads (16); tied embeddings as Qwen3-0.6B
+        base.update(head_dim=32, tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+        cls, cfg_cls = tf.Qwen3ForCausalLM, tf.Qwen3Config
+    elif kind == "qwen3_moe":  # 8 experts, top-2, renormalised; layer 1 of 3 a dense MLP among the MoE ones
+        base.update(
+            head_dim=32,
+            num_hidden_layers=3,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=48,
+            norm_topk_prob=True,
+            mlp_only_layers=[1],
+            rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+        )
+        cls, cfg_cls = tf.Qwen3MoeForCausalLM, tf.Qwen3MoeConfig
     else:
         raise ValueError(kind)
     base.update(overrides)
@@ -231,6 +246,11 @@ def make_hf_model(kind: str, path, seed: int = 0, max_shard_size: str | None = N
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.3)
+    if kind in ("qwen3", "qwen3_moe"):  # the per-head q/k norms start at one; make them matter
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.q_norm.weight.normal_(1, 0.3)
+                layer.self_attn.k_norm.weight.normal_(1, 0.3)
     model.save_pretrained(str(path), **({"max_shard_size": max_shard_size} if max_shard_size else {}))
     return model
 

@@ -103,16 +103,8 @@ def write_llama_gguf(path: Path, hf, qtype: Q, tokenizer_dir: Path = ASSET) -> N
     cfg = hf.config
     w = GGUFWriter(str(path), "llama")
     w.add_name("test-llama")
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
+    add_shape(w, cfg)
     w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
-    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_vocab_size(cfg.vocab_size)
     tok = json.loads((tokenizer_dir / "tokenizer.json").read_text())
     vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
     special = {a["id"] for a in tok["added_tokens"]}
@@ -125,21 +117,45 @@ def write_llama_gguf(path: Path, hf, qtype: Q, tokenizer_dir: Path = ASSET) -> N
     w.add_eos_token_id(cfg.eos_token_id)
     w.add_add_bos_token(True)  # the source tokenizer prepends <s>
     w.add_chat_template((tokenizer_dir / "chat_template.jinja").read_text())
+    add_hf_tensors(w, hf, qtype)
+
+
+def add_shape(w: GGUFWriter, cfg) -> None:
+    """The metadata llama.cpp's converters write for every decoder, from a transformers config."""
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_vocab_size(cfg.vocab_size)
+
+
+def add_hf_tensors(w: GGUFWriter, hf, qtype: Q | None, layer_names: dict | None = None, permute: bool = True) -> None:
+    """Write a transformers model's tensors under llama.cpp's names (plus `layer_names`:
+    transformers name after `model.layers.N.` -> GGUF name after `blk.N.`), the Q/K rows permuted
+    as its `llama` converter does when `permute`, 2-D weights in `qtype` (None: float32), no
+    `output.weight` for tied embeddings; then write the file and close it."""
+    cfg = hf.config
     names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
     names["lm_head.weight"] = "output.weight"
-    layer = {v: k for k, v in gguf._LAYER_NAMES.items()}
+    layer = {v: k for k, v in gguf.LAYER_NAMES.items()} | (layer_names or {})
     for name, t in hf.state_dict().items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
         a = t.detach().numpy().astype(np.float32)
         if name.startswith("model.layers."):
             _, _, i, rest = name.split(".", 3)
             out = f"blk.{i}.{layer[rest]}"
         else:
             out = names[name]
-        if out.endswith("attn_q.weight"):
+        if permute and out.endswith("attn_q.weight"):
             a = _llama_cpp_permute(a, cfg.num_attention_heads)
-        elif out.endswith("attn_k.weight"):
+        elif permute and out.endswith("attn_k.weight"):
             a = _llama_cpp_permute(a, cfg.num_key_value_heads)
-        if a.ndim == 2:
+        if a.ndim == 2 and qtype is not None:
             w.add_tensor(out, quants.quantize(a, qtype), raw_dtype=qtype)
         else:
             w.add_tensor(out, a)

@@ -193,7 +193,7 @@ class EngineCore:
         if eagle.is_eagle_dir(spec):
             import jax.numpy as jnp
 
-            dtype = jnp.dtype(self.cfg.dtype) if self.cfg.dtype else target.embed_tokens.embedding[...].dtype
+            dtype = jnp.dtype(self.cfg.dtype) if self.cfg.dtype else target.input_embedding().dtype
             return eagle.load_head(spec, target, self.model_cfg, dtype)
         draft, dcfg = load_model(spec, dtype=self.cfg.dtype, quantization=self.cfg.quantization)
         if dcfg.vocab_size != self.model_cfg.vocab_size:

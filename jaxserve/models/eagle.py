@@ -134,6 +134,9 @@ class EagleHead(nnx.Module):
             x, cache = self.layer(x, rope_cs, kv_cache, meta, attn_fn)
         return x, cache
 
+    def untie_lm_head(self) -> None:
+        """Nothing to untie: the head's projection is its own (the runner asks every model)."""
+
     def logits(self, g):
         """Logits over the draft vocabulary [..., draft_vocab_size] (float32); d2t maps an
         index to the target's token id."""
@@ -192,7 +195,7 @@ def load_head(path: str | Path, target: nnx.Module, target_cfg: ModelConfig, dty
         if tuple(a.shape) != tuple(var.shape):
             raise ValueError(f"speculative_model: {name} has shape {a.shape}, the head wants {tuple(var.shape)}")
         leaves.append((p, var.replace(jnp.asarray(a, jnp.int32 if name == "d2t" else dtype))))
-    emb = target.embed_tokens.embedding[...]
+    emb = target.input_embedding()
     d2t = np.asarray(arrays["d2t"])
     if d2t.min() < 0 or d2t.max() >= target_cfg.vocab_size:
         raise ValueError(f"speculative_model: the head's d2t holds ids outside the target's vocabulary ({path})")

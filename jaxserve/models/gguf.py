@@ -5,13 +5,14 @@ template (read by transformers' GGUF tokenizer conversion in engine/tokenizer.py
 tensors, often quantized in ggml's block formats. Here the metadata becomes a `ModelConfig`
 and each tensor is dequantized with the `gguf` package (ggml's own Python reader) into the
 transformers name and layout the loader already knows, so a GGUF goes through the same
-conversion cache, int8 quantization and module as a safetensors directory.
+conversion cache, int8 quantization and module as a safetensors directory. The family (found
+in the registry by `general.architecture`) adds its own metadata keys and tensor names
+(`contract.Family.gguf_config`, `gguf_tensors`).
 
-llama.cpp's converter permutes the rows of the Q and K projections (it interleaves the two
-rotary halves of each head, for its RoPE kernel); reading them back undoes that, exactly as
-transformers does (`LlamaTensorProcessor._reverse_permute_weights`).
-
-Plain numpy (no jax): the gin layer and the CLI can read a GGUF's config without a device.
+llama.cpp's converter permutes the rows of the Q and K projections of its `llama`
+architecture (it interleaves the two rotary halves of each head, for its RoPE kernel);
+reading them back undoes that, exactly as transformers does
+(`LlamaTensorProcessor._reverse_permute_weights`). Qwen's are written as transformers has them.
 """
 
 from __future__ import annotations
@@ -23,18 +24,17 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxserve.models import registry
 from jaxserve.models.model_config import ModelConfig
 
 log = logging.getLogger("jaxserve.gguf")
 
-# GGUF `general.architecture` -> the transformers architecture jaxserve builds for it.
-ARCHITECTURES = {"llama": "LlamaForCausalLM"}
-
 # The ggml tensor types read here (the gguf package dequantizes each of them in numpy).
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 
-# GGUF tensor name (after `blk.N.`) -> transformers name (after `model.layers.N.`).
-_LAYER_NAMES = {
+# GGUF tensor name (after `blk.N.`) -> transformers name (after `model.layers.N.`): llama.cpp's
+# names, shared by its architectures; a family adds its own (`Family.gguf_tensors`).
+LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
     "attn_q.weight": "self_attn.q_proj.weight",
@@ -84,14 +84,16 @@ def _field(reader, key: str, default=None):
     return value
 
 
-def hf_name(gguf_name: str) -> str | None:
+def hf_name(gguf_name: str, extra: dict[str, str] | None = None) -> str | None:
     """The transformers tensor name of a GGUF tensor (None for one jaxserve does not use,
-    such as llama.cpp's precomputed `rope_freqs`)."""
+    such as llama.cpp's precomputed `rope_freqs`); `extra`: the family's own layer names."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     parts = gguf_name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{int(parts[1])}.{_LAYER_NAMES[parts[2]]}"
+    if len(parts) == 3 and parts[0] == "blk":
+        name = LAYER_NAMES.get(parts[2]) or (extra or {}).get(parts[2])
+        if name is not None:
+            return f"model.layers.{int(parts[1])}.{name}"
     return None
 
 
@@ -102,10 +104,13 @@ def read_config(path: str | Path) -> ModelConfig:
     check_file(path)
     reader = _reader(path)
     arch = _field(reader, "general.architecture")
-    if arch not in ARCHITECTURES:
+    found = registry.find_gguf(arch)
+    if found is None:
         raise ValueError(
-            f"model: GGUF architecture {arch!r} in {path.name} is not supported (supported: {', '.join(ARCHITECTURES)})"
+            f"model: GGUF architecture {arch!r} in {path.name} is not supported "
+            f"(supported: {', '.join(registry.supported_gguf())})"
         )
+    hf_arch, _ = found
     for t in reader.tensors:
         if t.tensor_type.name not in SUPPORTED_TYPES:
             raise ValueError(
@@ -130,15 +135,16 @@ def read_config(path: str | Path) -> ModelConfig:
         )
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
     bos = _field(reader, "tokenizer.ggml.bos_token_id")
-    return ModelConfig(
-        architecture=ARCHITECTURES[arch],
+    fields = dict(
+        architecture=hf_arch,
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(get("feed_forward_length")),
         num_layers=int(get("block_count")),
         num_heads=heads,
         num_kv_heads=int(get("attention.head_count_kv", heads)),
-        head_dim=int(get("rope.dimension_count", hidden // heads)),
+        # the head width (key_length) where the file says it: Qwen3's differs from hidden / heads
+        head_dim=int(get("attention.key_length", get("rope.dimension_count", hidden // heads))),
         rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
         rope_theta=float(get("rope.freq_base", 10000.0)),
         max_position_embeddings=int(get("context_length")),
@@ -149,6 +155,10 @@ def read_config(path: str | Path) -> ModelConfig:
         bos_token_id=None if bos is None else int(bos),
         name=path.stem,
     )
+    fields.update(
+        registry.family(hf_arch).gguf_config(lambda key, default=None: _field(reader, f"{arch}.{key}", default))
+    )
+    return ModelConfig(**fields)
 
 
 def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -182,14 +192,17 @@ def read_tensors(
     the loader's safetensors reader)."""
     path = Path(path)
     reader = _reader(path)
+    family = registry.family(cfg.architecture)
     out: dict[str, np.ndarray] = {}
     t0 = time.time()
     for t in reader.tensors:
-        name = hf_name(t.name)
+        name = hf_name(t.name, dict(family.gguf_tensors))
         if name not in wanted:
             continue
         arr = dequantize(t)
-        if name.endswith("q_proj.weight") or name.endswith("q_proj.bias"):
+        if not family.gguf_unpermute_qk:
+            pass
+        elif name.endswith("q_proj.weight") or name.endswith("q_proj.bias"):
             arr = unpermute_qk(arr, cfg.num_heads)
         elif name.endswith("k_proj.weight") or name.endswith("k_proj.bias"):
             arr = unpermute_qk(arr, cfg.num_kv_heads)

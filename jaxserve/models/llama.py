@@ -1,9 +1,13 @@
-"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2) in flax nnx.
+"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2) in flax nnx, and their `Family`s.
 
 Computed exactly as transformers computes it: RMSNorm in float32, RoPE with rotate_half,
 grouped-query attention, SwiGLU. The KV cache is passed in and returned, never held as
 module state, so that the engine can jit a pure function of (params, tokens, positions,
 cache) with fixed shapes and donate the cache.
+
+The layers are the base other families build on: an attention subclass changes what q and k
+go through before RoPE (`Attention.normalize_qk`, Qwen3's per-head norms), a decoder subclass
+which MLP a layer has (`LlamaForCausalLM.make_mlp`, Qwen3-MoE's experts).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxserve.models import linear
+from jaxserve.models.contract import Family
 from jaxserve.models.linear import Linear
 from jaxserve.models.model_config import ModelConfig
 from pallas_kernels import reference
@@ -125,6 +130,10 @@ class Attention(nnx.Module):
         self.cfg = cfg
         self.fused = False
 
+    def normalize_qk(self, q, k):
+        """q [B, T, N, D] and k [B, T, KVH, D] as RoPE takes them (Llama: unchanged)."""
+        return q, k
+
     def fuse_projections(self) -> None:
         """q_proj absorbs k_proj and v_proj (linear.pack_native does this on the CPU)."""
         self.q_proj.absorb([self.k_proj, self.v_proj])
@@ -142,6 +151,7 @@ class Attention(nnx.Module):
         q = q.reshape(b, t, c.num_heads, c.head_dim)
         k = k.reshape(b, t, c.num_kv_heads, c.head_dim)
         v = v.reshape(b, t, c.num_kv_heads, c.head_dim)
+        q, k = self.normalize_qk(q, k)
         q, k = rope(q, *rope_cs), rope(k, *rope_cs)
         scale = c.head_dim**-0.5
         if cache is None:
@@ -175,11 +185,20 @@ class MLP(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, std: float):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        dtype,
+        rngs: nnx.Rngs,
+        std: float,
+        attention: type[Attention] = Attention,
+        mlp: Callable[..., nnx.Module] = MLP,
+    ):
+        """attention: the attention class; mlp: builds the MLP as mlp(cfg, dtype, rngs, std)."""
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = Attention(cfg, dtype, rngs, std)
+        self.self_attn = attention(cfg, dtype, rngs, std)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = MLP(cfg, dtype, rngs, std)
+        self.mlp = mlp(cfg, dtype, rngs, std)
 
     def __call__(self, x, rope_cs, cache, meta, attn_fn):
         h, cache = self.self_attn(self.input_layernorm(x), rope_cs, cache, meta, attn_fn)
@@ -188,7 +207,15 @@ class DecoderLayer(nnx.Module):
 
 
 class LlamaForCausalLM(nnx.Module):
-    """Parameter names mirror transformers' so that loading is a rename and a transpose."""
+    """Parameter names mirror transformers' so that loading is a rename and a transpose.
+    A `contract.CausalLM`. Subclasses pick the attention (`attention`) and each layer's MLP
+    (`make_mlp`)."""
+
+    attention: type[Attention] = Attention
+
+    def make_mlp(self, layer: int) -> Callable[..., nnx.Module]:
+        """What builds layer `layer`'s MLP, called as (cfg, dtype, rngs, std)."""
+        return MLP
 
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None, init_std: float = 0.02):
         rngs = rngs or nnx.Rngs(0)
@@ -202,11 +229,17 @@ class LlamaForCausalLM(nnx.Module):
             rngs=rngs,
             embedding_init=nnx.initializers.normal(init_std),
         )
-        self.layers = nnx.List([DecoderLayer(cfg, dtype, rngs, init_std) for _ in range(cfg.num_layers)])
+        self.layers = nnx.List(
+            [DecoderLayer(cfg, dtype, rngs, init_std, self.attention, self.make_mlp(i)) for i in range(cfg.num_layers)]
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         if not cfg.tie_word_embeddings:
             self.lm_head = _linear(cfg.hidden_size, cfg.vocab_size, False, dtype, rngs, init_std)
         self.untied = False  # untie_lm_head: a tied model's vocabulary projection as a Linear of its own
+
+    def input_embedding(self) -> jax.Array:
+        """The token embedding table [V, H] (shared with a draft head: models/eagle.py)."""
+        return self.embed_tokens.embedding[...]
 
     def untie_lm_head(self) -> None:
         """Give a tied model an lm_head of its own, a copy of the embedding transposed, so the
@@ -270,3 +303,19 @@ class LlamaForCausalLM(nnx.Module):
         if return_hidden:
             return logits.astype(jnp.float32), cache, hidden
         return logits.astype(jnp.float32), cache
+
+
+def _mistral_config(get) -> dict:
+    """Mistral's window applies without `use_sliding_window` (served up to it: max_context)."""
+    return {"sliding_window": get("sliding_window")}
+
+
+def _qwen2_config(get) -> dict:
+    """Qwen2 has q/k/v biases and none on o_proj, whatever `attention_bias` says."""
+    return {"qkv_bias": True, "o_bias": False}
+
+
+# llama.cpp's converter permutes a `llama` GGUF's Q/K rows (gguf.unpermute_qk undoes it)
+LLAMA = Family(model=LlamaForCausalLM, tp_layout=TP_LAYOUT, gguf_unpermute_qk=True)
+MISTRAL = Family(model=LlamaForCausalLM, tp_layout=TP_LAYOUT, hf_config=_mistral_config)
+QWEN2 = Family(model=LlamaForCausalLM, tp_layout=TP_LAYOUT, hf_config=_qwen2_config)

@@ -25,6 +25,7 @@ from flax import nnx
 
 from jaxserve.models import gguf, linear, registry
 from jaxserve.models import quantization as quant
+from jaxserve.models.contract import CheckpointTensor, mirrored_name
 from jaxserve.models.model_config import ModelConfig
 
 log = logging.getLogger("jaxserve.loader")
@@ -38,18 +39,10 @@ def default_dtype() -> jnp.dtype:
 
 
 def _hf_name(path: tuple) -> tuple[str, bool]:
-    """nnx state path -> (transformers tensor name, needs transpose)."""
-    parts = [str(p) for p in path]
-    leaf = parts[-1]
-    if parts[0] == "embed_tokens":
-        return "model.embed_tokens.weight", False
-    if parts[0] == "norm":
-        return "model.norm.weight", False
-    prefix = "" if parts[0] == "lm_head" else "model."
-    if leaf in ("kernel", "bias"):  # a Linear: it knows how the checkpoint stores it
-        suffix, transpose = linear.checkpoint_tensor(leaf)
-        return prefix + ".".join(parts[:-1]) + "." + suffix, transpose
-    return prefix + ".".join(parts[:-1]) + "." + leaf, False
+    """nnx state path -> (transformers tensor name, needs transpose), for modules whose names
+    mirror transformers' (export.py writes Llama checkpoints with it)."""
+    t = mirrored_name(path)
+    return t.names[0], t.transpose
 
 
 def _safetensors_files(path: Path) -> list[Path]:
@@ -247,22 +240,22 @@ def load_model(
         cfg = _cached_config(cache, fp)  # parsed by transformers when the cache was written
     if cfg is None:
         cfg = read_config(path)
-    module_class = registry.model_class(cfg.architecture)
-    abstract = nnx.eval_shape(lambda: module_class(cfg, dtype=dtype))
+    family = registry.family(cfg.architecture)
+    abstract = nnx.eval_shape(lambda: family.model(cfg, dtype=dtype))
     quantized = linear.quantize_modules(abstract, quantization, keep)
     graphdef, abs_state = nnx.split(abstract)
     flat = nnx.to_flat_state(abs_state)
+    tensors = {p: family.checkpoint_tensor(p, cfg) for p, _ in flat}
     wanted, wanted_q = {}, {}  # read in dtype / read in float32 and quantized here
     qweights = {tuple(str(x) for x in q) + ("weight",) for q in quantized}
     for p, var in flat:
-        name, transpose = _hf_name(p)
         if tuple(str(x) for x in p) in qweights:
-            wanted_q[name] = (tuple(var.shape), transpose)
+            _want(wanted_q, tensors[p], tuple(var.shape))
         elif str(p[-1]) != "weight_scale" or tuple(str(x) for x in p[:-1]) + ("weight",) not in qweights:
-            wanted[name] = (tuple(var.shape), transpose)
+            _want(wanted, tensors[p], tuple(var.shape))
 
     arrays = None
-    names = [_hf_name(p)[0] for p, _ in flat]
+    names = [t.key for t in tensors.values()]
     if use_cache:
         arrays = _restore_cache(cache, fp, names)
         if arrays is not None:
@@ -276,10 +269,20 @@ def load_model(
                 arrays[name] = np.asarray(q)
                 arrays[name + "_scale"] = np.asarray(scale)
             log.info("quantized %d projections to int8 in %.1fs", len(wanted_q), time.time() - t0)
+        for t in tensors.values():  # experts: one tensor per expert in the checkpoint, one stack here
+            if t.stacked_as is not None:
+                arrays[t.key] = np.stack([arrays.pop(n) for n in t.names])
         if use_cache:
             _save_cache(cache, fp, arrays, cfg)
     leaves = []
     for p, var in flat:
-        leaves.append((p, var.replace(jnp.asarray(arrays[_hf_name(p)[0]]))))
+        leaves.append((p, var.replace(jnp.asarray(arrays[tensors[p].key]))))
     state = nnx.from_flat_state(leaves)
     return nnx.merge(graphdef, state), cfg
+
+
+def _want(wanted: dict[str, tuple[tuple, bool]], t: CheckpointTensor, shape: tuple) -> None:
+    """Ask the checkpoint readers for the tensor(s) of a parameter of `shape` (a stack's own
+    tensors are each its shape without the leading expert axis)."""
+    for name in t.names:
+        wanted[name] = (shape[1:] if t.stacked_as is not None else shape, t.transpose)

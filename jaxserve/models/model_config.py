@@ -2,6 +2,12 @@
 
 The config is a frozen, hashable dataclass so that it can be a static argument of
 jitted functions: every field that changes array shapes must live here.
+
+One parser: the fields every decoder has are read here (the shape through kv-math's
+`ModelShape.from_hf_config`, the same reader `jaxserve kv-math` uses), the family's own
+(biases, q/k norms, experts) by its `contract.Family.hf_config`, the family found in the
+registry by the config's `architectures` or `model_type`. GGUF metadata goes through the same
+steps in `gguf.read_config`.
 """
 
 from __future__ import annotations
@@ -15,12 +21,7 @@ from typing import Any
 import numpy as np
 
 from jaxserve.kv_math import ModelShape
-
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-}
+from jaxserve.models import registry
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +47,14 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     name: str = ""
+    # Qwen3: RMSNorm over each head of q and k, before RoPE
+    qk_norm: bool = False
+    # Mixture of experts (Qwen3-MoE): the layers whose MLP is a routed set of experts
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    sparse_layers: tuple[int, ...] = ()
 
     @property
     def rope_type(self) -> str:
@@ -76,10 +85,11 @@ class ModelConfig:
 
     def num_params(self) -> int:
         d, h, kv, hd, f = self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim, self.intermediate_size
-        attn = d * h * hd * 2 + d * kv * hd * 2
+        attn = d * h * hd * 2 + d * kv * hd * 2 + (2 * hd if self.qk_norm else 0)
         per_layer = attn + 3 * d * f + 2 * d
         emb = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * per_layer + emb + d
+        moe = self.num_experts * (3 * d * self.moe_intermediate_size + d) - 3 * d * f  # experts + router, not the MLP
+        return self.num_layers * per_layer + len(self.sparse_layers) * moe + emb + d
 
     def inv_freq(self) -> np.ndarray:
         """RoPE inverse frequencies in float32, computed exactly as transformers does."""
@@ -106,54 +116,50 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf: Any, name: str = "") -> "ModelConfig":
-        """From a transformers PretrainedConfig (transformers 5 keeps rope_theta in rope_parameters)."""
-        archs = list(getattr(hf, "architectures", None) or [])
-        model_type = getattr(hf, "model_type", "")
-        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-        if arch is None:
-            by_type = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}
-            arch = by_type.get(model_type)
-        if arch is None:
+        """From a transformers PretrainedConfig or a config.json dict (transformers 5 keeps
+        rope_theta in rope_parameters); ValueError naming an architecture no family serves."""
+        get = _getter(hf)
+        archs = list(get("architectures") or [])
+        model_type = get("model_type", "")
+        found = registry.find_hf(archs, model_type)
+        if found is None:
             raise ValueError(
                 f"config.json: architecture {archs or model_type!r} is not implemented by jaxserve "
-                f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+                f"(supported: {', '.join(registry.supported())})"
             )
-        family = SUPPORTED_ARCHITECTURES[arch]
-        rope = dict(getattr(hf, "rope_parameters", None) or {})
-        theta = rope.pop("rope_theta", getattr(hf, "rope_theta", 10000.0))
-        rope_type = rope.get("rope_type", "default")
-        if rope_type == "default":
+        arch, _ = found
+        shape = ModelShape.from_hf_config(hf)
+        rope = dict(get("rope_parameters") or {})
+        theta = rope.pop("rope_theta", get("rope_theta", 10000.0))
+        if rope.get("rope_type", "default") == "default":
             rope = {}
-        heads = hf.num_attention_heads
-        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
-        attention_bias = bool(getattr(hf, "attention_bias", False))
-        sliding = None
-        if family == "mistral" or getattr(hf, "use_sliding_window", False):
-            sliding = getattr(hf, "sliding_window", None)
-        eos = getattr(hf, "eos_token_id", None)
+        eos = get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
-        return cls(
+        attention_bias = bool(get("attention_bias", False))
+        fields = dict(
             architecture=arch,
-            vocab_size=hf.vocab_size,
-            hidden_size=hf.hidden_size,
-            intermediate_size=hf.intermediate_size,
-            num_layers=hf.num_hidden_layers,
-            num_heads=heads,
-            num_kv_heads=getattr(hf, "num_key_value_heads", None) or heads,
-            head_dim=head_dim,
-            rms_norm_eps=float(hf.rms_norm_eps),
+            vocab_size=shape.vocab_size,
+            hidden_size=shape.hidden_size,
+            intermediate_size=shape.intermediate_size,
+            num_layers=shape.num_layers,
+            num_heads=shape.num_heads,
+            num_kv_heads=shape.num_kv_heads,
+            head_dim=shape.head_dim,
+            rms_norm_eps=float(_required(get, "rms_norm_eps")),
             rope_theta=float(theta),
-            max_position_embeddings=hf.max_position_embeddings,
-            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
-            qkv_bias=True if family == "qwen2" else attention_bias,
-            o_bias=False if family == "qwen2" else attention_bias,
-            mlp_bias=bool(getattr(hf, "mlp_bias", False)),
+            max_position_embeddings=shape.max_position_embeddings,
+            tie_word_embeddings=shape.tie_word_embeddings,
+            qkv_bias=attention_bias,
+            o_bias=attention_bias,
+            mlp_bias=bool(get("mlp_bias", False)),
             rope_scaling=tuple(sorted(rope.items())),
-            sliding_window=sliding,
+            sliding_window=get("sliding_window") if get("use_sliding_window", False) else None,
             eos_token_ids=eos_ids,
-            bos_token_id=getattr(hf, "bos_token_id", None),
+            bos_token_id=get("bos_token_id"),
             name=name,
         )
+        fields.update(registry.family(arch).hf_config(get))
+        return cls(**fields)
 
     @staticmethod
     def check_dir(path: str | Path) -> None:
@@ -166,14 +172,10 @@ class ModelConfig:
             raise ValueError(f"model: {str(cfg_file)!r} is missing (a Hugging Face checkpoint needs config.json)")
         raw = json.loads(cfg_file.read_text())
         archs = raw.get("architectures") or []
-        if not any(a in SUPPORTED_ARCHITECTURES for a in archs) and raw.get("model_type") not in (
-            "llama",
-            "mistral",
-            "qwen2",
-        ):
+        if registry.find_hf(archs, raw.get("model_type")) is None:
             raise ValueError(
                 f"{cfg_file}: architecture {archs or raw.get('model_type')!r} is not implemented by jaxserve "
-                f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+                f"(supported: {', '.join(registry.supported())})"
             )
 
     @classmethod
@@ -193,4 +195,19 @@ class ModelConfig:
         d = dict(d)
         d["rope_scaling"] = tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in d["rope_scaling"])
         d["eos_token_ids"] = tuple(d["eos_token_ids"])
+        d["sparse_layers"] = tuple(d.get("sparse_layers", ()))
         return cls(**d)
+
+
+def _getter(cfg: Any):
+    """key -> value of a transformers config object or a config.json dict."""
+    if isinstance(cfg, dict):
+        return cfg.get
+    return lambda key, default=None: getattr(cfg, key, default)
+
+
+def _required(get, key: str):
+    value = get(key)
+    if value is None:
+        raise ValueError(f"model config: missing {key!r}")
+    return value

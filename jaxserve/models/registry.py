@@ -1,11 +1,20 @@
 """Which module implements which checkpoint architecture, and where the default model is.
 
+ONE registry: each line of `FAMILIES` names a family's Hugging Face `architectures`, its
+config.json `model_type`s and its GGUF `general.architecture`s, and the `module:attribute` of
+its `contract.Family` (its decoder, config mapping, weight names and tensor-parallel layout).
+Other packages add families through the `jaxserve.models` entry point group: each entry point
+loads to an `Entry` (or a list of them), as vLLM's ModelRegistry and sglang-jax's EntryClass
+take out-of-tree models.
+
 Plain Python (no jax): the gin layer and the CLI resolve paths and validate architectures
-without importing a model. The loader asks `model_class` for the module to build.
+without importing a model; `family` imports the family's module only when it is asked for.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import importlib
 from pathlib import Path
 
@@ -42,19 +51,100 @@ def default_model() -> Path:
     return path
 
 
-# transformers architecture name -> "module:class". Llama, Mistral and Qwen2 share one
-# decoder; the config's flags (biases, tied embeddings, RoPE) say where they differ.
-ARCHITECTURES = {
-    "LlamaForCausalLM": "jaxserve.models.llama:LlamaForCausalLM",
-    "MistralForCausalLM": "jaxserve.models.llama:LlamaForCausalLM",
-    "Qwen2ForCausalLM": "jaxserve.models.llama:LlamaForCausalLM",
-}
+ENTRY_POINT_GROUP = "jaxserve.models"
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """One registry line: the names a checkpoint gives its family, and where the family is."""
+
+    hf_architectures: tuple[str, ...]  # config.json "architectures"
+    model_types: tuple[str, ...]  # config.json "model_type" (a config without "architectures")
+    gguf_architectures: tuple[str, ...]  # GGUF "general.architecture"
+    family: str  # "module:attribute" of its contract.Family
+
+
+FAMILIES: tuple[Entry, ...] = (
+    Entry(("LlamaForCausalLM",), ("llama",), ("llama",), "jaxserve.models.llama:LLAMA"),
+    Entry(("MistralForCausalLM",), ("mistral",), (), "jaxserve.models.llama:MISTRAL"),
+    Entry(("Qwen2ForCausalLM",), ("qwen2",), (), "jaxserve.models.llama:QWEN2"),
+    Entry(("Qwen3ForCausalLM",), ("qwen3",), ("qwen3",), "jaxserve.models.qwen3:QWEN3"),
+    Entry(("Qwen3MoeForCausalLM",), ("qwen3_moe",), (), "jaxserve.models.qwen3_moe:QWEN3_MOE"),
+)
+
+
+@functools.cache
+def entries() -> tuple[Entry, ...]:
+    """jaxserve's families, then those other installed packages register (entry points in the
+    `jaxserve.models` group); ValueError naming an entry point that does not load to Entries."""
+    import importlib.metadata
+
+    found = list(FAMILIES)
+    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            value = ep.load()
+        except Exception as e:  # a broken plug-in is named, not a traceback from deep inside
+            raise ValueError(f"model registry: entry point {ep.name!r} ({ep.value}) failed to load: {e}") from e
+        items = value if isinstance(value, (list, tuple)) else [value]
+        if not items or not all(isinstance(x, Entry) for x in items):
+            raise ValueError(
+                f"model registry: entry point {ep.name!r} ({ep.value}) must load to a jaxserve.models.registry.Entry "
+                f"or a list of them, not {type(value).__name__}"
+            )
+        found.extend(items)
+    return tuple(found)
+
+
+def supported() -> list[str]:
+    """Every Hugging Face architecture name served (for error messages and docs)."""
+    return [a for e in entries() for a in e.hf_architectures]
+
+
+def supported_gguf() -> list[str]:
+    return [a for e in entries() for a in e.gguf_architectures]
+
+
+def find_hf(architectures: list[str] | tuple[str, ...], model_type: str | None) -> tuple[str, Entry] | None:
+    """(the architecture name, its entry) for a config.json's `architectures` (first match), or
+    by its `model_type` when it names none served; None when neither is."""
+    for arch in architectures:
+        for e in entries():
+            if arch in e.hf_architectures:
+                return arch, e
+    for e in entries():
+        if model_type in e.model_types:
+            return e.hf_architectures[0], e
+    return None
+
+
+def find_gguf(architecture: str) -> tuple[str, Entry] | None:
+    """(the transformers architecture jaxserve builds, its entry) for a GGUF `general.architecture`."""
+    for e in entries():
+        if architecture in e.gguf_architectures:
+            return e.hf_architectures[0], e
+    return None
+
+
+def family(architecture: str):
+    """The `contract.Family` serving a Hugging Face architecture name (imports its module);
+    ValueError naming the architecture when none does."""
+    found = find_hf([architecture], None)
+    if found is None:
+        raise ValueError(f"model: architecture {architecture!r} is not supported (supported: {', '.join(supported())})")
+    return _load(found[1].family)
+
+
+@functools.cache
+def _load(ref: str):
+    from jaxserve.models.contract import Family
+
+    module, _, name = ref.partition(":")
+    fam = getattr(importlib.import_module(module), name, None)
+    if not isinstance(fam, Family):
+        raise ValueError(f"model registry: {ref!r} is not a jaxserve.models.contract.Family")
+    return fam
 
 
 def model_class(architecture: str) -> type:
-    if architecture not in ARCHITECTURES:
-        raise ValueError(
-            f"model: architecture {architecture!r} is not supported (supported: {', '.join(ARCHITECTURES)})"
-        )
-    module, name = ARCHITECTURES[architecture].split(":")
-    return getattr(importlib.import_module(module), name)
+    """The decoder class of a Hugging Face architecture name."""
+    return family(architecture).model

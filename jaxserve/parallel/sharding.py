@@ -42,16 +42,15 @@ def kv_heads_sharded(cfg: ModelConfig, tp: int) -> bool:
 
 
 def param_spec(path: tuple, ndim: int, cfg: ModelConfig, tp: int) -> P:
-    """A parameter's placement: the model says how each projection splits (its TP_LAYOUT),
-    the Linear layer how that layout maps onto its kernel and bias; the rest is replicated.
-    K/V projections stay replicated when their heads do not divide by the chip count, and
-    the LM head when the vocabulary does not."""
-    from jaxserve.models import linear
-    from jaxserve.models.llama import TP_LAYOUT
+    """A parameter's placement: the model's family says how each projection splits (its
+    `tp_layout`), the Linear layer how that layout maps onto its kernel and bias; the rest is
+    replicated. K/V projections stay replicated when their heads do not divide by the chip
+    count, and the LM head when the vocabulary does not."""
+    from jaxserve.models import linear, registry
 
     names = [str(p) for p in path]
     leaf, owner = names[-1], names[-2] if len(names) > 1 else ""
-    layout = TP_LAYOUT.get(owner) if leaf in linear.LEAVES else None
+    layout = registry.family(cfg.architecture).tp_layout.get(owner) if leaf in linear.LEAVES else None
     if (owner in ("k_proj", "v_proj") and not kv_heads_sharded(cfg, tp)) or (
         owner == "lm_head" and cfg.vocab_size % tp
     ):

@@ -312,8 +312,7 @@ class _Weights:
         if matmul_impl == "native":  # resolve() never picks it under tensor parallelism
             from jaxserve.models.linear import pack_native
 
-            if hasattr(module, "untie_lm_head"):
-                module.untie_lm_head()
+            module.untie_lm_head()  # the model contract (models/contract.py); a no-op where nothing is tied
             pack_native(module, matmul_dtype)
         self.graphdef, self.state = nnx.split(module)
         self.kv_sharding = None
