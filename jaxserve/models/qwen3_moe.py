@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxserve.kv_math import sparse_layers
 from jaxserve.models import llama, qwen3
 from jaxserve.models.contract import CheckpointTensor, Family, Getter, mirrored_name
 from jaxserve.models.model_config import ModelConfig
@@ -86,14 +87,6 @@ class SparseMoe(nnx.Module):
 class Qwen3MoeForCausalLM(qwen3.Qwen3ForCausalLM):
     def make_mlp(self, layer: int):
         return SparseMoe if layer in self.cfg.sparse_layers else llama.MLP
-
-
-def sparse_layers(num_layers: int, num_experts: int, mlp_only_layers, decoder_sparse_step: int) -> tuple[int, ...]:
-    """The layers with experts, as transformers' `Qwen3MoeDecoderLayer` picks them."""
-    if num_experts <= 0:
-        return ()
-    only = set(mlp_only_layers or ())
-    return tuple(i for i in range(num_layers) if i not in only and (i + 1) % decoder_sparse_step == 0)
 
 
 def _moe_fields(num_layers: int, num_experts, top_k, width, norm_topk_prob, mlp_only_layers, step) -> dict:
