@@ -68,6 +68,7 @@ ENGINE_FLAGS = {
         "bfloat16 | float32: native matmul weights (default: bfloat16 with AMX or AVX512-BF16)",
     ),
     "--tensor-parallel-size": ("tensor_parallel_size", int, "chips in the tensor-parallel mesh"),
+    "--expert-parallel-size": ("expert_parallel_size", int, "devices the MoE experts split over (beside tp)"),
     "--speculative-model": ("speculative_model", str, 'a draft checkpoint directory, or "ngram"'),
     "--num-speculative-tokens": ("num_speculative_tokens", int, "draft tokens per step"),
     "--prompt-lookup-min": ("prompt_lookup_min", int, "prompt lookup: the shortest suffix matched (2)"),

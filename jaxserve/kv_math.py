@@ -68,6 +68,14 @@ class ModelShape:
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 8192
     name: str = "custom"
+    qk_norm: bool = False  # Qwen3: an RMSNorm weight of head_dim on q and on k in every layer
+    # Mixture of experts (Qwen3-MoE): num_moe_layers of the layers have num_experts SwiGLU experts
+    # of width moe_intermediate_size and a router [E, hidden]; each token runs num_experts_per_tok
+    # of them. The other layers keep a dense MLP of intermediate_size.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    num_moe_layers: int = 0
 
     def __post_init__(self) -> None:
         for f in (
@@ -81,6 +89,15 @@ class ModelShape:
             "max_position_embeddings",
         ):
             _positive_int(f, getattr(self, f))
+        if self.num_experts:
+            for f in ("num_experts_per_tok", "moe_intermediate_size", "num_moe_layers"):
+                _positive_int(f, getattr(self, f))
+            if self.num_experts_per_tok > self.num_experts:
+                raise ValueError(
+                    f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds num_experts ({self.num_experts})"
+                )
+            if self.num_moe_layers > self.num_layers:
+                raise ValueError(f"num_moe_layers ({self.num_moe_layers}) exceeds num_layers ({self.num_layers})")
 
     @classmethod
     def from_hf_config(cls, cfg: Any, name: str | None = None) -> "ModelShape":
@@ -95,8 +112,21 @@ class ModelShape:
             if hidden % heads:
                 raise ValueError(f"model config: hidden_size {hidden} is not a multiple of num_attention_heads {heads}")
             head_dim = hidden // heads
+        layers = int(get("num_hidden_layers"))
+        experts = int(get("num_experts", None) or get("num_local_experts", None) or 0)
+        moe = {}
+        if experts:
+            only, step = get("mlp_only_layers", None) or (), int(get("decoder_sparse_step", None) or 1)
+            moe = dict(
+                num_experts=experts,
+                num_experts_per_tok=int(get("num_experts_per_tok")),
+                moe_intermediate_size=int(
+                    get("moe_intermediate_size", None) or get("intermediate_size")
+                ),  # Mixtral: one width
+                num_moe_layers=len(sparse_layers(layers, experts, only, step)),
+            )
         return cls(
-            num_layers=int(get("num_hidden_layers")),
+            num_layers=layers,
             hidden_size=hidden,
             num_heads=heads,
             num_kv_heads=int(get("num_key_value_heads") or heads),  # absent in older MHA configs
@@ -106,6 +136,8 @@ class ModelShape:
             tie_word_embeddings=bool(get("tie_word_embeddings", False)),
             max_position_embeddings=int(get("max_position_embeddings") or 8192),
             name=name or get("_name_or_path") or get("name_or_path") or get("model_type") or "custom",
+            qk_norm=get("model_type") in ("qwen3", "qwen3_moe"),
+            **moe,
         )
 
     @classmethod
@@ -126,20 +158,68 @@ class ModelShape:
 
     @property
     def num_params(self) -> int:
-        """Embeddings, LM head unless tied, q/k/v/o, gate/up/down and RMSNorm weights.
+        """Embeddings, LM head unless tied, q/k/v/o, the MLPs (dense, or router and every expert),
+        RMSNorm weights (with q/k norms where the model has them).
 
         Qwen2's q/k/v biases are left out: under 0.01% of the weights, and presets stay comparable.
         """
-        attn = self.hidden_size * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
-        per_layer = attn + 3 * self.hidden_size * self.intermediate_size + 2 * self.hidden_size
-        embed = self.vocab_size * self.hidden_size
-        return embed * (1 if self.tie_word_embeddings else 2) + self.num_layers * per_layer + self.hidden_size
+        d = self.hidden_size
+        attn = d * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
+        norms = 2 * d + (2 * self.head_dim if self.qk_norm else 0)
+        dense_layers = self.num_layers - self.num_moe_layers
+        mlps = dense_layers * 3 * d * self.intermediate_size
+        mlps += self.num_moe_layers * self.num_experts * (d + self.expert_params)  # router row + expert
+        embed = self.vocab_size * d
+        return embed * (1 if self.tie_word_embeddings else 2) + self.num_layers * (attn + norms) + mlps + d
+
+    @property
+    def expert_params(self) -> int:
+        """One expert of one layer: gate, up and down projections."""
+        return 3 * self.hidden_size * self.moe_intermediate_size
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token runs through: everything but the experts it is not routed to
+        (num_experts - num_experts_per_tok per MoE layer). Equals num_params for a dense model."""
+        idle = self.num_experts - self.num_experts_per_tok
+        return self.num_params - self.num_moe_layers * idle * self.expert_params
 
     @property
     def streamed_params(self) -> int:
         """Parameters one decode step reads in full and multiplies: all but an untied input embedding,
-        which is a gather of B rows. A tied table is read whole, as the LM head."""
+        which is a gather of B rows. A tied table is read whole, as the LM head. For a mixture of
+        experts this is every expert; a step reads `streamed_params_at(batch)`."""
         return self.num_params - (0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size)
+
+    @property
+    def active_streamed_params(self) -> int:
+        """Parameters a decode step multiplies per token (its FLOPs are twice this)."""
+        return self.streamed_params - (self.num_params - self.active_params)
+
+    def streamed_params_at(self, batch: float) -> float:
+        """Parameters a decode step of `batch` tokens reads: the shared ones (attention, dense
+        MLPs, routers, norms, LM head) plus, per MoE layer, the experts its tokens touch."""
+        idle = self.num_experts - experts_touched(self.num_experts, self.num_experts_per_tok, batch)
+        return self.streamed_params - self.num_moe_layers * idle * self.expert_params
+
+
+def experts_touched(num_experts: int, top_k: int, batch: float) -> float:
+    """Expected distinct experts one MoE layer reads in a step of `batch` tokens:
+    E * (1 - (1 - k/E)^batch), each token picking k of E experts independently and uniformly
+    (a balanced router; a skewed one touches fewer, so this errs towards more bytes). Exactly k
+    at batch 1, E as batch grows; 0 for a dense model."""
+    if not num_experts:
+        return 0.0
+    return num_experts * (1 - (1 - top_k / num_experts) ** batch)
+
+
+def sparse_layers(num_layers: int, num_experts: int, mlp_only_layers, decoder_sparse_step: int) -> tuple[int, ...]:
+    """The layers with experts, as transformers' `Qwen3MoeDecoderLayer` picks them: all but
+    `mlp_only_layers`, every `decoder_sparse_step`-th."""
+    if num_experts <= 0:
+        return ()
+    only = set(mlp_only_layers or ())
+    return tuple(i for i in range(num_layers) if i not in only and (i + 1) % decoder_sparse_step == 0)
 
 
 def _llama(
@@ -158,6 +238,8 @@ PRESETS: dict[str, ModelShape] = {
         _llama("llama-3.1-70b", 80, 8192, 64, 8, 28672, 128256, 131072),
         _llama("qwen2.5-7b", 28, 3584, 28, 4, 18944, 152064, 32768),
         _llama("mistral-7b", 32, 4096, 32, 8, 14336, 32768, 32768),  # v0.3 vocabulary
+        # Qwen/Qwen3-30B-A3B's config.json: 48 layers, all MoE (128 experts of 768, top 8)
+        ModelShape(48, 2048, 32, 4, 128, 6144, 151936, False, 40960, "qwen3-30b-a3b", True, 128, 8, 768, 48),
     )
 }
 
@@ -279,11 +361,13 @@ def decode_step_bounds(
     Memory: every streamed weight once plus each request's KV.  Compute: 2 FLOPs per
     streamed parameter per token.  Attention FLOPs are left out: at decode their
     intensity is about heads/kv_heads FLOPs per KV byte, far below any chip's ridge, so
-    the KV bytes, already counted, are what they cost.  Communication is ignored.
+    the KV bytes, already counted, are what they cost.  Communication is ignored.  A mixture of
+    experts reads the experts its batch touches (`ModelShape.streamed_params_at`) and multiplies
+    each token by its active parameters only.
     """
-    w = model.streamed_params * dtype_bytes(weight_dtype, "weight_dtype") / num_chips
+    w = model.streamed_params_at(batch) * dtype_bytes(weight_dtype, "weight_dtype") / num_chips
     kv = batch * kv_tokens_per_request * kv_bytes_per_token_per_chip(model, num_chips, kv_dtype, pad_head_dim_to)
-    return _roofline(w, kv, model.streamed_params, batch, bandwidth, flops, num_chips)
+    return _roofline(w, kv, model.active_streamed_params, batch, bandwidth, flops, num_chips)
 
 
 def predict_decode_step(
@@ -342,7 +426,7 @@ class Plan:
     bandwidth: float
     peak_flops: float
     num_params: int
-    flop_params: int  # streamed parameters: all but an untied input embedding
+    flop_params: int  # streamed parameters a token multiplies: all but an untied input embedding (MoE: active only)
     weight_bytes_total: int
     weight_bytes_per_chip: int
     streamed_weight_bytes_per_chip: int
@@ -371,12 +455,19 @@ class Plan:
     cost_per_million_output_tokens: float | None = None
     traffic: dict[str, Any] | None = None
     notes: list[str] = field(default_factory=list)
+    # Mixture of experts (0 for a dense model): parameters per token, and what a step reads of the
+    # experts: experts_touched(num_experts, experts_per_token, batch) x expert_bytes_per_chip (one
+    # expert of every MoE layer); streamed_weight_bytes_per_chip counts every expert.
+    active_params: int = 0
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_bytes_per_chip: float = 0.0
 
     def bounds(self, batch: int, kv_tokens: float | None = None) -> tuple[float, float]:
         """(memory-bound s, compute-bound s) at any batch, each request holding kv_tokens (default context_len)."""
         kv = batch * (self.context_len if kv_tokens is None else kv_tokens) * self.kv_bytes_per_token_per_chip
         return _roofline(
-            self.streamed_weight_bytes_per_chip,
+            self.weight_bytes_read_per_chip(batch),
             kv,
             self.flop_params,
             batch,
@@ -384,6 +475,12 @@ class Plan:
             self.peak_flops,
             self.num_chips,
         )
+
+    def weight_bytes_read_per_chip(self, batch: float) -> float:
+        """Weight bytes one decode step of `batch` rows reads per chip: all streamed weights for
+        a dense model; for a mixture of experts the shared ones plus the experts it touches."""
+        idle = self.num_experts - experts_touched(self.num_experts, self.experts_per_token, batch)
+        return self.streamed_weight_bytes_per_chip - idle * self.expert_bytes_per_chip
 
     def at_batch(self, batch: int, kv_tokens: float | None = None) -> tuple[float, float, float | None]:
         """(step s, tokens/s, USD per million output tokens) at any batch, e.g. for plots."""
@@ -475,7 +572,7 @@ def plan(
         bandwidth=acc.hbm_bandwidth,
         peak_flops=acc.bf16_flops,
         num_params=m.num_params,
-        flop_params=m.streamed_params,
+        flop_params=m.active_streamed_params,
         weight_bytes_total=w_total,
         weight_bytes_per_chip=w_chip,
         streamed_weight_bytes_per_chip=math.ceil(m.streamed_params * dtype_bytes(weight_dtype) / chips),
@@ -495,6 +592,10 @@ def plan(
         max_concurrent_requests=int(max_req),
         fits=max_req > 0,
         reason=reason,
+        active_params=m.active_params,
+        num_experts=m.num_experts,
+        experts_per_token=m.num_experts_per_tok,
+        expert_bytes_per_chip=m.num_moe_layers * m.expert_params * dtype_bytes(weight_dtype) / chips,
     )
     out.step_time_batch1_s = out.at_batch(1)[0]
     batch = max(1, out.max_concurrent_requests)
@@ -502,9 +603,7 @@ def plan(
     out.step_time_s = max(out.step_memory_bound_s, out.step_compute_bound_s)
     if out.fits:
         _, out.tokens_per_s, out.cost_per_million_output_tokens = out.at_batch(batch)
-    # memory time = compute time:  (W + B*K)/bw = 2*P*B/(F*chips)  =>  B = W / (2*P*bw/(F*chips) - K)
-    denom = 2.0 * m.streamed_params * acc.hbm_bandwidth / (acc.bf16_flops * chips) - ctx * kv_chip
-    out.compute_bound_from_batch = out.streamed_weight_bytes_per_chip / denom if denom > 0 else None
+    out.compute_bound_from_batch = _compute_bound_from_batch(out)
     if ctx > m.max_position_embeddings:
         out.notes.append(f"context {ctx} exceeds the model's max_position_embeddings {m.max_position_embeddings}")
     source = "given means"
@@ -528,6 +627,28 @@ def plan(
             "cost_per_million_output_tokens": cost if conc else None,
         }
     return out
+
+
+def _compute_bound_from_batch(p: Plan) -> float | None:
+    """The batch from which a decode step at context_len is compute-bound, None if never.
+
+    memory time = compute time: (W(B) + B*K)/bw = 2*P*B/(F*chips). Dense: W is fixed, so
+    B = W / (2*P*bw/(F*chips) - K). A mixture of experts reads more experts as B grows (W(B)
+    concave, rising to every expert), so compute - memory is convex in B, negative at 0, and
+    crosses zero once when its final slope (the dense denominator) is positive: bisection."""
+    denom = (
+        2.0 * p.flop_params * p.bandwidth / (p.peak_flops * p.num_chips) - p.context_len * p.kv_bytes_per_token_per_chip
+    )
+    if denom <= 0:
+        return None
+    if not p.num_experts:
+        return p.streamed_weight_bytes_per_chip / denom
+    lo, hi = 0.0, p.streamed_weight_bytes_per_chip / denom  # at hi even all experts' bytes are hidden
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        mem, comp = p.bounds(mid)
+        lo, hi = (mid, hi) if comp < mem else (lo, mid)
+    return hi
 
 
 def max_concurrent_requests(
@@ -573,6 +694,22 @@ def format_plan(p: Plan) -> str:
     per = f" per chip (x{p.num_chips})" if p.num_chips > 1 else ""
     rows = [
         ("model", f"{p.model} ({p.num_params / 1e9:.2f}B params)"),
+        *(
+            [
+                (
+                    "active params per token",
+                    f"{p.active_params / 1e9:.2f}B ({p.experts_per_token} of {p.num_experts} experts + shared parts)",
+                ),
+                (
+                    "weights read per step",
+                    f"{_gb(p.weight_bytes_read_per_chip(1))} at batch 1, "
+                    f"{_gb(p.weight_bytes_read_per_chip(max(1, p.max_concurrent_requests)))} at batch "
+                    f"{max(1, p.max_concurrent_requests)} (expected experts touched: E(1-(1-k/E)^b)), per chip",
+                ),
+            ]
+            if p.num_experts
+            else []
+        ),
         (
             "accelerator",
             f"{p.num_chips} x {p.accelerator}, {_gb(p.hbm_bytes_per_chip)} "

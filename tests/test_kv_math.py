@@ -80,6 +80,7 @@ def test_presets_architecture() -> None:
         "llama-3.1-70b",
         "qwen2.5-7b",
         "mistral-7b",
+        "qwen3-30b-a3b",
     }
     assert set(ACCELERATORS) == {"tpu-v4", "tpu-v5e", "tpu-v5p", "tpu-v6e", "a100-80gb", "h100", "h200", "l4"}
     assert all(a.source for a in ACCELERATORS.values())
@@ -406,3 +407,85 @@ def test_overlapped_steps_feed_each_row_the_token_it_sampled():
 def test_measure_engine_step_runs_the_real_decode_step(quantization):
     secs = kv_math_cli.measure_engine_step(TINY, batch=2, context_len=40, repeats=3, quantization=quantization)
     assert 0 < secs < 5
+
+
+# ------------------------------------------------------------------ mixture of experts
+TINY_MOE = dict(
+    vocab_size=128,
+    hidden_size=16,
+    intermediate_size=32,
+    moe_intermediate_size=8,
+    num_hidden_layers=3,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=8,
+    num_experts=4,
+    num_experts_per_tok=2,
+    mlp_only_layers=[1],
+    tie_word_embeddings=False,
+)
+
+
+def test_moe_total_and_active_params_by_hand_and_against_transformers() -> None:
+    import transformers as tf
+
+    hf_cfg = tf.Qwen3MoeConfig(**TINY_MOE)
+    m = ModelShape.from_hf_config(hf_cfg)
+    assert (m.num_experts, m.num_experts_per_tok, m.moe_intermediate_size, m.num_moe_layers) == (4, 2, 8, 2)
+    # per layer: attention 16*8*(2*2 + 2*1) = 768, norms 2*16 + q/k norms 2*8 = 48; layer 1 a dense
+    # MLP 3*16*32 = 1536; layers 0 and 2 a router 4*16 = 64 and 4 experts of 3*16*8 = 384;
+    # embeddings and LM head 2*128*16 = 4096; final norm 16
+    assert m.expert_params == 384
+    assert m.num_params == 4096 + 3 * (768 + 48) + 1536 + 2 * (64 + 4 * 384) + 16 == 11_296
+    assert m.num_params == sum(p.numel() for p in tf.Qwen3MoeForCausalLM(hf_cfg).parameters())
+    assert m.active_params == 11_296 - 2 * (4 - 2) * 384 == 9_760  # 2 of 4 experts idle in 2 layers
+    assert m.streamed_params == 11_296 - 2048 and m.active_streamed_params == 9_248 - 1536 == 7_712
+    # a step reads E(1-(1-k/E)^b) experts a layer: 2 at b=1, 3 at b=2, 3.5 at b=3, -> 4
+    assert km.experts_touched(4, 2, 1) == 2 and km.experts_touched(4, 2, 2) == 3
+    assert m.streamed_params_at(1) == 7_712
+    assert m.streamed_params_at(2) == 9_248 - 2 * (4 - 3) * 384 == 8_480
+    assert m.streamed_params_at(3) == pytest.approx(9_248 - 2 * 0.5 * 384)
+    assert m.streamed_params_at(10_000) == pytest.approx(9_248)
+    dense = ModelShape.from_hf_config({**TINY_MOE, "num_experts": 0, "model_type": "qwen3"})
+    assert dense.active_params == dense.num_params and dense.streamed_params_at(8) == dense.streamed_params
+
+
+def test_qwen3_30b_a3b_preset_on_h100() -> None:
+    m = PRESETS["qwen3-30b-a3b"]
+    # 48 layers x (attention 2048*128*(64+8) + norms 2*2048 + 2*128 + router 128*2048 + 128 experts
+    # of 3*2048*768) + embeddings and head 2*151936*2048 + 2048: 30.5B total, 3.35B active
+    assert m.num_params == 48 * (18_874_368 + 4096 + 256 + 262_144 + 128 * 4_718_592) + 622_329_856 + 2048
+    assert m.num_params == 30_532_122_624
+    assert m.active_params == 30_532_122_624 - 48 * 120 * 4_718_592 == 3_353_032_704
+    p = plan("qwen3-30b-a3b", "h100", context_len=8192)
+    kv_req = 8192 * 2 * 48 * 4 * 128 * 2  # 805,306,368 B
+    assert p.max_concurrent_requests == (H100_USABLE - H100_RESERVE - 2 * 30_532_122_624) // kv_req == 8
+    # batch 1 reads the shared weights and 8 experts a layer: the active streamed parameters
+    read1 = 2 * (3_353_032_704 - 151936 * 2048)
+    assert p.weight_bytes_read_per_chip(1) == pytest.approx(read1)
+    assert p.step_time_batch1_s == pytest.approx((read1 + kv_req) / 3.35e12)
+    # batch 8: 128 * (1 - (120/128)^8) = 51.6 experts a layer
+    touched = 128 * (1 - (120 / 128) ** 8)
+    read8 = 2 * (30_532_122_624 - 151936 * 2048 - 48 * (128 - touched) * 4_718_592)
+    assert p.step_memory_bound_s == pytest.approx((read8 + 8 * kv_req) / 3.35e12)
+    assert p.step_compute_bound_s == pytest.approx(2 * (3_353_032_704 - 151936 * 2048) * 8 / 989e12)
+    assert p.flop_params == 3_353_032_704 - 151936 * 2048
+
+
+def test_moe_compute_bound_crossover_equates_memory_and_compute() -> None:
+    p = plan("qwen3-30b-a3b", "h100", context_len=16)
+    b = p.compute_bound_from_batch
+    assert b is not None and b > 8
+    mem, comp = p.bounds(b)
+    assert mem == pytest.approx(comp, rel=1e-6)
+    # at ~3,175 rows every expert is read (128 (1 - (15/16)^3175) = 128): the dense formula with all
+    # the experts' bytes and the active parameters' FLOPs
+    k = 16 * p.kv_bytes_per_token_per_chip
+    assert b == pytest.approx(p.streamed_weight_bytes_per_chip / (2 * p.flop_params * 3.35e12 / 989e12 - k))
+
+
+def test_cli_prints_total_and_active_params(capsys: pytest.CaptureFixture[str]) -> None:
+    assert kv_math_cli.main(["--model", "qwen3-30b-a3b", "--context", "8192"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "30.53B params" in out and "active params per token 3.35B (8 of 128 experts" in out
+    assert "weights read per step" in out and "at batch 8" in out

@@ -93,24 +93,77 @@ def test_engine_greedy_with_preemption_and_prefix_cache_matches_transformers(moe
     engine_matches_transformers(path, hf, 512)
 
 
-TP_SCRIPT = textwrap.dedent(r"""
+PARALLEL_SCRIPT = textwrap.dedent(r"""
     import json, sys
     import numpy as np, jax
+    from flax import nnx
     from jaxserve import LLM, SamplingParams
+    from jaxserve.runner.executable_cache import compile_count
+    assert len(jax.devices()) == 8, jax.devices()
     rng = np.random.default_rng(0)
     prompts = [[int(x) for x in rng.integers(3, 512, int(rng.integers(2, 50)))] for _ in range(8)]
     params = [SamplingParams(max_tokens=int(m), temperature=0, ignore_eos=True) for m in rng.integers(3, 25, 8)]
-    opts = dict(max_slots=4, page_size=8, max_model_len=128, num_pages=96, token_buckets=(16, 64), warmup=False)
+    opts = dict(max_slots=4, page_size=8, max_model_len=128, num_pages=96, token_buckets=(16, 64))
     out = {}
-    for tp in (1, 4):
-        llm = LLM(sys.argv[1], tensor_parallel_size=tp, **opts)
-        out[tp] = [o.token_ids for o in llm.generate(prompts, params)]
+    # (tp, ep): one device, tensor parallel alone (experts replicated), experts split 8 ways,
+    # and 4 x 2 (experts over 4, attention over 2). Only the split runs warm up: they count compiles.
+    for tp, ep in ((1, 1), (4, 1), (1, 8), (2, 4)):
+        llm = LLM(sys.argv[1], tensor_parallel_size=tp, expert_parallel_size=ep, warmup=ep > 1, **opts)
+        before = compile_count()
+        tokens = [o.token_ids for o in llm.generate(prompts, params)]
+        state = llm.runner.target.state["layers"][0]["mlp"]
+        gate = state["experts"]["gate_proj"].get_value()
+        layer0 = nnx.merge(llm.runner.target.graphdef, llm.runner.target.state).layers[0].mlp
+        out[f"{tp}x{ep}"] = {
+            "tokens": tokens,
+            "compiles": compile_count() - before,
+            "expert_shards": sorted({tuple(sh.data.shape) for sh in gate.addressable_shards}),
+            "expert_devices": len(gate.sharding.device_set),
+            "mesh": None if layer0.mesh is None else dict(layer0.mesh.shape),  # the layer's own shard_map
+            "router_shards": sorted({tuple(sh.data.shape) for sh in state["gate"]["weight"].get_value().addressable_shards}),
+        }
     print("RESULT" + json.dumps(out))
 """)
 
 
-def test_tensor_parallel_greedy_equals_one_device(tmp_path_factory):
-    d = tmp_path_factory.mktemp("qwen3_moe_tp")
+@pytest.fixture(scope="module")
+def parallel(tmp_path_factory):
+    d = tmp_path_factory.mktemp("qwen3_moe_parallel")
     make_hf_model("qwen3_moe", d, num_attention_heads=8, num_key_value_heads=4, intermediate_size=128)
-    res = run_on_devices(TP_SCRIPT, 4, d)
-    assert res[4] == res[1]
+    return run_on_devices(PARALLEL_SCRIPT, 8, d)
+
+
+@pytest.mark.parametrize("run", ["4x1", "1x8", "2x4"])
+def test_tensor_and_expert_parallel_greedy_equals_one_device(parallel, run):
+    """tensor_parallel_size x expert_parallel_size on 8 CPU devices: the greedy tokens of one
+    device, and (after warm-up) no compile while serving."""
+    assert parallel[run]["tokens"] == parallel["1x1"]["tokens"]
+    if run != "4x1":  # warmed up (tensor parallelism's no-recompile check is test_sharding's)
+        assert parallel[run]["compiles"] == 0
+
+
+@pytest.mark.parametrize("run, ep, devices", [("1x8", 8, 8), ("2x4", 4, 8)])
+def test_each_device_holds_its_share_of_the_experts(parallel, run, ep, devices):
+    """The stacked experts [8, 64, 48] split by their leading axis: 8 / ep experts a device; the
+    router stays whole on every device."""
+    res = parallel[run]
+    assert res["expert_shards"] == [[8 // ep, 64, 48]]
+    assert res["expert_devices"] == devices
+    assert res["router_shards"] == [[8, 64]]
+    assert res["mesh"] == {"expert": ep, "tp": devices // ep}  # dispatched in the layer's shard_map
+    assert parallel["4x1"]["mesh"] is None  # no expert axis: XLA places the replicated experts
+    assert parallel["4x1"]["expert_shards"] == [[8, 64, 48]]  # tensor parallelism alone: replicated
+
+
+def test_expert_parallel_bad_sizes_are_named(moe, hf_models):
+    from jaxserve.engine.engine_config import EngineConfig
+    from jaxserve.parallel.sharding import check_expert_parallel, make_mesh
+
+    with pytest.raises(ValueError, match="expert_parallel_size must be >= 1"):
+        EngineConfig(expert_parallel_size=0)
+    with pytest.raises(ValueError, match=r"expert_parallel_size=3 must divide the model's num_experts \(8\)"):
+        check_expert_parallel(ModelConfig.from_dir(moe[0]), 3)
+    with pytest.raises(ValueError, match="expert_parallel_size=2 needs a mixture-of-experts model"):
+        check_expert_parallel(ModelConfig.from_dir(hf_models["llama"][0]), 2)
+    with pytest.raises(ValueError, match=r"expert_parallel_size must divide the device count \(1\)"):
+        make_mesh(1, ep=2)  # this process has one device

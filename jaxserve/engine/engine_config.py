@@ -56,6 +56,10 @@ class EngineConfig:
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 3
     tensor_parallel_size: int = 1
+    # Mixture-of-experts models: the devices the experts split over (each holds E / ep of them), an
+    # "expert" mesh axis beside "tp" (ep x tp devices in all); must divide num_experts and the
+    # device count (docs/scaling.md).
+    expert_parallel_size: int = 1
     # Dispatch each decode step before reading the previous one's tokens (host work hidden
     # behind the device); a speculative step reads the one before it first (it proposes from
     # every token). Outputs are the same either way.
@@ -77,6 +81,7 @@ class EngineConfig:
             "num_pages",
             "kv_cache_memory_bytes",
             "tensor_parallel_size",
+            "expert_parallel_size",
             "max_num_batched_tokens",
             "max_prefill_tokens_while_decoding",
             "speculative_disable_by_batch_size",

@@ -16,6 +16,11 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol, runtime_checkable
 
+# The mesh axis that expert parallelism splits a mixture-of-experts layer's experts over (beside
+# tensor parallelism's "tp"); the models name it in their shard_map, parallel/sharding.py places
+# the stacked expert weights on it.
+EXPERT_AXIS = "expert"
+
 # A config reader: key -> value, or `default` when the key is absent (config.json keys through
 # a transformers config or a dict; GGUF keys without their `<arch>.` prefix).
 Getter = Callable[..., Any]
@@ -40,6 +45,15 @@ class CausalLM(Protocol):
 
     def input_embedding(self) -> Any:
         """The token embedding table [V, H] (a draft or EAGLE head shares the target's)."""
+
+
+@runtime_checkable
+class MeshAware(Protocol):
+    """A layer that runs part of its work per device itself (`jax.shard_map`), so it must know
+    the mesh when it is traced: the runner hands it over before splitting the model
+    (`parallel.sharding.bind_mesh`). A Qwen3-MoE layer uses it for expert parallelism."""
+
+    def use_mesh(self, mesh: Any) -> None: ...
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,9 +14,18 @@ with fixed shapes (N tokens x k pairs). Each token's k outputs are then summed i
 order, so a token's result does not depend on what else is in its step.
 
 A checkpoint stores one tensor per expert (`mlp.experts.{e}.gate_proj.weight`, ...);
-`checkpoint_tensor` names them so the loader stacks them. Under tensor parallelism the experts
-and the router are replicated (expert parallelism is not built yet); attention and the dense
-layers split as Llama's do.
+`checkpoint_tensor` names them so the loader stacks them. Under tensor parallelism alone the
+experts and the router are replicated; attention and the dense layers split as Llama's do.
+
+Expert parallelism (a mesh axis `EXPERT_AXIS` of size ep beside "tp"): each device holds E / ep
+consecutive experts. The engine has no data parallelism, so every device already holds every
+token of the step (the activations are replicated after attention's all-reduce); dispatch is
+therefore local: in a `jax.shard_map` each device sorts the (token, expert) pairs with its own
+experts first, runs the grouped matmul over its E / ep experts only, zeroes the pairs another
+device owns, and one `psum` over the expert axis combines the partial sums. That is the same
+one all-reduce a row-parallel matmul costs; an all-to-all would first have to split the tokens
+across devices and gather them back, which only pays once attention is data-parallel
+(docs/models.md).
 """
 
 from __future__ import annotations
@@ -24,9 +33,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
+from jaxserve.kv_math import sparse_layers
 from jaxserve.models import llama, qwen3
-from jaxserve.models.contract import CheckpointTensor, Family, Getter, mirrored_name
+from jaxserve.models.contract import EXPERT_AXIS, CheckpointTensor, Family, Getter, mirrored_name
 from jaxserve.models.model_config import ModelConfig
 
 _EXPERT_WEIGHTS = ("gate_proj", "up_proj", "down_proj")
@@ -51,11 +62,35 @@ class Experts(nnx.Module):
         self.up_proj = nnx.Param(init(rngs.params(), (e, d, f), dtype))
         self.down_proj = nnx.Param(init(rngs.params(), (e, f, d), dtype))
 
-    def __call__(self, x, group_sizes):
-        """x [M, H]: rows sorted by expert, group_sizes [E] how many rows each expert has."""
-        gate = jax.lax.ragged_dot(x, self.gate_proj[...], group_sizes)
-        up = jax.lax.ragged_dot(x, self.up_proj[...], group_sizes)
-        return jax.lax.ragged_dot(jax.nn.silu(gate) * up, self.down_proj[...], group_sizes)
+    def weights(self) -> tuple:
+        return self.gate_proj[...], self.up_proj[...], self.down_proj[...]
+
+
+def grouped_swiglu(x, gate, up, down, group_sizes):
+    """x [M, H]: rows sorted by expert; gate/up [G, H, F], down [G, F, H]: G experts' weights;
+    group_sizes [G] how many rows each has (rows past their sum come out as zeros)."""
+    g = jax.lax.ragged_dot(x, gate, group_sizes)
+    u = jax.lax.ragged_dot(x, up, group_sizes)
+    return jax.lax.ragged_dot(jax.nn.silu(g) * u, down, group_sizes)
+
+
+def routed_experts(h, weights, chosen, gate, up, down, *, first_expert, num_experts: int):
+    """The weighted sum of each token's chosen experts among experts first_expert ..
+    first_expert + G - 1 (G = gate.shape[0]: all E on one device, E / ep on each of ep);
+    pairs routed to other experts contribute zero. h [N, H]; weights, chosen [N, k].
+
+    The pairs are sorted with this shard's experts first ((expert - first) mod E), so its
+    groups are the leading rows and one ragged_dot over G groups computes them. Each token's k
+    outputs are summed in its own order, so its result does not depend on the rest of the step."""
+    n, k = chosen.shape
+    local_experts = gate.shape[0]
+    rel = (chosen.reshape(-1) - first_expert) % num_experts  # pair i = (token i // k, its (i % k)-th expert)
+    order = jnp.argsort(rel, stable=True)
+    group_sizes = jnp.bincount(rel, length=num_experts)[:local_experts].astype(jnp.int32)
+    out = grouped_swiglu(h[order // k], gate, up, down, group_sizes)
+    per_pair = jnp.zeros_like(out).at[order].set(out).reshape(n, k, -1)  # back in token order
+    mine = (rel < local_experts).reshape(n, k, 1)
+    return jnp.sum(jnp.where(mine, per_pair, 0) * weights[..., None], axis=1)
 
 
 class SparseMoe(nnx.Module):
@@ -65,35 +100,54 @@ class SparseMoe(nnx.Module):
         self.top_k = cfg.num_experts_per_tok
         self.num_experts = cfg.num_experts
         self.norm_topk_prob = cfg.norm_topk_prob
+        self.mesh = None  # set by use_mesh when the experts are split over an expert axis
+
+    def use_mesh(self, mesh) -> None:
+        """Run the experts expert-parallel when `mesh` has an expert axis of more than one device
+        (models.contract.MeshAware); otherwise XLA places them (replicated under tensor parallelism)."""
+        self.mesh = mesh if dict(mesh.shape).get(EXPERT_AXIS, 1) > 1 else None
 
     def __call__(self, x):
         shape = x.shape
         h = x.reshape(-1, shape[-1])
-        n, k = h.shape[0], self.top_k
         probs = jax.nn.softmax(self.gate(h), axis=-1)
-        weights, chosen = jax.lax.top_k(probs, k)  # [N, k]
+        weights, chosen = jax.lax.top_k(probs, self.top_k)  # [N, k]
         if self.norm_topk_prob:
             weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
         weights = weights.astype(x.dtype)
-        flat = chosen.reshape(-1)  # pair i = (token i // k, its (i % k)-th expert)
-        order = jnp.argsort(flat, stable=True)  # the pairs grouped by expert
-        group_sizes = jnp.bincount(flat, length=self.num_experts).astype(jnp.int32)
-        out = self.experts(h[order // k], group_sizes)
-        per_pair = jnp.zeros_like(out).at[order].set(out).reshape(n, k, -1)  # back in token order
-        return jnp.sum(per_pair * weights[..., None], axis=1).reshape(shape)
+        if self.mesh is None:
+            out = routed_experts(
+                h, weights, chosen, *self.experts.weights(), first_expert=0, num_experts=self.num_experts
+            )
+        else:
+            out = expert_parallel(self.mesh, self.num_experts)(h, weights, chosen, *self.experts.weights())
+        return out.reshape(shape)
+
+
+def expert_parallel(mesh, num_experts: int):
+    """`routed_experts` with the experts split over the mesh's expert axis: each device runs its
+    own E / ep experts for every token of the step (all of them are on every device), and one
+    psum adds the devices' partial sums. Inputs and output are replicated; the expert stacks
+    are split on their leading axis."""
+
+    def per_device(h, weights, chosen, gate, up, down):
+        first = jax.lax.axis_index(EXPERT_AXIS) * gate.shape[0]
+        part = routed_experts(h, weights, chosen, gate, up, down, first_expert=first, num_experts=num_experts)
+        return jax.lax.psum(part, EXPERT_AXIS)
+
+    split = P(EXPERT_AXIS)
+    return jax.shard_map(
+        per_device,
+        mesh=mesh,
+        in_specs=(P(), P(), P(), split, split, split),
+        out_specs=P(),
+        check_vma=False,
+    )
 
 
 class Qwen3MoeForCausalLM(qwen3.Qwen3ForCausalLM):
     def make_mlp(self, layer: int):
         return SparseMoe if layer in self.cfg.sparse_layers else llama.MLP
-
-
-def sparse_layers(num_layers: int, num_experts: int, mlp_only_layers, decoder_sparse_step: int) -> tuple[int, ...]:
-    """The layers with experts, as transformers' `Qwen3MoeDecoderLayer` picks them."""
-    if num_experts <= 0:
-        return ()
-    only = set(mlp_only_layers or ())
-    return tuple(i for i in range(num_layers) if i not in only and (i + 1) % decoder_sparse_step == 0)
 
 
 def _moe_fields(num_layers: int, num_experts, top_k, width, norm_topk_prob, mlp_only_layers, step) -> dict:

@@ -6,6 +6,11 @@ the MLP, which XLA's SPMD partitioner inserts. KV pages are split by KV head; wi
 heads than chips, the K/V projections and pages are replicated instead. Everything else is
 replicated. The jitted steps are unchanged: shardings travel with the arrays, and the KV
 cache is pinned to its sharding on output so donation and the compile cache stay stable.
+
+Expert parallelism adds a mesh axis "expert" (ep devices) in front of "tp": the mesh is ep x tp
+devices, attention and dense layers split over "tp" and repeat along "expert", and a
+mixture-of-experts layer's stacked experts ([E, in, out]) split over "expert" on their leading
+axis (E / ep each); the layer itself dispatches inside a shard_map (models/qwen3_moe.py).
 """
 
 from __future__ import annotations
@@ -19,16 +24,46 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxserve.models.contract import EXPERT_AXIS, MeshAware
 from jaxserve.models.model_config import ModelConfig
 
 AXIS = "tp"
 
 
-def make_mesh(tp: int, devices=None) -> Mesh:
+def make_mesh(tp: int, devices=None, ep: int = 1) -> Mesh:
+    """A ("tp",) mesh of tp devices, or with expert parallelism an ("expert", "tp") mesh of
+    ep x tp (the first ep * tp devices)."""
     devices = list(devices if devices is not None else jax.devices())
     if tp < 1 or tp > len(devices):
         raise ValueError(f"tensor_parallel_size must be in [1, {len(devices)}] (devices available), got {tp}")
-    return Mesh(np.array(devices[:tp]), (AXIS,))
+    if ep == 1:
+        return Mesh(np.array(devices[:tp]), (AXIS,))
+    if ep < 1 or len(devices) % ep or ep * tp > len(devices):
+        raise ValueError(
+            f"expert_parallel_size must divide the device count ({len(devices)}) and expert_parallel_size x "
+            f"tensor_parallel_size ({ep} x {tp}) must not exceed it, got expert_parallel_size={ep}"
+        )
+    return Mesh(np.array(devices[: ep * tp]).reshape(ep, tp), (EXPERT_AXIS, AXIS))
+
+
+def check_expert_parallel(cfg: ModelConfig, ep: int) -> None:
+    """Expert parallelism needs a mixture-of-experts model whose experts divide evenly."""
+    if ep == 1:
+        return
+    if not cfg.num_experts:
+        raise ValueError(f"expert_parallel_size={ep} needs a mixture-of-experts model; {cfg.architecture} has none")
+    if cfg.num_experts % ep:
+        raise ValueError(f"expert_parallel_size={ep} must divide the model's num_experts ({cfg.num_experts})")
+
+
+def bind_mesh(module, mesh: Mesh) -> None:
+    """Give every layer that shards its own work (models.contract.MeshAware) the mesh, before
+    the model is split into graph and state (the mesh travels as static graph data)."""
+    from flax import nnx
+
+    for _, m in nnx.iter_modules(module):
+        if isinstance(m, MeshAware):
+            m.use_mesh(mesh)
 
 
 def check_divisible(cfg: ModelConfig, tp: int) -> None:
@@ -41,14 +76,17 @@ def kv_heads_sharded(cfg: ModelConfig, tp: int) -> bool:
     return cfg.num_kv_heads % tp == 0
 
 
-def param_spec(path: tuple, ndim: int, cfg: ModelConfig, tp: int) -> P:
+def param_spec(path: tuple, ndim: int, cfg: ModelConfig, tp: int, ep: int = 1) -> P:
     """A parameter's placement: the model's family says how each projection splits (its
     `tp_layout`), the Linear layer how that layout maps onto its kernel and bias; the rest is
     replicated. K/V projections stay replicated when their heads do not divide by the chip
-    count, and the LM head when the vocabulary does not."""
+    count, and the LM head when the vocabulary does not. With ep > 1 everything under an
+    `experts` module (stacked [E, ...]) splits over the expert axis by its leading dimension."""
     from jaxserve.models import linear, registry
 
     names = [str(p) for p in path]
+    if ep > 1 and "experts" in names[:-1]:
+        return P(EXPERT_AXIS, *([None] * (ndim - 1)))
     leaf, owner = names[-1], names[-2] if len(names) > 1 else ""
     layout = registry.family(cfg.architecture).tp_layout.get(owner) if leaf in linear.LEAVES else None
     if (owner in ("k_proj", "v_proj") and not kv_heads_sharded(cfg, tp)) or (
@@ -64,12 +102,12 @@ def shard_params(state, cfg: ModelConfig, mesh: Mesh):
     """Place an nnx State on the mesh by the rules above."""
     from flax import nnx
 
-    tp = mesh.shape[AXIS]
+    tp, ep = mesh.shape[AXIS], dict(mesh.shape).get(EXPERT_AXIS, 1)
     flat = nnx.to_flat_state(state)
     placed = []
     for path, var in flat:
         value = np.asarray(var.get_value())
-        sharding = NamedSharding(mesh, param_spec(path, value.ndim, cfg, tp))
+        sharding = NamedSharding(mesh, param_spec(path, value.ndim, cfg, tp, ep))
         # from a host copy, each process placing only its own shards (works across hosts)
         placed.append((path, var.replace(jax.make_array_from_callback(value.shape, sharding, lambda i, v=value: v[i]))))
     return nnx.from_flat_state(placed)

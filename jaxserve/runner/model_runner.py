@@ -314,6 +314,10 @@ class _Weights:
 
             module.untie_lm_head()  # the model contract (models/contract.py); a no-op where nothing is tied
             pack_native(module, matmul_dtype)
+        if mesh is not None:  # layers that shard_map themselves (expert parallelism) see the mesh
+            from jaxserve.parallel import sharding as shd
+
+            shd.bind_mesh(module, mesh)
         self.graphdef, self.state = nnx.split(module)
         self.kv_sharding = None
         if mesh is not None:
@@ -406,6 +410,7 @@ class RunnerConfig:
     # CPU_COMPUTE_BOUND_ROWS // (k + 1) by default); None: always speculate
     speculative_disable_by_batch_size: int | None = None
     tensor_parallel_size: int = 1
+    expert_parallel_size: int = 1  # devices the experts split over (an "expert" axis beside "tp")
     # Speculative batch buckets are powers of two from 8 rows (on TPU/GPU a sublane tile: fewer
     # rows cost the same). On the CPU every padded row costs its share of the matmuls, so a lone
     # request gets a bucket of one row.
@@ -444,13 +449,14 @@ class ModelRunner:
         self.token_buckets = cfg.token_buckets
         self.num_pages = cfg.num_pages
         self.mesh = None
-        if cfg.tensor_parallel_size > 1:
+        if cfg.tensor_parallel_size > 1 or cfg.expert_parallel_size > 1:
             from jaxserve.parallel import sharding as shd
 
             for c in (model_cfg, draft_cfg):
                 if c is not None:
                     shd.check_divisible(c, cfg.tensor_parallel_size)
-            self.mesh = shd.make_mesh(cfg.tensor_parallel_size)
+            shd.check_expert_parallel(model_cfg, cfg.expert_parallel_size)
+            self.mesh = shd.make_mesh(cfg.tensor_parallel_size, ep=cfg.expert_parallel_size)
         from jaxserve.parallel import multihost
 
         self.broadcaster = multihost.StepBroadcaster() if multihost.is_multiprocess() else None
@@ -860,6 +866,7 @@ def resolve(
         num_speculative_tokens=spec_k,
         speculative_disable_by_batch_size=spec_max_batch,
         tensor_parallel_size=cfg.tensor_parallel_size,
+        expert_parallel_size=cfg.expert_parallel_size,
         single_row_bucket=backend == "cpu",
         compilation_cache_dir=cfg.compilation_cache_dir,
         # what the executables were compiled for, as resolved here (packed weights or not)
@@ -918,10 +925,14 @@ def _resolve_matmul(cfg, backend: str) -> str:
         if backend != "cpu" or not native_matmul.available():
             why = "it runs on the CPU only" if backend != "cpu" else native_matmul.unavailable_reason()
             raise ValueError(f"matmul_impl='native' is unavailable here: {why}")
-        if cfg.tensor_parallel_size > 1:
-            raise ValueError("matmul_impl='native' cannot be split across chips; use tensor_parallel_size=1 or 'xla'")
+        if cfg.tensor_parallel_size > 1 or cfg.expert_parallel_size > 1:
+            raise ValueError(
+                "matmul_impl='native' cannot be split across chips; use tensor_parallel_size=1 and "
+                "expert_parallel_size=1, or 'xla'"
+            )
         return "native"
-    if cfg.matmul_impl is None and backend == "cpu" and cfg.tensor_parallel_size == 1 and native_matmul.available():
+    one_chip = cfg.tensor_parallel_size == 1 and cfg.expert_parallel_size == 1
+    if cfg.matmul_impl is None and backend == "cpu" and one_chip and native_matmul.available():
         return "native"
     return "xla"
 
