@@ -47,6 +47,7 @@ def test_prompt_lookup_lengths(tok_model, plain):
             speculative_model="ngram",
             num_speculative_tokens=3,
             prompt_lookup_min=lo,
+            speculative_adaptive=False,  # every proposal is verified (adaptive: test_adaptive_*)
             num_pages=200,
             **OPTS,
             **COLD,
@@ -170,7 +171,7 @@ def test_greedy_equals_plain_decoding_in_bfloat16(bf16_host, tmp_path):
     opts = dict(max_slots=4, page_size=16, max_model_len=256, num_pages=80, token_buckets=(1, 8, 16, 64), **COLD)
     plain = LLM(tmp_path, **opts)
     assert plain.runner.cfg.matmul_dtype == "bfloat16"
-    ngram = LLM(tmp_path, speculative_model="ngram", num_speculative_tokens=3, **opts)
+    ngram = LLM(tmp_path, speculative_model="ngram", num_speculative_tokens=3, speculative_adaptive=False, **opts)
     prompts, params = _workload(3, n=8, repetitive=True)
     params = [SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)] * len(prompts)
     for p in prompts:  # one at a time: batch 1, where a verify row and a decode step differ most
@@ -199,15 +200,19 @@ def test_speculation_off_above_a_batch_size(tok_model, eagle_dir, plain, spec):
     default is 16 // (k + 1)."""
     model = {"ngram": "ngram", "self": str(tok_model[0]), "eagle": str(eagle_dir)}[spec]
     if spec == "ngram":
-        assert (
-            LLM(
-                tok_model[0], speculative_model=model, num_speculative_tokens=3, max_slots=6, warmup=False
-            ).runner.cfg.speculative_disable_by_batch_size
-            == 4
-        )
+        for adaptive, default in ((False, 4), (True, None)):  # adaptive lookup decides by batch itself
+            llm = LLM(
+                tok_model[0],
+                speculative_model=model,
+                num_speculative_tokens=3,
+                max_slots=6,
+                speculative_adaptive=adaptive,
+                warmup=False,
+            )
+            assert llm.runner.cfg.speculative_disable_by_batch_size == default
         with pytest.raises(ValueError, match="speculative_disable_by_batch_size"):
             LLM(tok_model[0], speculative_model=model, speculative_disable_by_batch_size=0, warmup=False)
-    opts = {**OPTS, "speculative_disable_by_batch_size": 2}
+    opts = {**OPTS, "speculative_disable_by_batch_size": 2, "speculative_adaptive": False}
     llm = LLM(tok_model[0], speculative_model=model, num_speculative_tokens=3, num_pages=200, **opts, **COLD)
     prompts, params = _workload(4, repetitive=True)
     got = [o.token_ids for o in llm.generate(prompts, params)]
@@ -309,6 +314,7 @@ def test_sampling_is_lossless(tiny, spec, tmp_path):
         enable_prefix_caching=False,
         speculative_disable_by_batch_size=64,
         prompt_lookup_min=1,  # a 1-token match proposes: the prompt's repeats are single tokens
+        speculative_adaptive=False,  # every proposal is verified
         **COLD,
     )
     counts = _sampled_pairs(llm, prompt, 1.0)
