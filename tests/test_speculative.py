@@ -9,7 +9,7 @@ import collections
 import numpy as np
 import pytest
 import torch
-from conftest import SMOLLM2_WIDTHS, bf16_isas, cpu_isa, make_hf_model
+from conftest import SMOLLM2_WIDTHS, TEST_MODEL, bf16_isas, cpu_isa, make_hf_model
 from scipy import stats
 
 from jaxserve import LLM, SamplingParams
@@ -436,3 +436,40 @@ def test_a_stop_string_inside_a_speculative_step_ends_the_tokens_as_plain_decodi
     assert got.finish_reason == want.finish_reason == "stop"
     assert (got.token_ids, got.text) == (want.token_ids, want.text)
     assert len(got.token_ids) == pos + 1
+
+
+def test_adaptive_lookup_speculates_only_where_it_pays():
+    """Adaptive prompt lookup (the default for "ngram"): on the shipped test model, whose greedy
+    code falls into loops, requests speculate once their shadow windows show drafts being right,
+    and steps where nothing pays run plain; the tokens are plain decoding's, no step compiles
+    after warm-up, and the cost table it chose by was timed at warm-up."""
+    opts = dict(max_slots=4, page_size=8, max_model_len=160, num_pages=120, token_buckets=(1, 8, 16, 32, 64))
+    llm = LLM(TEST_MODEL, speculative_model="ngram", num_speculative_tokens=5, **opts)
+    assert llm.core.policy is not None and set(llm.core.policy.costs.table["spec"]) >= {2, 6}
+    prompts = ["def parse(data):\n    return ", "import os\n", "class Stack:\n    def push(self, x):\n", "x = 1\n"]
+    params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+    before = compile_count()
+    got = [o.token_ids for o in llm.generate(prompts, params)]
+    assert compile_count() == before
+    assert got == [o.token_ids for o in LLM(TEST_MODEL, **opts, **COLD).generate(prompts, params)]
+    st = llm.stats()
+    assert st["spec_target_steps"] > 0 and st["spec_plain_steps"] > 0
+    assert st["spec_mean_accepted"] > 1.5  # it speculated where drafts were right
+    assert not llm.core.policy.seqs  # finished requests leave nothing behind
+    llm.flush_prefix_cache()
+    assert llm.allocator.num_free == llm.allocator.capacity
+
+
+def test_seeded_sampling_equals_plain_decoding_under_prompt_lookup():
+    """Prompt lookup verifies by plain decoding's own draws (speculative.accept_exact): seeded
+    sampled requests get plain decoding's tokens, token for token, with every proposal verified
+    and drafts accepted and rejected (the shipped test model's code repeats itself)."""
+    opts = dict(max_slots=4, page_size=8, max_model_len=160, num_pages=120, token_buckets=(16, 32, 64), **COLD)
+    llm = LLM(TEST_MODEL, speculative_model="ngram", num_speculative_tokens=3, speculative_adaptive=False, **opts)
+    prompts = ["def parse(data):\n    return ", "import os\n", "class Stack:\n    def push(self, x):\n", "x = 1\n"]
+    params = [SamplingParams(max_tokens=50, temperature=t, top_p=0.95, seed=i, ignore_eos=True) for i, t in
+              enumerate((0.3, 0.6, 1.0, 0.3))]  # fmt: skip
+    got = [o.token_ids for o in llm.generate(prompts, params)]
+    assert got == [o.token_ids for o in LLM(TEST_MODEL, **opts).generate(prompts, params)]
+    st = llm.stats()
+    assert 1.0 < st["spec_mean_accepted"] < 4.0

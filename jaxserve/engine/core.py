@@ -428,7 +428,7 @@ class EngineCore:
     # -- the loop ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One scheduler step. Returns each touched request's output since its last one."""
-        t0 = time.perf_counter()
+        t0, compiles = (time.perf_counter(), self._compile_count()) if self.policy is not None else (0.0, 0)
         finished_now: list[Sequence] = []
         while not self._inbox.empty():
             op, arg = self._inbox.get()
@@ -483,11 +483,12 @@ class EngineCore:
         # a sequence can get tokens from two steps in one call (the previous step's, then this
         # one's read at once): one output each
         once = list({id(s): s for s in touched + finished_now}.values())
-        if self.policy is not None:
-            self._measure(plan, speculate, rows, once, time.perf_counter() - t0)
+        if self.policy is not None:  # a step that compiled (an engine without warm-up) is not timed
+            seconds = time.perf_counter() - t0 if self._compile_count() == compiles else None
+            self._measure(plan, speculate, rows, once, seconds)
         return [self._output(seq) for seq in once]
 
-    def _measure(self, plan, speculated: bool, rows, seqs: list[Sequence], seconds: float) -> None:
+    def _measure(self, plan, speculated: bool, rows, seqs: list[Sequence], seconds: float | None) -> None:
         """Adaptive prompt lookup's inputs: each touched request's new tokens against its shadow
         window, and a decode-only step's time (plain by rows, speculative by real tokens)."""
         for seq in seqs:
@@ -495,7 +496,7 @@ class EngineCore:
                 self.policy.forget(seq.request_id)
             else:
                 self.policy.observe(seq.request_id, seq.all_ids, len(seq.prompt_ids))
-        if plan.decodes and not plan.prefills and not plan.preempted:
+        if seconds is not None and plan.decodes and not plan.prefills and not plan.preempted:
             if speculated and rows is not None:
                 self.policy.costs.observe("spec", sum(len(r.tokens) for r in rows), seconds)
             elif not speculated and self._pending is not None:  # an overlapped step: its period

@@ -25,7 +25,10 @@ MATCH_CLASSES = (1, 4, 16)  # match lengths 1-3, 4-15, 16+: each has its own acc
 DECAY = 0.9  # a request's record: each window weighs 0.9 of the one after it
 GLOBAL_DECAY = 0.99  # the engine's record across requests (a new request's prior)
 PRIOR_WEIGHT = 2.0  # windows' worth of the engine's record in a new request's estimate
-MARGIN = 1.03  # a speculative step must promise this much more than a plain one per second
+MARGIN = 1.05  # a speculative step must promise this much more than a plain one per second
+# At least one step in this many verifies the best drafts found even when the table says it does
+# not pay: the table's verify costs are measured only by verify steps, and a host's load moves.
+EXPLORE_EVERY = 256
 
 
 class NgramIndex:
@@ -146,6 +149,7 @@ class SpecPolicy:
         self.costs = costs or StepCosts()
         self.global_records = [Record(1.0, 2.0) for _ in MATCH_CLASSES]
         self.seqs: dict[str, SeqSpec] = {}
+        self.plain_run = 0  # decode steps since the last verify step
 
     def state(self, request_id: str) -> SeqSpec:
         st = self.seqs.get(request_id)
@@ -216,14 +220,17 @@ class SpecPolicy:
             key=lambda g: -g[0],
         )
         plain = rows / self.costs.cost("plain", rows)
-        best, best_m, expected = plain * MARGIN, 0, float(rows)
+        explore = self.plain_run >= EXPLORE_EVERY
+        best, best_m, expected = (0.0 if explore else plain * MARGIN), 0, float(rows)
         for m, (g, _) in enumerate(gains, start=1):
             expected += g
             v = expected / self.costs.cost("spec", rows + m)
             if v > best:
                 best, best_m = v, m
         if best_m == 0:
+            self.plain_run += 1
             return None
+        self.plain_run = 0
         counts = [0] * rows
         for _, i in gains[:best_m]:
             counts[i] += 1
@@ -235,8 +242,13 @@ class SpecPolicy:
         points with a proposal and the acceptance of its latest match class."""
         if not request_ids:
             return False
+        if self.plain_run >= EXPLORE_EVERY:
+            return True
         est = []
         for rid in request_ids:
             st = self.state(rid)
             est.append((self.k, self.rate(st, st.last_cls), min(1.0, st.proposing * 1.25)))
-        return self.choose(est) is not None
+        run = self.plain_run
+        verdict = self.choose(est) is not None
+        self.plain_run = run + (not verdict)  # a step that is not tried counts as plain once
+        return verdict
