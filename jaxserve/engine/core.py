@@ -400,6 +400,7 @@ class EngineCore:
             "overlapped_steps": self.overlapped_steps,
             **(self.spec_stats.as_dict() if self.spec_stats else {}),
             **({"spec_plain_steps": self.spec_plain_steps} if self.spec_stats else {}),
+            **({"spec_step_seconds": self.policy.costs.table} if self.policy is not None else {}),
         }
 
     def model_info(self) -> ModelInfo:
@@ -445,6 +446,7 @@ class EngineCore:
             # the plan below sees them (lengths, pages for the lookahead, who finished)
             touched += self._resolve(self._pending)
             self._pending = None
+            t0 = time.perf_counter()  # the verify step's own time: the plain step read here was timed as one
         plan = self.scheduler.schedule()
         if plan.copies:
             self.runner.copy_pages(plan.copies)

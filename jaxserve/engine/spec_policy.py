@@ -126,6 +126,9 @@ class StepCosts:
             self.table = {k: {n: v * scale for n, v in t.items()} for k, t in self.table.items()}
             self.in_seconds = True
         t = self.table[kind]
+        # a step the host stalled (another process, a collection) moves the average by at most 2x
+        # its weight: verify steps of one size are rare, and one outlier must not stop them
+        seconds = min(seconds, 2 * self.cost(kind, size))
         t[size] = seconds if size not in t else (1 - weight) * t[size] + weight * seconds
 
     def cost(self, kind: str, size: int) -> float:
