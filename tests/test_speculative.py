@@ -9,7 +9,7 @@ import collections
 import numpy as np
 import pytest
 import torch
-from conftest import SMOLLM2_WIDTHS, bf16_isas, cpu_isa, make_hf_model
+from conftest import SMOLLM2_WIDTHS, TEST_MODEL, bf16_isas, cpu_isa, make_hf_model
 from scipy import stats
 
 from jaxserve import LLM, SamplingParams
@@ -47,6 +47,7 @@ def test_prompt_lookup_lengths(tok_model, plain):
             speculative_model="ngram",
             num_speculative_tokens=3,
             prompt_lookup_min=lo,
+            speculative_adaptive=False,  # every proposal is verified (adaptive: test_adaptive_*)
             num_pages=200,
             **OPTS,
             **COLD,
@@ -170,7 +171,7 @@ def test_greedy_equals_plain_decoding_in_bfloat16(bf16_host, tmp_path):
     opts = dict(max_slots=4, page_size=16, max_model_len=256, num_pages=80, token_buckets=(1, 8, 16, 64), **COLD)
     plain = LLM(tmp_path, **opts)
     assert plain.runner.cfg.matmul_dtype == "bfloat16"
-    ngram = LLM(tmp_path, speculative_model="ngram", num_speculative_tokens=3, **opts)
+    ngram = LLM(tmp_path, speculative_model="ngram", num_speculative_tokens=3, speculative_adaptive=False, **opts)
     prompts, params = _workload(3, n=8, repetitive=True)
     params = [SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)] * len(prompts)
     for p in prompts:  # one at a time: batch 1, where a verify row and a decode step differ most
@@ -199,15 +200,19 @@ def test_speculation_off_above_a_batch_size(tok_model, eagle_dir, plain, spec):
     default is 16 // (k + 1)."""
     model = {"ngram": "ngram", "self": str(tok_model[0]), "eagle": str(eagle_dir)}[spec]
     if spec == "ngram":
-        assert (
-            LLM(
-                tok_model[0], speculative_model=model, num_speculative_tokens=3, max_slots=6, warmup=False
-            ).runner.cfg.speculative_disable_by_batch_size
-            == 4
-        )
+        for adaptive, default in ((False, 4), (True, None)):  # adaptive lookup decides by batch itself
+            llm = LLM(
+                tok_model[0],
+                speculative_model=model,
+                num_speculative_tokens=3,
+                max_slots=6,
+                speculative_adaptive=adaptive,
+                warmup=False,
+            )
+            assert llm.runner.cfg.speculative_disable_by_batch_size == default
         with pytest.raises(ValueError, match="speculative_disable_by_batch_size"):
             LLM(tok_model[0], speculative_model=model, speculative_disable_by_batch_size=0, warmup=False)
-    opts = {**OPTS, "speculative_disable_by_batch_size": 2}
+    opts = {**OPTS, "speculative_disable_by_batch_size": 2, "speculative_adaptive": False}
     llm = LLM(tok_model[0], speculative_model=model, num_speculative_tokens=3, num_pages=200, **opts, **COLD)
     prompts, params = _workload(4, repetitive=True)
     got = [o.token_ids for o in llm.generate(prompts, params)]
@@ -309,6 +314,7 @@ def test_sampling_is_lossless(tiny, spec, tmp_path):
         enable_prefix_caching=False,
         speculative_disable_by_batch_size=64,
         prompt_lookup_min=1,  # a 1-token match proposes: the prompt's repeats are single tokens
+        speculative_adaptive=False,  # every proposal is verified
         **COLD,
     )
     counts = _sampled_pairs(llm, prompt, 1.0)
@@ -430,3 +436,40 @@ def test_a_stop_string_inside_a_speculative_step_ends_the_tokens_as_plain_decodi
     assert got.finish_reason == want.finish_reason == "stop"
     assert (got.token_ids, got.text) == (want.token_ids, want.text)
     assert len(got.token_ids) == pos + 1
+
+
+def test_adaptive_lookup_speculates_only_where_it_pays():
+    """Adaptive prompt lookup (the default for "ngram"): on the shipped test model, whose greedy
+    code falls into loops, requests speculate once their shadow windows show drafts being right,
+    and steps where nothing pays run plain; the tokens are plain decoding's, no step compiles
+    after warm-up, and the cost table it chose by was timed at warm-up."""
+    opts = dict(max_slots=4, page_size=8, max_model_len=160, num_pages=120, token_buckets=(1, 8, 16, 32, 64))
+    llm = LLM(TEST_MODEL, speculative_model="ngram", num_speculative_tokens=5, **opts)
+    assert llm.core.policy is not None and set(llm.core.policy.costs.table["spec"]) >= {2, 6}
+    prompts = ["def parse(data):\n    return ", "import os\n", "class Stack:\n    def push(self, x):\n", "x = 1\n"]
+    params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+    before = compile_count()
+    got = [o.token_ids for o in llm.generate(prompts, params)]
+    assert compile_count() == before
+    assert got == [o.token_ids for o in LLM(TEST_MODEL, **opts, **COLD).generate(prompts, params)]
+    st = llm.stats()
+    assert st["spec_target_steps"] > 0 and st["spec_plain_steps"] > 0
+    assert st["spec_mean_accepted"] > 1.5  # it speculated where drafts were right
+    assert not llm.core.policy.seqs  # finished requests leave nothing behind
+    llm.flush_prefix_cache()
+    assert llm.allocator.num_free == llm.allocator.capacity
+
+
+def test_seeded_sampling_equals_plain_decoding_under_prompt_lookup():
+    """Prompt lookup verifies by plain decoding's own draws (speculative.accept_exact): seeded
+    sampled requests get plain decoding's tokens, token for token, with every proposal verified
+    and drafts accepted and rejected (the shipped test model's code repeats itself)."""
+    opts = dict(max_slots=4, page_size=8, max_model_len=160, num_pages=120, token_buckets=(16, 32, 64), **COLD)
+    llm = LLM(TEST_MODEL, speculative_model="ngram", num_speculative_tokens=3, speculative_adaptive=False, **opts)
+    prompts = ["def parse(data):\n    return ", "import os\n", "class Stack:\n    def push(self, x):\n", "x = 1\n"]
+    params = [SamplingParams(max_tokens=50, temperature=t, top_p=0.95, seed=i, ignore_eos=True) for i, t in
+              enumerate((0.3, 0.6, 1.0, 0.3))]  # fmt: skip
+    got = [o.token_ids for o in llm.generate(prompts, params)]
+    assert got == [o.token_ids for o in LLM(TEST_MODEL, **opts).generate(prompts, params)]
+    st = llm.stats()
+    assert 1.0 < st["spec_mean_accepted"] < 4.0

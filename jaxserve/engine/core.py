@@ -121,6 +121,11 @@ class EngineCore:
                 "ngram" if draft is None else "eagle" if self.runner.eagle else Path(self.cfg.speculative_model).name
             )
             self.spec_stats = SpecStats(self.spec_k)
+        self.policy = None  # adaptive prompt lookup (engine/spec_policy.py)
+        if self.speculative_name == "ngram" and self.cfg.speculative_adaptive:
+            from jaxserve.engine.spec_policy import SpecPolicy
+
+            self.policy = SpecPolicy(self.spec_k, self.cfg.prompt_lookup_min, self.cfg.prompt_lookup_max)
         # Steps with more decoding sequences than this run plain (EngineConfig's comment).
         self.spec_max_batch = rc.speculative_disable_by_batch_size
         self.spec_plain_steps = 0  # steps run plain because of it
@@ -164,6 +169,10 @@ class EngineCore:
         if warmup:
             say = (lambda m: print(f"[jaxserve] {m}", file=sys.stderr, flush=True)) if log_progress else None
             secs = self.runner.warmup(say)
+            if self.policy is not None:  # the verify step's cost on this host, from measured steps
+                from jaxserve.engine.spec_policy import StepCosts
+
+                self.policy.costs = StepCosts(self.runner.time_steps())
             store = self.runner.store
             log.info(
                 "warm-up compiled every bucket in %.1fs%s",
@@ -391,6 +400,7 @@ class EngineCore:
             "overlapped_steps": self.overlapped_steps,
             **(self.spec_stats.as_dict() if self.spec_stats else {}),
             **({"spec_plain_steps": self.spec_plain_steps} if self.spec_stats else {}),
+            **({"spec_step_seconds": self.policy.costs.table} if self.policy is not None else {}),
         }
 
     def model_info(self) -> ModelInfo:
@@ -419,6 +429,7 @@ class EngineCore:
     # -- the loop ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One scheduler step. Returns each touched request's output since its last one."""
+        t0, compiles = (time.perf_counter(), self._compile_count()) if self.policy is not None else (0.0, 0)
         finished_now: list[Sequence] = []
         while not self._inbox.empty():
             op, arg = self._inbox.get()
@@ -435,6 +446,7 @@ class EngineCore:
             # the plan below sees them (lengths, pages for the lookahead, who finished)
             touched += self._resolve(self._pending)
             self._pending = None
+            t0 = time.perf_counter()  # the verify step's own time: the plain step read here was timed as one
         plan = self.scheduler.schedule()
         if plan.copies:
             self.runner.copy_pages(plan.copies)
@@ -444,8 +456,11 @@ class EngineCore:
         ):
             speculate = False
             self.spec_plain_steps += 1
+        rows = self._lookup_rows(plan) if speculate else None
+        if rows == "plain":  # adaptive prompt lookup: no draft pays this step
+            speculate, rows = False, None
+            self.spec_plain_steps += 1
         if speculate:
-            rows = self._lookup_rows(plan)
             if rows is not None:  # prompt lookup: one ragged step verifies the decodes beside the chunks
                 touched += self.scheduler.update(plan, self._speculate_ragged(plan.decodes, rows))
             else:  # a draft model proposes on the device first; prompt logprobs; more tokens than a step
@@ -470,14 +485,35 @@ class EngineCore:
         # a sequence can get tokens from two steps in one call (the previous step's, then this
         # one's read at once): one output each
         once = list({id(s): s for s in touched + finished_now}.values())
+        if self.policy is not None:  # a step that compiled (an engine without warm-up) is not timed
+            seconds = time.perf_counter() - t0 if self._compile_count() == compiles else None
+            self._measure(plan, speculate, rows, once, seconds)
         return [self._output(seq) for seq in once]
 
-    def _propose(self, seq: Sequence) -> list[int]:
-        """Prompt lookup's drafts for a sequence (EngineConfig's prompt_lookup_min/max)."""
+    def _measure(self, plan, speculated: bool, rows, seqs: list[Sequence], seconds: float | None) -> None:
+        """Adaptive prompt lookup's inputs: each touched request's new tokens against its shadow
+        window, and a decode-only step's time (plain by rows, speculative by real tokens)."""
+        for seq in seqs:
+            if seq.status is Status.FINISHED:
+                self.policy.forget(seq.request_id)
+            else:
+                self.policy.observe(seq.request_id, seq.all_ids, len(seq.prompt_ids))
+        if seconds is not None and plan.decodes and not plan.prefills and not plan.preempted:
+            if speculated and rows is not None:
+                self.policy.costs.observe("spec", sum(len(r.tokens) for r in rows), seconds)
+            elif not speculated and self._pending is not None:  # an overlapped step: its period
+                self.policy.costs.observe("plain", len(plan.decodes), seconds)
+
+    def _propose(self, seq: Sequence) -> tuple[list[int], float]:
+        """Prompt lookup's drafts for a sequence (EngineConfig's prompt_lookup_min/max) and, when
+        adaptive, their acceptance estimate (1.0 otherwise)."""
+        if self.policy is not None:
+            self.policy.observe(seq.request_id, seq.all_ids, len(seq.prompt_ids))
+            return self.policy.propose(seq.request_id, seq.all_ids)
         from jaxserve.runner.speculative import ngram_propose
 
         c = self.cfg
-        return ngram_propose(seq.all_ids, self.spec_k, c.prompt_lookup_max, c.prompt_lookup_min)
+        return ngram_propose(seq.all_ids, self.spec_k, c.prompt_lookup_max, c.prompt_lookup_min), 1.0
 
     def _may_speculate(self) -> bool:
         """Whether the next step may speculate: a speculative engine whose decoding sequences
@@ -485,9 +521,12 @@ class EngineCore:
         still push the step over it; that step then runs plain)."""
         if not self.spec_k:
             return False
-        if self.spec_max_batch is None:
-            return True
-        return sum(1 for s in self.scheduler.running if not s.prefilling) <= self.spec_max_batch
+        decoding = [s for s in self.scheduler.running if not s.prefilling]
+        if self.spec_max_batch is not None and len(decoding) > self.spec_max_batch:
+            return False
+        if self.policy is not None:
+            return self.policy.worth_trying([s.request_id for s in decoding])
+        return True
 
     @staticmethod
     def _next_tokens(c) -> list[int]:
@@ -609,18 +648,24 @@ class EngineCore:
             out[seq.request_id] = [(tok, lp)]
         return self.scheduler.apply(step.seqs, out)
 
-    def _lookup_rows(self, plan) -> list[Chunk] | None:
+    def _lookup_rows(self, plan) -> list[Chunk] | str | None:
         """The plan as one ragged step with prompt-lookup drafts: each decoding sequence's row is
         [its prompt's last chunk..., last token, drafts...] (sampling rows first, in plan.decodes'
         order), then the chunks of prompts still being filled. None where that step does not
-        apply: a draft model, a chunk to score, or more tokens than the largest bucket."""
+        apply: a draft model, a chunk to score, or more tokens than the largest bucket; "plain"
+        where adaptive prompt lookup finds no draft that pays (a plain step serves it)."""
         if self.runner.draft is not None or any(c.seq.wants_prompt_logprobs for c in plan.prefills):
             return None
         chunk_of = {id(c.seq): c for c in plan.prefills}
+        proposals = [self._propose(s) for s in plan.decodes]
+        if self.policy is not None:
+            counts = self.policy.choose([(len(d), a, 1.0) for d, a in proposals])
+            if counts is None:
+                return "plain"
+            proposals = [(d[:n], a) for (d, a), n in zip(proposals, counts)]
         rows = []
-        for s in plan.decodes:
+        for s, (drafts, _) in zip(plan.decodes, proposals):
             c = chunk_of.pop(id(s), None)
-            drafts = self._propose(s)
             start = s.length - 1 if c is None else c.start
             row = self._chunk(s, s.all_ids[start:] + drafts, None, start)
             rows.append(dataclasses.replace(row, num_drafts=len(drafts)))
@@ -639,7 +684,7 @@ class EngineCore:
 
     def _speculate(self, seqs: list[Sequence]) -> dict[str, list[tuple[int, None]]]:
         if self.runner.draft is None:
-            rows = [self._chunk(s, [s.all_ids[-1]] + self._propose(s)) for s in seqs]
+            rows = [self._chunk(s, [s.all_ids[-1]] + self._propose(s)[0]) for s in seqs]
         else:
             rows = [self._chunk(s, [s.all_ids[-1]]) for s in seqs]
         out, n_out, num_drafts = self.runner.speculate(rows)

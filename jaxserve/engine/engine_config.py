@@ -54,6 +54,10 @@ class EngineConfig:
     # default model 2 proposed in half the code steps instead of 77%, for 2.13 tokens a step
     # instead of 2.29, and served code 1.53x plain against 1.44x (docs/benchmarks-log.md).
     prompt_lookup_min: int = 2
+    # Prompt lookup chooses each step's drafts per request (engine/spec_policy.py): from 0 (a
+    # plain, overlapped step) to num_speculative_tokens, by that request's measured acceptance
+    # and the step times measured on this host; False: every row proposes up to k.
+    speculative_adaptive: bool = True
     prompt_lookup_max: int = 3
     tensor_parallel_size: int = 1
     # Mixture-of-experts models: the devices the experts split over (each holds E / ep of them), an

@@ -241,6 +241,25 @@ class PendingStep:
         return StepResult(*host, prompt)
 
 
+def logit_places(qsl: np.ndarray, rows: Sequence[Chunk], num_rows: int, k: int) -> tuple[np.ndarray, int, np.ndarray]:
+    """Where a prompt-lookup verify step takes logits (speculative.verify_ragged): the flat
+    index of each row's last token and its drafts, row after row, then padding; how many are
+    real; and gather [num_rows, k + 1], each (row, j)'s place among them (its last real place
+    past its drafts). A row without drafts (or without sampling) takes one place."""
+    index = np.zeros((num_rows * (k + 1),), np.int32)
+    gather = np.zeros((num_rows, k + 1), np.int32)
+    m = 0
+    for i, c in enumerate(rows):
+        if c.sampling is None:  # a prompt chunk: no logits (its gather row is never read)
+            continue
+        last = int(qsl[i]) + len(c.tokens) - 1 - c.num_drafts
+        n = c.num_drafts
+        index[m : m + n + 1] = last + np.arange(n + 1)
+        gather[i] = m + np.minimum(np.arange(k + 1), n)
+        m += n + 1
+    return index, m, gather
+
+
 def replicated(method: Callable) -> Callable:
     """A runner call every process must make: with several processes, the leader first
     hands its host inputs to the others (multihost.StepBroadcaster)."""
@@ -698,14 +717,12 @@ class ModelRunner:
         t = bucket_for(self.token_buckets, sum(len(c.tokens) for c in rows))
         r = self.rows_for(t)
         batch = self.batch(rows, r, t)
-        qsl = batch.attn.query_start_loc
-        spec = np.zeros((r, k + 1), np.int32)
-        for i, c in enumerate(rows):
-            last = qsl[i] + len(c.tokens) - 1 - c.num_drafts
-            spec[i] = np.minimum(last + np.arange(k + 1), qsl[i + 1] - 1)
+        index, num_logits, gather = logit_places(batch.attn.query_start_loc, rows, r, k)
         do_sample = bool(np.any(batch.active & (batch.sampling.temperature > 0)))
         w = self.target
-        w.kv, out, n_out = self._verify_ragged(w.params, w.kv, batch, spec, do_sample=do_sample)
+        w.kv, out, n_out = self._verify_ragged(
+            w.params, w.kv, batch, index, np.int32(num_logits), gather, do_sample=do_sample
+        )
         return to_host(out)[: len(rows)], to_host(n_out)[: len(rows)]
 
     @replicated
@@ -775,6 +792,39 @@ class ModelRunner:
         else:
             row = Chunk([0] * a, 0, pages, (0.0, 0, 1.0, 0, 0))  # a tokens pick bucket a
             self.step([row], True, [[0] * a] if kind == "score" else [])
+
+    def time_steps(self, reps: int = 5) -> dict[str, dict[int, float]]:
+        """Seconds (the fastest of `reps`) of a decode step by its rows ("plain") and of a prompt-lookup
+        verify step by its real tokens ("spec": rows of 1 + k tokens), on the dummy page, after
+        warm-up: the cost table that adaptive speculation (engine/spec_policy.py) starts from."""
+        pages = [DUMMY_PAGE] * self.max_pages_per_seq
+        greedy = (0.0, 0, 1.0, 0, 0)
+        cap = self.token_buckets[-1]
+        rows_list = [b for b in (1, 2, 4, 8, 16, 32, 64) if b <= min(self.cfg.max_slots, cap)]
+        k = self.spec_k
+        sizes = sorted(
+            {t for t in (2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64) if t <= min(cap, self.cfg.max_slots * (k + 1))}
+        )
+
+        jobs: dict[tuple[str, int], Callable] = {}
+        for b in rows_list:
+            jobs["plain", b] = lambda b=b: self.step([Chunk([0], 0, pages, greedy)] * b)
+        for t in sizes:
+            rows, left = [], t
+            while left:
+                n = min(left, k + 1)
+                rows.append(Chunk([0] * n, 0, pages, greedy, n - 1))
+                left -= n
+            jobs["spec", t] = lambda rows=rows: self.speculate_ragged(rows)
+        best = {key: float("inf") for key in jobs}
+        for _ in range(reps):  # interleaved, the fastest of each: a busy host's drift hits all alike
+            for key, fn in jobs.items():
+                t0 = time.perf_counter()
+                fn()
+                best[key] = min(best[key], time.perf_counter() - t0)
+        plain = {b: best["plain", b] for b in rows_list}
+        spec = {t: best["spec", t] for t in sizes}
+        return {"plain": plain, "spec": spec}
 
     def wait_for_huge_pages(self) -> None:
         """Until every model's buffers are on huge pages (host_memory: collapsing runs in the
@@ -846,7 +896,8 @@ def resolve(
         attention_impl = "xla"  # the CPU default falls back to the XLA path, which reads fp8 pages
     spec_k = cfg.num_speculative_tokens if cfg.speculative_model else 0
     spec_max_batch = cfg.speculative_disable_by_batch_size
-    if spec_max_batch is None and spec_k and backend == "cpu":  # a CPU step is compute-bound from ~16 rows
+    adaptive = cfg.speculative_model == "ngram" and cfg.speculative_adaptive
+    if spec_max_batch is None and spec_k and backend == "cpu" and not adaptive:  # compute-bound from ~16 rows
         spec_max_batch = max(1, CPU_COMPUTE_BOUND_ROWS // (spec_k + 1))
     return RunnerConfig(
         max_slots=cfg.max_slots,

@@ -22,6 +22,7 @@ is masked, and is overwritten; the scheduler returns pages past the new length.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence as Seq
 
 import jax
@@ -30,7 +31,7 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.models import eagle
-from jaxserve.runner.sampling import argmax, probs, slot_key
+from jaxserve.runner.sampling import argmax, probs, sample, slot_key
 from jaxserve.runner.step_batch import StepBatch
 from pallas_kernels.reference import RaggedMetadata
 
@@ -190,7 +191,8 @@ def verify(
     final-norm hidden state at every position [S * (k + 1), H] (an EAGLE head's features)."""
     tokens = _rows(batch, batch.tokens)
     k = tokens.shape[1] - 1
-    if drafts is None:
+    host_drafts = drafts is None
+    if host_drafts:
         drafts, num_drafts = tokens[:, 1:], batch.num_drafts
     else:
         num_drafts = jnp.where(batch.active, k, 0).astype(jnp.int32)
@@ -200,44 +202,89 @@ def verify(
     logits, kv, *hidden = model(
         tokens, _rows(batch, batch.positions), kv, md, backend.forward, return_hidden=with_hidden
     )  # [S, T, V]
-    out, n_out = accept(logits, drafts, draft_q, num_drafts, batch.sampling, do_sample=do_sample, argmax_fn=argmax_fn)
+    if host_drafts:  # prompt lookup: plain decoding's own draws (accept_exact)
+        s, t = tokens.shape
+        gather = jnp.arange(s * t, dtype=jnp.int32).reshape(s, t)
+        gather = gather[:, :1] + jnp.minimum(jnp.arange(t, dtype=jnp.int32)[None, :], num_drafts[:, None])
+        flat = logits.reshape(s * t, -1)
+        out, n_out = accept_exact(flat, gather, drafts, num_drafts, batch.sampling, do_sample, argmax_fn)
+    else:
+        out, n_out = accept(
+            logits, drafts, draft_q, num_drafts, batch.sampling, do_sample=do_sample, argmax_fn=argmax_fn
+        )
     if with_hidden:
         return kv, out, n_out, hidden[0].reshape(-1, hidden[0].shape[-1])
     return kv, out, n_out
 
 
-def verify_ragged(graphdef, backend, params, kv, batch: StepBatch, spec_index, *, do_sample: bool, argmax_fn=argmax):
+def verify_ragged(
+    graphdef,
+    backend,
+    params,
+    kv,
+    batch: StepBatch,
+    logit_index,
+    num_logits,
+    gather,
+    *,
+    do_sample: bool,
+    argmax_fn=argmax,
+):
     """Verification inside the ragged step: the batch's rows are prompt chunks (sampling
     nothing), prompts' last chunks with their last token, and decode rows [last, d1..d_n]
     (n = num_drafts <= k host proposals: prompt lookup), all in one forward pass that reads
-    every weight once. spec_index [R, k + 1]: the flat index of each row's last prompt or
-    decode token and of its drafts (repeated past them). Returns (kv, out_tokens [R, k+1],
-    n_out [R]) as `verify`."""
+    every weight once. Only the real positions reach the vocabulary projection: logit_index
+    [M] holds the flat index of each sampling row's last token and its n drafts, row after
+    row, first (num_logits of them, traced; the rest pad), so a row that proposes nothing
+    costs one position's logits whatever k was compiled. gather [R, k + 1]: each (row, j)'s
+    place in logit_index (a row's last real place repeated past its drafts). Returns (kv,
+    out_tokens [R, k+1], n_out [R]) as `verify`, by `accept_exact`."""
     model = nnx.merge(graphdef, params)
     md = backend.metadata(batch.attn)
     live = batch.attn.query_start_loc[-1]
-    r, t = spec_index.shape
     logits, kv = model(
         batch.tokens[None],
         batch.positions[None],
         kv,
         md,
         backend.forward,
-        token_index=spec_index.reshape(-1),
+        token_index=logit_index,
         num_live_tokens=live,
-        num_live_logits=batch.live_rows() * t,  # each real row's k + 1 positions come first
+        num_live_logits=num_logits,
     )
-    drafts = batch.tokens[spec_index[:, 1:]]
-    out, n_out = accept(
-        logits.reshape(r, t, -1),
-        drafts,
-        None,
-        batch.num_drafts,
-        batch.sampling,
-        do_sample=do_sample,
-        argmax_fn=argmax_fn,
-    )
+    drafts = batch.tokens[logit_index[gather[:, 1:]]]
+    out, n_out = accept_exact(logits, gather, drafts, batch.num_drafts, batch.sampling, do_sample, argmax_fn)
     return kv, out, n_out
+
+
+def accept_exact(logits, gather, drafts, num_drafts, sp, do_sample: bool, argmax_fn=argmax):
+    """Verification of deterministic proposals (prompt lookup) that emits exactly what plain
+    decoding would: the target's token y_j at every verified position j is drawn as the plain
+    step draws it (`sampling.sample`: the argmax for greedy rows, the row's key at output
+    position counter + j for sampled ones), drafts are accepted while d_j == y_j, and the
+    first y_j that differs is the correction. For a one-hot proposal this is the rejection
+    rule (accept d with probability p(d), then a draw from p restricted to the rest), coupled
+    to plain decoding's draws: a seeded request's tokens do not depend on whether, or how far,
+    a step speculated. logits [M, V] at the places `gather` [R, k + 1] indexes. Returns
+    (out_tokens [R, k+1], n_out [R])."""
+    r, t = gather.shape
+    k = t - 1
+    m = logits.shape[0]
+    # each place's row and output offset: the smallest (row, j) gathering it (a row repeats its
+    # last place past its drafts; padding rows and rows that sample nothing come later)
+    flat = gather.reshape(-1)
+    owner = jnp.full((m,), r, jnp.int32).at[flat].min(jnp.repeat(jnp.arange(r, dtype=jnp.int32), t))
+    step = jnp.full((m,), t, jnp.int32).at[flat].min(jnp.tile(jnp.arange(t, dtype=jnp.int32), r))
+    owner, step = jnp.minimum(owner, r - 1), jnp.where(step == t, 0, step)
+    per_place = jax.tree.map(lambda x: x[owner], sp)
+    per_place = dataclasses.replace(per_place, counters=per_place.counters + step)
+    y, *_ = sample(logits, per_place, do_sample=do_sample, num_logprobs=0, argmax_fn=argmax_fn)
+    y = y[gather]  # [R, k + 1]
+    has_draft = jnp.arange(k)[None, :] < num_drafts[:, None]
+    ok = (drafts == y[:, :k]) & has_draft
+    n_acc = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
+    out = jnp.where(jnp.arange(t)[None, :] <= n_acc[:, None], y, 0)
+    return out.astype(jnp.int32), (n_acc + 1).astype(jnp.int32)
 
 
 def accept(logits, drafts, draft_q, num_drafts, sp, *, do_sample: bool, argmax_fn=argmax):

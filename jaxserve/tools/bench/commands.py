@@ -225,9 +225,12 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_flags(p, compare=False)
     p.add_argument("--draft", default=None, help="a draft checkpoint (same tokenizer); without it only n-gram runs")
     p.add_argument("--k", type=_positive, default=4, help="draft tokens per step (default 4)")
-    p.add_argument("--prompts", choices=("code", "editing", "chat"), default="editing", help="code: Python source; "
-                   "editing: a function then the start of its copy (prompt lookup's case); chat: questions to an "
-                   "instruct model, rendered with its chat template")  # fmt: skip
+    p.add_argument("--prompts", choices=("code", "editing", "edit", "chat"), default="editing", help="code: Python "
+                   "source; editing: a function then the start of its copy (prompt lookup's case); edit: chat requests "
+                   "to edit a snippet and show the whole code; chat: questions to an instruct model (edit and chat "
+                   "rendered with its chat template)")  # fmt: skip
+    p.add_argument("--fixed-k", type=_positive, default=None, help="also run n-gram with every row proposing up to "
+                   "this many drafts (speculative_adaptive=False)")  # fmt: skip
     p.add_argument("--num-requests", type=_positive, default=8)
     p.add_argument("--output-len", type=_positive, default=128)
     p.add_argument("--batch", type=_positive, default=1, help="requests in flight at once (default 1)")
@@ -465,18 +468,23 @@ def cmd_speculative(args, argv) -> dict:
     from jaxserve.tools.bench.workload import Request
 
     base = {"enable_prefix_caching": False, **args.engine_opts}
-    sets = [base, {**base, "speculative_model": "ngram", "num_speculative_tokens": args.k}]
+    ngram = {**base, "speculative_model": "ngram", "num_speculative_tokens": args.k}
+    sets, labels = [base, ngram], ["plain", "ngram"]
+    if args.fixed_k:  # every row proposes up to k (speculative_adaptive=False), beside the adaptive choice
+        sets.append({**ngram, "speculative_adaptive": False, "num_speculative_tokens": args.fixed_k})
+        labels.append(f"ngram-fixed-k{args.fixed_k}")
     if args.draft:
         sets.append({**base, "speculative_model": args.draft, "num_speculative_tokens": args.k})
+        labels.append("draft")
     prompts = speculative.prompts(args.prompts, args.num_requests)
     outputs: dict[tuple[int, int], list] = {}
     with ExitStack() as stack:
         llms, configs = _build_llms(args, stack, sets)
-        if args.prompts == "chat":
+        if args.prompts in ("chat", "edit"):
             tok = llms[0].tokenizer
             prompts = [tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in prompts]
         requests = [Request(p, args.output_len) for p in prompts]
-        for cfg, name in zip(configs, ("plain", "ngram", "draft")):
+        for cfg, name in zip(configs, labels):
             cfg.label = name
 
         def one(c: int, k: int):

@@ -81,4 +81,10 @@ def run_offline(llm, requests: list[Request], *, max_concurrency: int | None = N
     if "spec_mean_accepted" in after:
         extra["spec_tokens_per_target_step"] = after["spec_mean_accepted"]
         extra["spec_acceptance_by_position"] = after.get("spec_acceptance_by_position")
+        for key in ("spec_target_steps", "spec_plain_steps"):  # verify slot-steps; steps run plain
+            extra[key] = after.get(key, 0) - before.get(key, 0)
+        if "spec_step_seconds" in after:  # adaptive prompt lookup's cost table at the round's end
+            extra["spec_step_seconds"] = {
+                k: {str(n): v for n, v in t.items()} for k, t in after["spec_step_seconds"].items()
+            }
     return RoundStats(wall, records, extra, outputs)
