@@ -193,19 +193,19 @@ def read_tensors(
     path = Path(path)
     reader = _reader(path)
     family = registry.family(cfg.architecture)
+    extra_names = dict(family.gguf_tensors)
     out: dict[str, np.ndarray] = {}
     t0 = time.time()
     for t in reader.tensors:
-        name = hf_name(t.name, dict(family.gguf_tensors))
+        name = hf_name(t.name, extra_names)
         if name not in wanted:
             continue
         arr = dequantize(t)
-        if not family.gguf_unpermute_qk:
-            pass
-        elif name.endswith("q_proj.weight") or name.endswith("q_proj.bias"):
-            arr = unpermute_qk(arr, cfg.num_heads)
-        elif name.endswith("k_proj.weight") or name.endswith("k_proj.bias"):
-            arr = unpermute_qk(arr, cfg.num_kv_heads)
+        if family.gguf_unpermute_qk:
+            if name.endswith("q_proj.weight") or name.endswith("q_proj.bias"):
+                arr = unpermute_qk(arr, cfg.num_heads)
+            elif name.endswith("k_proj.weight") or name.endswith("k_proj.bias"):
+                arr = unpermute_qk(arr, cfg.num_kv_heads)
         shape, transpose = wanted[name]
         if transpose:
             arr = arr.T

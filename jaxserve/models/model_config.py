@@ -69,7 +69,16 @@ class ModelConfig:
         return self.max_position_embeddings
 
     def shape(self) -> ModelShape:
-        """The shape kv-math sizes and times (bytes per token, weights streamed per step)."""
+        """The shape kv-math sizes and times (bytes per token, weights streamed per step, the
+        experts a step reads). A mixture of experts whose layers are all dense is a dense shape."""
+        moe = {}
+        if self.sparse_layers:
+            moe = dict(
+                num_experts=self.num_experts,
+                num_experts_per_tok=self.num_experts_per_tok,
+                moe_intermediate_size=self.moe_intermediate_size,
+                num_moe_layers=len(self.sparse_layers),
+            )
         return ModelShape(
             name=self.name or "custom",
             num_layers=self.num_layers,
@@ -81,15 +90,13 @@ class ModelConfig:
             vocab_size=self.vocab_size,
             tie_word_embeddings=self.tie_word_embeddings,
             max_position_embeddings=self.max_position_embeddings,
+            qk_norm=self.qk_norm,
+            **moe,
         )
 
     def num_params(self) -> int:
-        d, h, kv, hd, f = self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim, self.intermediate_size
-        attn = d * h * hd * 2 + d * kv * hd * 2 + (2 * hd if self.qk_norm else 0)
-        per_layer = attn + 3 * d * f + 2 * d
-        emb = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
-        moe = self.num_experts * (3 * d * self.moe_intermediate_size + d) - 3 * d * f  # experts + router, not the MLP
-        return self.num_layers * per_layer + len(self.sparse_layers) * moe + emb + d
+        """Every parameter, as kv-math counts the same shape (Qwen2's q/k/v biases left out)."""
+        return self.shape().num_params
 
     def inv_freq(self) -> np.ndarray:
         """RoPE inverse frequencies in float32, computed exactly as transformers does."""

@@ -32,7 +32,7 @@ from jaxserve.runner import attention, host_memory, sampling, step_batch
 from jaxserve.runner.attention import AttentionBackend
 from jaxserve.runner.executable_cache import Deferred, ExecutableStore, Step, compile_ahead
 from jaxserve.runner.sampling import sample
-from jaxserve.runner.step_batch import DUMMY_PAGE, Chunk, StepBatch
+from jaxserve.runner.step_batch import DUMMY_PAGE, GREEDY, Chunk, StepBatch
 from pallas_kernels import reference
 
 log = logging.getLogger("jaxserve.runner")
@@ -788,9 +788,9 @@ class ModelRunner:
         elif kind == "speculate":  # a rows pick bucket a: one live row on the dummy pages, the rest empty
             n_tok = 1 + self.spec_k
             live = Chunk([0] * n_tok, 0, pages, (1.0 if rest[0] else 0.0, 0, 1.0, 0, 0))
-            self.speculate([live] + [Chunk([0] * n_tok, 0, [], (0.0, 0, 1.0, 0, 0))] * (a - 1))
+            self.speculate([live] + [Chunk([0] * n_tok, 0, [], GREEDY)] * (a - 1))
         else:
-            row = Chunk([0] * a, 0, pages, (0.0, 0, 1.0, 0, 0))  # a tokens pick bucket a
+            row = Chunk([0] * a, 0, pages, GREEDY)  # a tokens pick bucket a
             self.step([row], True, [[0] * a] if kind == "score" else [])
 
     def time_steps(self, reps: int = 5) -> dict[str, dict[int, float]]:
@@ -798,7 +798,6 @@ class ModelRunner:
         verify step by its real tokens ("spec": rows of 1 + k tokens), on the dummy page, after
         warm-up: the cost table that adaptive speculation (engine/spec_policy.py) starts from."""
         pages = [DUMMY_PAGE] * self.max_pages_per_seq
-        greedy = (0.0, 0, 1.0, 0, 0)
         cap = self.token_buckets[-1]
         rows_list = [b for b in (1, 2, 4, 8, 16, 32, 64) if b <= min(self.cfg.max_slots, cap)]
         k = self.spec_k
@@ -808,12 +807,12 @@ class ModelRunner:
 
         jobs: dict[tuple[str, int], Callable] = {}
         for b in rows_list:
-            jobs["plain", b] = lambda b=b: self.step([Chunk([0], 0, pages, greedy)] * b)
+            jobs["plain", b] = lambda b=b: self.step([Chunk([0], 0, pages, GREEDY)] * b)
         for t in sizes:
             rows, left = [], t
             while left:
                 n = min(left, k + 1)
-                rows.append(Chunk([0] * n, 0, pages, greedy, n - 1))
+                rows.append(Chunk([0] * n, 0, pages, GREEDY, n - 1))
                 left -= n
             jobs["spec", t] = lambda rows=rows: self.speculate_ragged(rows)
         best = {key: float("inf") for key in jobs}

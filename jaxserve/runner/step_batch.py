@@ -21,6 +21,7 @@ import numpy as np
 from pallas_kernels.reference import RaggedMetadata
 
 DUMMY_PAGE = 0  # padding writes here and block tables are padded with it; never handed out
+GREEDY = (0.0, 0, 1.0, 0, 0)  # a Chunk's sampling for a greedy row: (temperature, top_k, top_p, seed, counter)
 
 
 # Fixed per-row list sizes of the sampling controls (the engine validates requests against them).

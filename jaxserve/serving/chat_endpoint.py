@@ -20,7 +20,7 @@ from sse_starlette import EventSourceResponse
 from jaxserve.engine.chat import Conversation
 from jaxserve.engine.client import RequestStream
 from jaxserve.engine.tool_calls import ToolRequest, finish_reason
-from jaxserve.serving.protocol import APIError, Call, ChatCompletionRequest, invalid, usage_body
+from jaxserve.serving.protocol import APIError, Call, ChatCompletionRequest, engine_error, invalid, usage_body
 
 log = logging.getLogger("jaxserve.http")
 
@@ -32,7 +32,7 @@ class ChatEndpoint:
         try:
             tools = ToolRequest.of(b.tools, b.tool_choice, b.parallel_tool_calls)
         except ValueError as e:
-            raise self._engine_error(e, {}) from None
+            raise engine_error(e, {}) from None
         messages = []
         for i, m in enumerate(b.messages):
             content = m.content
@@ -49,7 +49,7 @@ class ChatEndpoint:
             prompt = Conversation.of(tc.messages(Conversation.of(messages).messages, tools), tc.template_tools(tools))
             grammar = tc.grammar(tools)
         except ValueError as e:
-            raise self._engine_error(e, {}) from None
+            raise engine_error(e, {}) from None
         if b.top_logprobs is not None and not b.logprobs:
             raise invalid("top_logprobs", "top_logprobs needs logprobs: true")
         logprobs = (b.top_logprobs or 0) if b.logprobs else None

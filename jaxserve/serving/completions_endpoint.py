@@ -29,6 +29,7 @@ from jaxserve.serving.protocol import (
     Call,
     CompletionChoice,
     CompletionRequest,
+    engine_error,
     invalid,
     usage_body,
 )
@@ -63,7 +64,7 @@ class CompletionsEndpoint:
         try:
             params(0)
         except ValueError as e:
-            raise self._engine_error(e, renames) from None
+            raise engine_error(e, renames) from None
         include_usage = bool(b.stream and b.stream_options and b.stream_options.include_usage)
         call = Call("completion", b, prompts[0], params, renames, b.logprobs, include_usage)
         call.prompts, call.echo, call.drop_output, call.prompt_logprobs = prompts, echo, drop, b.prompt_logprobs

@@ -191,7 +191,7 @@ class HttpFrontend(ChatEndpoint, CompletionsEndpoint):
             try:
                 text = await asyncio.get_running_loop().run_in_executor(None, self.engine.detokenize, body.tokens)
             except ValueError as e:
-                raise self._engine_error(e, {}) from None
+                raise engine_error(e, {}) from None
             return {"prompt": text}
 
         @app.get("/tokenizer_info", dependencies=auth)
@@ -199,14 +199,14 @@ class HttpFrontend(ChatEndpoint, CompletionsEndpoint):
             try:
                 return self.engine.tokenizer_info()
             except ValueError as e:
-                raise self._engine_error(e, {}) from None
+                raise engine_error(e, {}) from None
 
         @app.get("/metrics")
         async def metrics():
             return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
         # the routers' endpoints: /live, /get_load, /v1/completions/render, /v1/chat/completions/render
-        routing.add_routes(app, self, [self._authorize], CompletionRequest, ChatCompletionRequest, APIError)
+        routing.add_routes(app, self)
         return app
 
     async def _authorize(self, request: Request) -> None:
@@ -238,9 +238,6 @@ class HttpFrontend(ChatEndpoint, CompletionsEndpoint):
         """The request's SamplingParams builder (protocol.to_sampling_params) at this model's length."""
         return to_sampling_params(b, max_tokens, default_max, self.max_model_len, logprobs, renames, grammar)
 
-    def _engine_error(self, e: Exception, renames: dict[str, str]) -> APIError:
-        return engine_error(e, renames)
-
     @property
     def tool_calling(self) -> ToolCalling:
         """The checkpoint's tool-call family and template support (tool_calls.py), built on first use."""
@@ -255,7 +252,7 @@ class HttpFrontend(ChatEndpoint, CompletionsEndpoint):
         try:
             return await self.engine.submit(prompt, call.params, request_id)
         except ValueError as e:
-            err = self._engine_error(e, call.renames)
+            err = engine_error(e, call.renames)
             if (
                 "exceeds max_model_len" in str(e)
                 and call.body.max_tokens is None
@@ -312,7 +309,7 @@ class HttpFrontend(ChatEndpoint, CompletionsEndpoint):
                 prompt, add = b.prompt, b.add_special_tokens is not False
             ids = await loop.run_in_executor(None, self.engine.tokenize, prompt, add)
         except ValueError as e:
-            raise self._engine_error(e, {}) from None
+            raise engine_error(e, {}) from None
         return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids}
 
     # -- logprobs ---------------------------------------------------------------------

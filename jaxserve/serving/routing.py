@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import Depends, FastAPI
 
+from jaxserve.serving.protocol import APIError, ChatCompletionRequest, CompletionRequest, engine_error
+
 if TYPE_CHECKING:
     from jaxserve.serving.http_server import HttpFrontend
 
@@ -61,32 +63,29 @@ def rendered_params(params) -> dict[str, Any]:
     return out
 
 
-def add_routes(
-    app: FastAPI, frontend: "HttpFrontend", auth: list, completion_request: type, chat_request: type, api_error: type
-) -> None:
-    """The routes above on the app, over one HttpFrontend (its engine, metrics and request mapping).
-
-    completion_request, chat_request, api_error: the frontend's request models and error type (passed in,
-    not imported: http_server imports this module). No `from __future__ import annotations`
-    here, so that FastAPI sees the request model itself in render's signature."""
+def add_routes(app: FastAPI, frontend: "HttpFrontend") -> None:
+    """The routes above on the app, over one HttpFrontend (its engine, metrics, request mapping
+    and bearer-token check). No `from __future__ import annotations` here, so that FastAPI sees
+    the request models themselves in the render routes' signatures."""
+    auth = [Depends(frontend._authorize)]  # noqa: SLF001 - the frontend's own check, shared
 
     @app.get(LIVENESS_PATH)
     async def live():
         if frontend.engine.error is not None:
-            raise api_error(503, f"the engine failed: {frontend.engine.error!r}", type_="service_unavailable")
+            raise APIError(503, f"the engine failed: {frontend.engine.error!r}", type_="service_unavailable")
         return {"status": "ok", "draining": frontend.draining}
 
-    @app.get("/get_load", dependencies=[Depends(a) for a in auth])
+    @app.get("/get_load", dependencies=auth)
     async def get_load():
         return load_report(len(frontend.engine.in_flight), frontend.metrics.engine_stats, frontend.page_size)
 
-    @app.post("/v1/completions/render", dependencies=[Depends(a) for a in auth])
-    async def render(body: completion_request):
+    @app.post("/v1/completions/render", dependencies=auth)
+    async def render(body: CompletionRequest):
         frontend._check_model(body.model)  # noqa: SLF001 - the frontend's own check, shared
         return await _render(frontend, body)
 
-    @app.post("/v1/chat/completions/render", dependencies=[Depends(a) for a in auth])
-    async def render_chat(body: chat_request):
+    @app.post("/v1/chat/completions/render", dependencies=auth)
+    async def render_chat(body: ChatCompletionRequest):
         frontend._check_model(body.model)  # noqa: SLF001
         call = frontend._chat_call(body)  # noqa: SLF001 - the chat template, tools and all
         return await _rendered(frontend, call, call.prompt, "chatcmpl")
@@ -108,7 +107,7 @@ async def _rendered(frontend: "HttpFrontend", call, prompt, kind: str) -> dict:
             ids = await asyncio.get_running_loop().run_in_executor(None, frontend.engine.tokenize, prompt, True)
         params = call.params(len(ids))
     except ValueError as e:
-        raise frontend._engine_error(e, call.renames) from None  # noqa: SLF001
+        raise engine_error(e, call.renames) from None
     return {
         "request_id": f"{kind}-{uuid.uuid4().hex}",
         "model": frontend.model_name,

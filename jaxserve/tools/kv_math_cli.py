@@ -188,7 +188,7 @@ def decode_step_runner(
     from jaxserve.models.llama import LlamaForCausalLM
     from jaxserve.models.model_config import ModelConfig
     from jaxserve.runner import model_runner
-    from jaxserve.runner.step_batch import Chunk
+    from jaxserve.runner.step_batch import GREEDY, Chunk
 
     cfg = ModelConfig(
         architecture="LlamaForCausalLM",
@@ -224,10 +224,7 @@ def decode_step_runner(
         from jaxserve.models.linear import quantize_modules
 
         quantize_modules(module, quantization)
-    rows = [
-        Chunk([0], context_len, list(range(1 + i * pages, 1 + (i + 1) * pages)), (0.0, 0, 1.0, 0, 0))
-        for i in range(batch)
-    ]
+    rows = [Chunk([0], context_len, list(range(1 + i * pages, 1 + (i + 1) * pages)), GREEDY) for i in range(batch)]
     runner = model_runner.ModelRunner(module, cfg, rc)
     runner.wait_for_huge_pages()  # timed steps start on huge pages, as after an engine's warm-up
     return runner, rows

@@ -125,7 +125,7 @@ class Workload:
         self.lengths = lengths  # (prompt_len, output_len) per request; prompt_len excludes a shared prefix
         self._prompts0 = prompts0  # a JSON file's own prompts, sent in round 0
         self.info = info or {}  # a JSON file's other fields (description, model, ...)
-        self.groups = groups  # prefix-groups: each request's group
+        self.groups = groups  # shared-prefix, prefix-groups: each request's prefix (None: no prefix)
 
     @classmethod
     def load(cls, spec: WorkloadSpec) -> Workload:
@@ -142,9 +142,18 @@ class Workload:
             is_long[rng.choice(n, n_long, replace=False)] = True  # spread through the arrival order
             plen = np.where(is_long, rng.integers(spec.long_len[0], spec.long_len[1], n, endpoint=True), plen)
         groups = None
-        if spec.kind == "prefix-groups":  # every group about equally often, interleaved at random
+        if spec.kind == "shared-prefix":  # one prefix: a single group
+            groups = [0] * n
+        elif spec.kind == "prefix-groups":  # every group about equally often, interleaved at random
             groups = [int(g) for g in rng.permutation(np.arange(n) % spec.num_groups)]
         return cls(spec, [(int(p), int(o)) for p, o in zip(plen, olen)], groups=groups)
+
+    @property
+    def num_prefixes(self) -> int:
+        """How many prefixes a round draws: one per group (0 without a prefix)."""
+        if self.groups is None:
+            return 0
+        return self.spec.num_groups if self.spec.kind == "prefix-groups" else 1
 
     @classmethod
     def _from_file(cls, spec: WorkloadSpec) -> Workload:
@@ -187,14 +196,13 @@ class Workload:
         if self._prompts0 is not None and k == 0:
             return [Request(p, o, **how) for p, (_, o) in zip(self._prompts0, self.lengths)]
         rng = np.random.default_rng([spec.seed, k + 1])
-        prefix = self._draw(rng, spec.prefix_len if spec.kind == "shared-prefix" else 0)
-        group_prefixes = [self._draw(rng, spec.prefix_len) for _ in range(spec.num_groups)] if self.groups else []
+        prefixes = [self._draw(rng, spec.prefix_len) for _ in range(self.num_prefixes)]
         out = []
         for i, (p, o) in enumerate(self.lengths):
             if self._prompts0 is not None and isinstance(self._prompts0[i], str):
                 out.append(Request(f"{k} {self._prompts0[i]}", o, **how))
             else:
-                ids = (group_prefixes[self.groups[i]] if self.groups else prefix) + self._draw(rng, p)
+                ids = (prefixes[self.groups[i]] if self.groups else []) + self._draw(rng, p)
                 out.append(Request(" ".join(ids) if spec.text else ids, o, **how))
         return out
 
@@ -208,7 +216,7 @@ class Workload:
     def describe(self) -> dict:
         """The workload as the result JSON records it."""
         d = {k: v for k, v in dataclasses.asdict(self.spec).items() if v is not None}
-        if self.spec.kind not in ("shared-prefix", "prefix-groups"):
+        if self.groups is None:
             d.pop("prefix_len")
         if self.spec.kind != "prefix-groups":
             d.pop("num_groups")
@@ -217,7 +225,7 @@ class Workload:
         if self.spec.kind == "json":  # the file's lengths, not the flags'
             d.pop("prompt_len"), d.pop("output_len")
         d["total_prompt_tokens"] = sum(p for p, _ in self.lengths) + (
-            self.spec.prefix_len * len(self.lengths) if self.spec.kind in ("shared-prefix", "prefix-groups") else 0
+            self.spec.prefix_len * len(self.lengths) if self.groups is not None else 0
         )
         d["total_output_tokens"] = sum(o for _, o in self.lengths)
         if self.info.get("description"):
