@@ -71,6 +71,11 @@ ENGINE_FLAGS = {
     "--expert-parallel-size": ("expert_parallel_size", int, "devices the MoE experts split over (beside tp)"),
     "--speculative-model": ("speculative_model", str, 'a draft checkpoint directory, or "ngram"'),
     "--num-speculative-tokens": ("num_speculative_tokens", int, "draft tokens per step"),
+    "--num-scheduler-steps": (
+        "num_scheduler_steps",
+        int,
+        "decode steps one device call may run when every sequence plainly decodes (8; 1: a call a step)",
+    ),
     "--prompt-lookup-min": ("prompt_lookup_min", int, "prompt lookup: the shortest suffix matched (2)"),
     "--prompt-lookup-max": ("prompt_lookup_max", int, "prompt lookup: the longest suffix matched (3)"),
     "--speculative-disable-by-batch-size": (

@@ -1,8 +1,8 @@
 """Batch invariance as a property (docs/sampling.md, "The same tokens however the work is
 batched"): a request's tokens equal those of the same request run alone, whatever else is in
 the batch, how its prompt is chunked, what the prefix cache holds, whether and how far steps
-speculate, and which token bucket pads the step; greedy and seeded sampling, in float32 and
-in the host's bfloat16. The oracle is a plain engine running the request by itself."""
+speculate, how many decode steps one call runs, and which token bucket pads the step; greedy
+and seeded sampling, in float32 and in the host's bfloat16. The oracle is a plain engine running the request by itself."""
 
 from __future__ import annotations
 
@@ -36,6 +36,8 @@ ENGINES = {
         num_speculative_tokens=5,
         max_prefill_tokens_while_decoding=8,
     ),  # fmt: skip
+    # several decode steps in one call whenever every row plainly decodes (runner/decode_loop.py)
+    "multi-step": dict(token_buckets=(8, 16, 32, 64), num_scheduler_steps=6),
 }
 _built: dict[tuple[str, str], LLM] = {}
 
@@ -86,7 +88,7 @@ request = st.tuples(
     target=request,
     crowd=st.lists(request, max_size=6),
     where=st.integers(0, 6),
-    engine=st.sampled_from(["small-budget", "fixed-lookup", "adaptive-lookup"]),
+    engine=st.sampled_from(["small-budget", "fixed-lookup", "adaptive-lookup", "multi-step"]),
     warm_prefix=st.booleans(),
 )
 def test_a_request_gets_its_tokens_alone_in_any_batch(model_dir, dtype, target, crowd, where, engine, warm_prefix):

@@ -34,8 +34,9 @@ from jaxserve.engine.kv_manager import KVManager
 from jaxserve.engine.radix_cache import RadixCache
 from jaxserve.engine.request import MAX_LOGPROBS, RequestOutput, SamplingParams, Sequence, Status
 from jaxserve.engine.scheduler import Scheduler
-from jaxserve.engine.tokenizer import IncrementalDetokenizer, load_tokenizer
+from jaxserve.engine.tokenizer import FastDecode, IncrementalDetokenizer, load_tokenizer
 from jaxserve.models import registry
+from jaxserve.runner.host_times import HostTimes, phase
 from jaxserve.runner.step_batch import Chunk, Controls
 
 log = logging.getLogger("jaxserve.engine")
@@ -147,6 +148,7 @@ class EngineCore:
         self.mask_seconds, self.mask_steps = 0.0, 0  # host time computing grammar bitmasks, and steps that did
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._decoder = FastDecode(self.tokenizer) if self.tokenizer is not None else None
         # The ids of every completion added and not yet finished (under _lock: add is called from
         # other threads): a new request may not reuse any of them.
         self._live_ids: set[str] = set()
@@ -160,6 +162,9 @@ class EngineCore:
         self.overlap = self.cfg.async_scheduling
         self._pending: _PendingStep | None = None
         self.overlapped_steps = 0  # decode steps dispatched while the previous one was in flight
+        self.host_times: HostTimes | None = None  # time_host
+        self.multi_step_calls = 0  # calls that ran several decode steps (num_scheduler_steps)
+        self.multi_step_steps = 0  # the decode steps those calls ran
         if self.runner.is_follower:
             # Another host's process: replay the leader's runner calls (its warm-up included)
             # until it shuts down. The scheduler and the frontends run on process 0 only.
@@ -398,6 +403,8 @@ class EngineCore:
             "grammar_mask_seconds": self.mask_seconds,
             "grammar_mask_steps": self.mask_steps,
             "overlapped_steps": self.overlapped_steps,
+            "multi_step_calls": self.multi_step_calls,
+            "multi_step_steps": self.multi_step_steps,
             **(self.spec_stats.as_dict() if self.spec_stats else {}),
             **({"spec_plain_steps": self.spec_plain_steps} if self.spec_stats else {}),
             **({"spec_step_seconds": self.policy.costs.table} if self.policy is not None else {}),
@@ -436,7 +443,7 @@ class EngineCore:
             if op == "add":  # its ids are unique among the live ones (`add` checked)
                 stop_ids = self.scheduler.eos | set(arg.params.stop_token_ids)
                 for seq in self._completions(arg):
-                    self._detok[seq.request_id] = IncrementalDetokenizer(self.tokenizer, stop_ids)
+                    self._detok[seq.request_id] = IncrementalDetokenizer(self._decoder, stop_ids)
                     self.scheduler.add(seq)
             elif op == "abort":  # every completion of the request
                 finished_now.extend(self.scheduler.abort(arg))
@@ -447,7 +454,9 @@ class EngineCore:
             touched += self._resolve(self._pending)
             self._pending = None
             t0 = time.perf_counter()  # the verify step's own time: the plain step read here was timed as one
-        plan = self.scheduler.schedule()
+        with phase(self.host_times, "schedule"):
+            num_steps = self._steps_per_call()
+            plan = self.scheduler.schedule(num_steps)
         if plan.copies:
             self.runner.copy_pages(plan.copies)
         speculate = plan.decodes and self.spec_k and not any(s.params.plain_decode_only for s in plan.decodes)
@@ -471,8 +480,12 @@ class EngineCore:
             # Async scheduling: dispatch this step, then read the previous one's tokens while
             # the device runs it. A step whose rows need their tokens on the host before the
             # next (grammar, penalties) is read at once, as is every step without overlap.
-            pending = self._dispatch(plan) if not plan.empty else None
-            self.scheduler.dispatched(plan, decodes_pending=True)
+            num_steps = self._steps_this_call(plan, num_steps)
+            if num_steps > 1:
+                self.multi_step_calls += 1
+                self.multi_step_steps += num_steps
+            pending = self._dispatch(plan, num_steps) if not plan.empty else None
+            self.scheduler.dispatched(plan, decodes_pending=True, num_steps=num_steps)
             if self._pending is not None:
                 self.overlapped_steps += pending is not None
                 touched += self._resolve(self._pending)
@@ -488,7 +501,35 @@ class EngineCore:
         if self.policy is not None:  # a step that compiled (an engine without warm-up) is not timed
             seconds = time.perf_counter() - t0 if self._compile_count() == compiles else None
             self._measure(plan, speculate, rows, once, seconds)
-        return [self._output(seq) for seq in once]
+        with phase(self.host_times, "detokenize"):
+            return [self._output(seq) for seq in once]
+
+    def time_host(self, times: HostTimes | None) -> None:
+        """Time the engine thread's work by phase into `times` from now on (None: stop)."""
+        self.host_times = self.runner.host_times = times
+
+    def _steps_per_call(self) -> int:
+        """Decode steps the next call may run (num_scheduler_steps), decided before scheduling
+        (the decodes get pages for them): several only when every running sequence plainly
+        decodes (nothing the host must see between its tokens) and no prompt waits for a slot."""
+        k = self.runner.max_steps
+        sched = self.scheduler
+        if k == 1 or not sched.running or (sched.waiting and sched.free_slots):
+            return 1
+        for s in sched.running:
+            if s.prefilling or s.needs_host_tokens or s.params.logprobs is not None:
+                return 1
+        return k
+
+    def _steps_this_call(self, plan, num_steps: int) -> int:
+        """The planned call's decode steps: one where it carries prompt chunks; with prompts
+        waiting (slots full), no more than the first running sequence needs to finish by length,
+        so its slot frees as soon as it can."""
+        if num_steps == 1 or plan.prefills or not plan.decodes:
+            return 1
+        if self.scheduler.waiting:
+            num_steps = min(num_steps, min(self.scheduler.tokens_left(s) for s in plan.decodes))
+        return max(1, num_steps)
 
     def _measure(self, plan, speculated: bool, rows, seqs: list[Sequence], seconds: float | None) -> None:
         """Adaptive prompt lookup's inputs: each touched request's new tokens against its shadow
@@ -587,13 +628,21 @@ class EngineCore:
             controls=controls,
         )
 
-    def _dispatch(self, plan) -> "_PendingStep":
+    def _dispatch(self, plan, num_steps: int = 1) -> "_PendingStep":
         """Hand one ragged step to the device without waiting for it: rows 0.. are the sequences
         that sample (a decode token, or a prompt's last chunk and its last token in one row),
         then the chunks of prompts still being filled. A sequence whose last token is still on
         the device (sampled by the previous step) is fed it there."""
+        with phase(self.host_times, "build"):
+            rows, feed, targets, scored = self._rows(plan)
+        want_lp = any(s.params.logprobs is not None for s in plan.decodes)
+        handle = self.runner.step_async(rows, want_lp, feed, targets, num_steps)
+        return _PendingStep(handle, list(plan.decodes), scored)
+
+    def _rows(self, plan) -> tuple[list[Chunk], list[int], list, list]:
+        """The plan's rows for the runner, each decode row's feed (its row in the step in flight,
+        or -1), each row's scoring targets (empty when none is scored) and the scored chunks."""
         seqs = plan.decodes
-        want_lp = any(s.params.logprobs is not None for s in seqs)
         constrained = [i for i, s in enumerate(seqs) if s.grammar is not None]
         masks = None
         if constrained:  # every constrained row's allowed tokens, in one call
@@ -626,17 +675,22 @@ class EngineCore:
             else:
                 targets.append(None)
             rows.append(Chunk(c.seq.all_ids[c.start : c.end], c.start, c.seq.pages))
-        if not scored:
-            targets = []
-        handle = self.runner.step_async(rows, want_lp, feed, targets)
-        return _PendingStep(handle, list(seqs), scored)
+        return rows, feed, targets if scored else [], scored
 
     def _resolve(self, step: "_PendingStep") -> list[Sequence]:
         """Wait for a dispatched step's tokens (and scores) and apply them."""
+        with phase(self.host_times, "resolve"):
+            return self._apply(step)
+
+    def _apply(self, step: "_PendingStep") -> list[Sequence]:
         r = step.handle.result()
         for i, c in step.scored:
             self._score(c, r.prompt[i])
         out = {}
+        if r.steps is not None:  # several decode steps: no logprobs
+            for seq, ids in zip(step.seqs, r.steps.T.tolist()):
+                out[seq.request_id] = [(t, None) for t in ids]
+            return self.scheduler.apply(step.seqs, out)
         for i, seq in enumerate(step.seqs):
             n = seq.params.logprobs
             tok = int(r.tokens[i])

@@ -68,6 +68,13 @@ class EngineConfig:
     # behind the device); a speculative step reads the one before it first (it proposes from
     # every token). Outputs are the same either way.
     async_scheduling: bool = True
+    # Decode steps one device call may run (vLLM's multi-step scheduling; runner/decode_loop.py):
+    # when every running sequence is a plain decode (no grammar, penalties or logprobs) and no
+    # prompt waits for a free slot, the host schedules, dispatches and reads tokens once per that
+    # many steps (its work per step falls about 8x; docs/benchmarks.md). The price: a request
+    # that arrives meanwhile waits for the call to end, and a stream gets its tokens that many
+    # at a time. 1: a call per step.
+    num_scheduler_steps: int = 8
     # The scoring prefill of requests with prompt_logprobs (lm-eval's loglikelihood): compiled at
     # warm-up, one executable per prefill bucket; off, such requests are refused.
     enable_prompt_logprobs: bool = True
@@ -90,6 +97,7 @@ class EngineConfig:
             "max_prefill_tokens_while_decoding",
             "speculative_disable_by_batch_size",
             "prompt_lookup_min",
+            "num_scheduler_steps",
         ):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -107,7 +107,9 @@ class Scheduler:
         return hit
 
     # -- planning ----------------------------------------------------------------------
-    def schedule(self) -> StepPlan:
+    def schedule(self, num_steps: int = 1) -> StepPlan:
+        """num_steps > 1: the decodes may run that many steps in one call (the engine's
+        num_scheduler_steps): each owns pages for the tokens it can still keep of them."""
         copies: list[tuple[int, int]] = []
         preempted: list[Sequence] = []
         # 1. Every decoding sequence needs a writable page for position length-1; when the
@@ -115,7 +117,7 @@ class Scheduler:
         for seq in sorted(self.running, key=self._age):
             if seq.status is not Status.RUNNING or seq.prefilling or self._last_token_pending(seq):
                 continue
-            while not self.kv.allocate_slots(seq, self._decode_tokens(seq), copies):
+            while not self.kv.allocate_slots(seq, self._decode_tokens(seq, num_steps), copies):
                 victim = max((s for s in self.running if s.status is Status.RUNNING), key=self._age)
                 self._preempt(victim)
                 preempted.append(victim)
@@ -216,13 +218,23 @@ class Scheduler:
         it waits: the next step's step 1 reserves them or preempts."""
         return not self.lookahead or self.kv.allocate_slots(seq, self._decode_tokens(seq), copies)
 
-    def _decode_tokens(self, seq: Sequence) -> int:
+    def _decode_tokens(self, seq: Sequence, num_steps: int = 1) -> int:
         """The tokens a decoding sequence owns pages for: through its k lookahead positions, but
         never past max_model_len. Positions past the page table write to the dummy page, and the
         tokens they would yield are dropped (`apply` finishes the request at max_model_len); without
         the cap, a request near max_model_len on a pool of max_pages_per_seq + 1 pages (the least
-        resolve() accepts) could never get its lookahead and would preempt itself forever."""
-        return min(seq.length + self.lookahead, self.max_model_len)
+        resolve() accepts) could never get its lookahead and would preempt itself forever.
+        Several decode steps in one call (num_steps) write num_steps - 1 positions past the last
+        token, of which only those before max_tokens are kept: pages for those; the rest write
+        to the dummy page."""
+        ahead = self.lookahead
+        if num_steps > 1:
+            ahead = max(ahead, min(num_steps, seq.params.max_tokens - seq.num_generated) - 1)
+        return min(seq.length + ahead, self.max_model_len)
+
+    def tokens_left(self, seq: Sequence) -> int:
+        """Output tokens the sequence may still make: max_tokens and max_model_len allowing."""
+        return min(seq.params.max_tokens - seq.num_generated, self.max_model_len - seq.length + 1)
 
     @staticmethod
     def _age(seq: Sequence) -> tuple[int, int]:
@@ -286,11 +298,12 @@ class Scheduler:
         if seq.status is not Status.FINISHED:
             self._finish(seq, reason)
 
-    def dispatched(self, plan: StepPlan, decodes_pending: bool) -> None:
+    def dispatched(self, plan: StepPlan, decodes_pending: bool, num_steps: int = 1) -> None:
         """The runner has been handed the plan's work: prefilled tokens count as computed (and
         are offered to the prefix cache: any later reader of those pages runs after the write).
         decodes_pending: the decode step's tokens come later (`apply`); until then each
-        decoded sequence holds one pending token, so the next step can be planned now."""
+        decoded sequence holds one pending token (num_steps: a call of several decode steps), so
+        the next step can be planned now."""
         for chunk in plan.prefills:
             seq = chunk.seq
             if seq.status is Status.RUNNING:
@@ -299,7 +312,7 @@ class Scheduler:
         if decodes_pending:
             for seq in plan.decodes:
                 if seq.status is Status.RUNNING:
-                    seq.num_pending += 1
+                    seq.num_pending += num_steps
                     seq.num_computed = seq.length - 1
 
     def apply(

@@ -28,9 +28,10 @@ from jaxserve import kv_math
 from jaxserve.models import eagle
 from jaxserve.models.model_config import ModelConfig
 from jaxserve.parallel.multihost import to_host
-from jaxserve.runner import attention, host_memory, sampling, step_batch
+from jaxserve.runner import attention, decode_loop, host_memory, sampling, step_batch
 from jaxserve.runner.attention import AttentionBackend
 from jaxserve.runner.executable_cache import Deferred, ExecutableStore, Step, compile_ahead
+from jaxserve.runner.host_times import HostTimes, phase
 from jaxserve.runner.sampling import sample
 from jaxserve.runner.step_batch import DUMMY_PAGE, GREEDY, Chunk, StepBatch
 from pallas_kernels import reference
@@ -145,11 +146,14 @@ def _ragged_step(
     prev_tokens,
     want_logprobs,
     targets=None,
+    num_steps=None,
     *,
     num_logprobs: int,
     num_top: int = 1,
     with_hidden: bool = False,
     argmax_fn: Callable = sampling.argmax,
+    max_steps: int = 1,
+    page_size: int = 0,
 ):
     """The step serving runs: every row of the batch (decodes, prompt chunks, a prompt's last
     chunk with its first sampled token) in one forward pass, each sampling row sampled at its
@@ -166,8 +170,19 @@ def _ragged_step(
     executables of its own, so the plain step keeps the vocabulary projection to sampled rows.
 
     with_hidden (an EAGLE draft head rides along): the last output is (every token's final-norm
-    hidden state [N, H], the tokens as run [N]), the features the head is filled from."""
+    hidden state [N, H], the tokens as run [N]), the features the head is filled from.
+
+    max_steps > 1 (`num_scheduler_steps`): the plain step runs `num_steps` (traced) decode
+    iterations in one call (runner/decode_loop.py); the ids come back as [max_steps, R]."""
     tokens = jnp.where(batch.feed >= 0, prev_tokens[jnp.maximum(batch.feed, 0)], batch.tokens)
+    if max_steps > 1 and targets is None and not with_hidden:
+
+        def one(kv, b, t):
+            logits, kv = _forward(graphdef, backend, params, kv, b, t, b.logits_indices, False, b.live_rows())
+            return kv, _sample_rows(logits, b, want_logprobs, num_logprobs=num_logprobs, argmax_fn=argmax_fn)
+
+        kv, out, last = decode_loop.run(one, kv, batch, tokens, num_steps, max_steps, page_size)
+        return (kv, out, jnp.zeros_like(prev_tokens).at[: batch.num_rows].set(last))
     if targets is None:
         at, live = batch.logits_indices, batch.live_rows()
     else:
@@ -212,6 +227,9 @@ class StepResult:
     top_ids: np.ndarray | None  # [rows, n]
     top_logprobs: np.ndarray | None
     prompt: list[PromptLogprobs | None] = dataclasses.field(default_factory=list)
+    # A call of several decode steps (num_scheduler_steps): row i's ids in order, steps[:, i];
+    # `tokens` is then steps[0]. None for a single step.
+    steps: np.ndarray | None = None  # [num_steps, rows]
 
 
 @dataclasses.dataclass
@@ -224,12 +242,19 @@ class PendingStep:
     want_logprobs: bool
     scores: tuple | None = None  # the scoring step's per-token arrays
     scored: tuple = ()  # (row, first flat token, length) of each scored row
+    num_steps: int = 0  # > 0: the decode loop's program ran that many steps; its ids are [max_steps, R]
 
     def result(self) -> StepResult:
         n = self.num_rows
+        steps = None
+        if self.num_steps:
+            steps = to_host(self.outputs[0])[: self.num_steps, :n]
+            if self.num_steps > 1:  # decode rows without logprobs (step_async checks)
+                return StepResult(steps[0], None, None, None, [None] * n, steps)
         # Each copy off the device costs tens of microseconds of host time, so the logprob
         # outputs are read only when a row asked for them.
-        host = [to_host(x)[:n] for x in (self.outputs if self.want_logprobs else self.outputs[:1])]
+        outs = self.outputs if self.want_logprobs else self.outputs[:1]
+        host = [steps[0] if steps is not None and i == 0 else to_host(x)[:n] for i, x in enumerate(outs)]
         prompt: list[PromptLogprobs | None] = [None] * n
         if self.scores is not None:
             lp, rank, top_ids, top_lp = (to_host(x) for x in self.scores)
@@ -394,7 +419,7 @@ class _Weights:
         # logprobs), kept apart so the executables of each are counted and stored by name.
         ragged = jitted(
             functools.partial(_ragged_step, self.graphdef, self.backend, argmax_fn=self.argmax),
-            ("num_logprobs", "num_top", "with_hidden"),
+            ("num_logprobs", "num_top", "with_hidden", "max_steps", "page_size"),
         )
         self.step = Step(f"{name}-step", ragged, store, fixed=2)
         self.score = Step(f"{name}-score", ragged, store, fixed=2)
@@ -425,6 +450,7 @@ class RunnerConfig:
     max_logprobs: int = 0  # the top-n alternatives a decode step computes when any row asks for logprobs
     prompt_logprobs: bool = True  # warm up the scoring prefill (prompt logprobs)
     num_speculative_tokens: int = 0  # k of a speculative step; 0 = no speculation
+    num_scheduler_steps: int = 1  # decode steps one plain call may run (runner/decode_loop.py)
     # a step with more decoding sequences runs plain (EngineConfig's field, resolved: on the CPU
     # CPU_COMPUTE_BOUND_ROWS // (k + 1) by default); None: always speculate
     speculative_disable_by_batch_size: int | None = None
@@ -518,7 +544,12 @@ class ModelRunner:
             from jax.sharding import NamedSharding, PartitionSpec
 
             self._prev_tokens = jax.device_put(self._prev_tokens, NamedSharding(self.mesh, PartitionSpec()))
+        self._bucket_defaults: dict[int, step_batch.Defaults] = {}
         self.spec_k = cfg.num_speculative_tokens
+        # Decode steps one plain call may run (decode_loop.py); a speculative engine makes several
+        # tokens a step its own way.
+        self.max_steps = cfg.num_scheduler_steps if not self.spec_k and draft is None else 1
+        self.host_times: HostTimes | None = None  # the step's host CPU time by phase, when measured
         if self.spec_k:
             from jaxserve.runner import speculative
 
@@ -579,6 +610,8 @@ class ModelRunner:
         return min(num_tokens, self.cfg.max_slots)
 
     def batch(self, rows: Sequence[Chunk], num_rows: int, num_tokens: int, **kw) -> StepBatch:
+        if "row_len" not in kw:  # the ragged step's row buckets keep their no-op inputs on the device
+            kw["defaults"] = self._defaults(num_rows)
         return step_batch.build(
             rows,
             num_rows=num_rows,
@@ -589,6 +622,14 @@ class ModelRunner:
             **kw,
         )
 
+    def _defaults(self, num_rows: int) -> step_batch.Defaults:
+        d = self._bucket_defaults.get(num_rows)
+        if d is None:
+            sharding = self._prev_tokens.sharding  # replicated over a mesh, or the one device
+            put = functools.partial(jax.device_put, device=sharding)
+            d = self._bucket_defaults[num_rows] = step_batch.Defaults.make(num_rows, self.model_cfg.vocab_size, put)
+        return d
+
     # -- steps -------------------------------------------------------------------------
     @replicated
     def step_async(
@@ -597,6 +638,7 @@ class ModelRunner:
         want_logprobs: bool = False,
         feed: Sequence[int] = (),
         targets: Sequence[Sequence[int] | None] = (),
+        num_steps: int = 1,
     ) -> PendingStep:
         """Dispatch one ragged step over `rows` (decodes, prompt chunks, a prompt's last chunk
         with its first token; a row samples at its last token when its `sampling` is set) and
@@ -606,10 +648,17 @@ class ModelRunner:
         feed[i] (rows[i].tokens[0] is ignored), read on the device, so this step can be
         dispatched before the host knows that token. targets[i] (optional): the token after
         each of row i's tokens: the step then runs as the scoring step and result.prompt[i] is
-        the row's PromptLogprobs."""
+        the row's PromptLogprobs. num_steps > 1 (at most cfg.num_scheduler_steps): rows of one
+        token each, no logprobs, decoded that many times in this call (runner/decode_loop.py);
+        result().steps has each row's ids."""
+        if num_steps > 1 and (
+            num_steps > self.max_steps or want_logprobs or any(len(c.tokens) != 1 for c in rows) or any(targets)
+        ):
+            raise ValueError(f"num_steps={num_steps}: only decode rows without logprobs, at most {self.max_steps}")
         n_tok = sum(len(c.tokens) for c in rows)
         t = bucket_for(self.token_buckets, max(1, n_tok))
-        batch = self.batch(rows, self.rows_for(t), t, feed=feed)
+        with phase(self.host_times, "build"):
+            batch = self.batch(rows, self.rows_for(t), t, feed=feed)
         want = np.bool_(want_logprobs and self.cfg.max_logprobs > 0)
         nlp = self.cfg.max_logprobs
         if not self.eagle:
@@ -633,9 +682,17 @@ class ModelRunner:
             )
             self._fill_eagle(batch, hidden)
             return PendingStep(out, len(rows), bool(want), scores, tuple(scored))
-        w.kv, out, self._prev_tokens, *hidden = w.step(
-            w.params, w.kv, batch, self._prev_tokens, want, num_logprobs=nlp, **eg
-        )
+        if self.max_steps > 1:  # the plain step's program is the decode loop (one trip by default)
+            eg = {"max_steps": self.max_steps, "page_size": self.cfg.page_size}
+            with phase(self.host_times, "dispatch"):
+                w.kv, out, self._prev_tokens = w.step(
+                    w.params, w.kv, batch, self._prev_tokens, want, None, np.int32(num_steps), num_logprobs=nlp, **eg
+                )
+            return PendingStep(out, len(rows), bool(want), num_steps=num_steps)
+        with phase(self.host_times, "dispatch"):
+            w.kv, out, self._prev_tokens, *hidden = w.step(
+                w.params, w.kv, batch, self._prev_tokens, want, num_logprobs=nlp, **eg
+            )
         self._fill_eagle(batch, hidden)
         return PendingStep(out, len(rows), bool(want))
 
@@ -914,6 +971,7 @@ def resolve(
         max_logprobs=min(max_logprobs, model_cfg.vocab_size),
         prompt_logprobs=cfg.enable_prompt_logprobs,
         num_speculative_tokens=spec_k,
+        num_scheduler_steps=cfg.num_scheduler_steps,
         speculative_disable_by_batch_size=spec_max_batch,
         tensor_parallel_size=cfg.tensor_parallel_size,
         expert_parallel_size=cfg.expert_parallel_size,

@@ -174,6 +174,21 @@ def _fill(r: int, ids: np.ndarray, row_ids, values: np.ndarray | None = None, ro
         values[r, :n] = row_values
 
 
+@dataclasses.dataclass(frozen=True)
+class Defaults:
+    """A row bucket's inputs for steps where no row has controls or a grammar, made once and
+    kept on the device: the all-ones bitmask ([R, V/32]: 4 MiB at 256 rows of a 128k
+    vocabulary) and the no-op penalty, bias and stop lists are then neither built nor sent."""
+
+    bitmask: jax.Array
+    sampling: SamplingMetadata
+
+    @classmethod
+    def make(cls, num_rows: int, vocab_size: int, put=jnp.asarray) -> "Defaults":
+        bitmask = np.full((num_rows, (vocab_size + 31) // 32), -1, np.int32)
+        return cls(put(bitmask), jax.tree.map(put, SamplingMetadata.make(num_rows, vocab_size)))
+
+
 def build(
     rows: Sequence[Chunk],
     *,
@@ -184,13 +199,15 @@ def build(
     vocab_size: int,
     row_len: int | None = None,
     feed: Sequence[int] = (),
+    defaults: Defaults | None = None,
 ) -> StepBatch:
     """The one place a step's device inputs are made: row i is rows[i], its tokens laid out
     one row after another in the flat token array. Rows past len(rows) are empty and tokens
     past the last row are padding: both write to the dummy page and see nothing. row_len:
     every row (padding too) spans exactly that many tokens (speculative steps, which the
     verifier reshapes to [R, k + 1]). feed[i] >= 0: row i's first token is the previous step's
-    sampled token of row feed[i], read on the device."""
+    sampled token of row feed[i], read on the device. defaults (for num_rows): used where no
+    row has controls."""
     if len(rows) > num_rows:
         raise ValueError(f"{len(rows)} rows exceed the row bucket {num_rows}")
     tokens = np.zeros((num_tokens,), np.int32)
@@ -201,8 +218,21 @@ def build(
     qsl = np.zeros((num_rows + 1,), np.int32)
     logits_indices = np.zeros((num_rows,), np.int32)
     active = np.zeros((num_rows,), bool)
-    sm = SamplingMetadata.make(num_rows, vocab_size)
-    bitmask = np.full((num_rows, (vocab_size + 31) // 32), -1, np.int32)
+    plain = defaults is not None and all(c.controls is None for c in rows)
+    if plain:  # only the per-row basics are made here
+        d = defaults.sampling
+        sm = dataclasses.replace(
+            d,
+            temperature=np.zeros((num_rows,), np.float32),
+            top_k=np.zeros((num_rows,), np.int32),
+            top_p=np.ones((num_rows,), np.float32),
+            seeds=np.zeros((num_rows, 2), np.uint32),
+            counters=np.zeros((num_rows,), np.int32),
+        )
+        bitmask = defaults.bitmask
+    else:
+        sm = SamplingMetadata.make(num_rows, vocab_size)
+        bitmask = np.full((num_rows, (vocab_size + 31) // 32), -1, np.int32)
     num_drafts = np.zeros((num_rows,), np.int32)
     fed = np.full((num_tokens,), -1, np.int32)
     off = 0

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import sys
 import tempfile
 from contextlib import ExitStack
@@ -41,6 +42,17 @@ def _range(text: str) -> tuple[int, int]:
         return (int(lo), int(hi or lo))
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected N or LOW-HIGH, got {text!r}") from None
+
+
+def _shape(text: str) -> tuple[int, int, int]:
+    """'LAYERS,HIDDEN,VOCAB'."""
+    try:
+        layers, hidden, vocab = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected LAYERS,HIDDEN,VOCAB, got {text!r}") from None
+    if min(layers, hidden, vocab) < 1 or hidden % 4:
+        raise argparse.ArgumentTypeError(f"expected positive sizes, HIDDEN a multiple of 4, got {text!r}")
+    return layers, hidden, vocab
 
 
 def _span(r: tuple[int, int]) -> str:
@@ -180,6 +192,17 @@ def build_parser() -> argparse.ArgumentParser:
     p = mk("latency")
     _engine_flags(p)
     _workload_flags(p, kind="random", n=4, plen="512", olen="128")
+    g = p.add_argument_group("host (--host: the engine thread's CPU time per decode step, by phase)")
+    g.add_argument("--host", action="store_true", help="measure the host's work per decode step instead")
+    g.add_argument("--rows", type=_positive, default=64, help="--host: sequences decoding at once (64)")
+    g.add_argument("--context", type=_positive, default=64, help="--host: prompt tokens of each (64)")
+    g.add_argument("--steps", type=_positive, default=64, help="--host: decode steps timed a round (64)")
+    g.add_argument(
+        "--random",
+        type=_shape,
+        metavar="LAYERS,HIDDEN,VOCAB",
+        help="--host: a random Llama of that shape instead of --model (needs torch), e.g. 32,128,128256",
+    )
     _out_flag(p)
     p.set_defaults(run=cmd_latency)
 
@@ -342,7 +365,42 @@ def cmd_throughput(args, argv) -> dict:
     return result.document("throughput", argv, workload=wl.describe(), configs=results)
 
 
+def cmd_host(args, argv) -> dict:
+    """latency --host: configurations side by side, rounds alternating (tools/bench/host.py)."""
+    from jaxserve.tools.bench import host
+
+    with ExitStack() as stack:
+        if args.random:
+            tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="jaxserve-bench-")))
+            print(f"building a random Llama {args.random} (layers, hidden, vocab) in {tmp}", flush=True)
+            args.model = str(host.random_model(*args.random, tmp))
+        sized = {"max_slots": args.rows, "max_model_len": args.context + args.steps + 128}
+        llms, configs = _build_llms(args, stack, [{**sized, **o} for o in args.engine_opts or [{}]])
+        per: list[list[dict]] = [[] for _ in llms]
+        for k in range(args.rounds):
+            order = list(range(len(llms)))
+            for c in order if k % 2 == 0 else order[::-1]:
+                r = host.measure(llms[c], args.rows, args.context, args.steps, args.seed + k)
+                r["device_ms"] = host.device_ms(llms[c], args.rows, args.context)
+                per[c].append(r)
+                print(host.line(configs[c].label, k, r), flush=True)
+    results = []
+    for cfg, rs in zip(configs, per):
+        median = {m: statistics.median(r[m] for r in rs) for m in ("host_ms", "wall_ms", "device_ms")}
+        median["phases_ms"] = {p: statistics.median(r["phases_ms"][p] for r in rs) for p in rs[0]["phases_ms"]}
+        results.append({"label": cfg.label, "spec": cfg.spec, "rounds": rs, "median": median})
+        print(
+            f"{cfg.label}: median of {len(rs)} rounds: host {median['host_ms']:.3f} ms per decode step at "
+            f"{args.rows} rows, wall {median['wall_ms']:.2f} ms, device {median['device_ms']:.2f} ms",
+            flush=True,
+        )
+    workload = {"rows": args.rows, "context": args.context, "steps": args.steps, "random": args.random}
+    return result.document("latency", argv, workload=workload, configs=results)
+
+
 def cmd_latency(args, argv) -> dict:
+    if args.host:
+        return cmd_host(args, argv)
     Workload.load(_workload_spec(args, 2**31 - 1))  # a bad workload fails before any model loads
     with ExitStack() as stack:
         llms, configs = _build_llms(args, stack, args.engine_opts or [{}])
