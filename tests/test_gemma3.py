@@ -16,8 +16,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from conftest import hf_greedy, make_hf_model
-from test_qwen3 import GREEDY, _last_logits_error, assert_matches_transformers, mixed_shared_prefix_requests
+from conftest import hf_greedy, make_hf_model, run_on_devices
+from test_qwen3 import (
+    GREEDY,
+    TP_SCRIPT,
+    _last_logits_error,
+    assert_matches_transformers,
+    mixed_shared_prefix_requests,
+)
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.models import gemma3, registry
@@ -165,3 +171,19 @@ def test_mistral_window_is_masked_not_capped(tmp_path):
     assert [cfg.layer_window(i) for i in range(cfg.num_layers)] == [WINDOW] * cfg.num_layers
     assert cfg.max_context == cfg.max_position_embeddings
     assert_matches_transformers(model, cfg, hf)
+
+
+def test_tensor_parallel_greedy_equals_one_device_and_transformers(tmp_path_factory):
+    """8 query heads of 32, 4 KV heads on 8 CPU devices: tp=2 splits the KV heads, tp=8
+    replicates them; each layer's window goes through the per-chip attention (shard_attention).
+    Every tp gives transformers' greedy tokens."""
+    d = tmp_path_factory.mktemp("gemma3_tp")
+    hf = make_gemma3(d, num_attention_heads=8, num_key_value_heads=4, intermediate_size=128)
+    res = run_on_devices(TP_SCRIPT, 8, d)
+    rng = np.random.default_rng(0)  # the script's prompts and lengths
+    prompts = [[int(x) for x in rng.integers(3, 512, int(rng.integers(2, 50)))] for _ in range(8)]
+    lengths = [int(m) for m in rng.integers(3, 25, 8)]
+    assert res[1]["tokens"] == [hf_greedy(hf, p, m) for p, m in zip(prompts, lengths)]
+    for tp in (2, 8):
+        assert res[tp]["tokens"] == res[1]["tokens"], tp
+        assert res[tp]["q_proj"] == [[64, 8 * 32 // tp]]  # whole heads per chip
