@@ -4,7 +4,8 @@
 outside ``jax.jit``: q [B, T, H, D] (float32 or bfloat16), pages [num_pages, page_size, KVH, D]
 (float32 or bfloat16; or int8 with bfloat16 scales [num_pages, page_size, KVH], the
 kv_cache_dtype="int8" pool), block_tables [B, P], context_lens [B], positions [B, T]; key j of row b
-is visible to query t iff j < context_lens[b] and j <= positions[b, t]; a query that sees
+is visible to query t iff j < context_lens[b] and j <= positions[b, t] (and, with a sliding window W,
+j > positions[b, t] - W); a query that sees
 nothing gets zeros (the reference would average every key there; no live query is like that).
 ``ragged_paged_attention`` is the same kernel over one flat token array (q [N, H, D], rows of any
 query length delimited by query_start_loc [R+1]; ``reference.ragged_paged_attention``'s
@@ -49,7 +50,9 @@ TARGET = "jaxserve_paged_attention"
 TARGET_Q8 = "jaxserve_paged_attention_q8"  # int8 pages + bfloat16 scales (kv_cache_dtype="int8")
 RAGGED_TARGET = "jaxserve_ragged_paged_attention"  # one flat token array, rows of any length
 RAGGED_TARGET_Q8 = "jaxserve_ragged_paged_attention_q8"
-ABI_VERSION = 5  # must match jaxserve_cpu_abi_version() in the .cc (3: bfloat16 scales; 4: ragged; 5: avx512bf16)
+ABI_VERSION = (
+    6  # must match jaxserve_cpu_abi_version() in the .cc (3: bf16 scales; 4: ragged; 5: avx512bf16; 6: window)
+)
 # avx512bf16: AVX-512 + AVX512-BF16 (the bf16 matmul by dot products); amx: that + the AMX bf16 tiles
 ISAS = ("generic", "avx2", "avx512", "avx512bf16", "amx")
 BF16_ISAS = ISAS[3:]  # bfloat16 arithmetic (dot products or tiles): the default precision there
@@ -303,6 +306,7 @@ def paged_attention(
     v_scales=None,
     *,
     kv_heads_per_item: int = 0,
+    sliding_window: int | None = None,
 ):
     """Same arguments and result as ``reference.paged_attention``; runs the native CPU kernel.
 
@@ -310,7 +314,8 @@ def paged_attention(
     other float types are rounded to bfloat16) the pages are int8 (kv_cache_dtype="int8",
     reference.quantize_kv) and are dequantized while read; float8
     pages are not supported here (ValueError). ``kv_heads_per_item`` (0 = automatic) sets how
-    many KV heads one work item covers. Raises RuntimeError where ``available()`` is False.
+    many KV heads one work item covers. ``sliding_window`` W (None or 0: none): each query sees
+    only its last W positions. Raises RuntimeError where ``available()`` is False.
     """
     return _call(
         (TARGET, TARGET_Q8),
@@ -321,6 +326,7 @@ def paged_attention(
         v_scales,
         scale,
         kv_heads_per_item,
+        sliding_window,
         block_tables,
         context_lens,
         positions,
@@ -340,6 +346,7 @@ def ragged_paged_attention(
     v_scales=None,
     *,
     kv_heads_per_item: int = 0,
+    sliding_window: int | None = None,
 ):
     """Same arguments and result as ``reference.ragged_paged_attention``; runs the native CPU kernel.
 
@@ -348,8 +355,8 @@ def ragged_paged_attention(
     from 0) and reads its keys through block_tables[r]; token n of row r sees key j iff
     j < seq_lens[r] and j <= positions[n]. A token that sees nothing, and every padding token
     (n >= query_start_loc[R]), gets zeros. Decode rows (1 token), prefill chunks and speculative
-    verification (k + 1 tokens) go in one call. Pages, scales, ``kv_heads_per_item`` and errors
-    as ``paged_attention``; index arrays whose shapes do not fit q and each other raise
+    verification (k + 1 tokens) go in one call. Pages, scales, ``kv_heads_per_item``,
+    ``sliding_window`` (key j also hidden when j <= positions[n] - W) and errors as ``paged_attention``; index arrays whose shapes do not fit q and each other raise
     ValueError naming the field.
     """
     _check_ragged_shapes(q, query_start_loc, seq_lens, block_tables, positions)
@@ -362,6 +369,7 @@ def ragged_paged_attention(
         v_scales,
         scale,
         kv_heads_per_item,
+        sliding_window,
         query_start_loc,
         seq_lens,
         block_tables,
@@ -389,9 +397,12 @@ def _check_ragged_shapes(q, query_start_loc, seq_lens, block_tables, positions) 
         raise ValueError(f"block_tables: expected [R, P] with R={r}, got shape {shape(block_tables)}")
 
 
-def _call(targets, q, k_pages, v_pages, k_scales, v_scales, scale, kv_heads_per_item, *index_arrays):
+def _call(targets, q, k_pages, v_pages, k_scales, v_scales, scale, kv_heads_per_item, window, *index_arrays):
     """One FFI call of the float (targets[0]) or int8 (targets[1]) handler: q cast to a float type
-    the kernel reads, pages and scales checked, the int32 index arrays after the pages."""
+    the kernel reads, pages and scales checked, the int32 index arrays after the pages; window
+    the sliding window (None or 0: full attention)."""
+    if window is not None and int(window) < 0:
+        raise ValueError(f"sliding_window must be positive (None or 0: full attention), got {window}")
     if _load() is None:
         raise RuntimeError(f"native CPU kernels unavailable: {_state.get('error')}")
     q = jnp.asarray(q)
@@ -424,6 +435,7 @@ def _call(targets, q, k_pages, v_pages, k_scales, v_scales, scale, kv_heads_per_
         *(jnp.asarray(a, jnp.int32) for a in index_arrays),
         scale=s,
         kv_heads_per_item=np.int64(kv_heads_per_item),
+        window=np.int64(window or 0),
     )
     return out.astype(out_dtype)
 

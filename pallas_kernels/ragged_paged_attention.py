@@ -5,7 +5,8 @@ speculative verification — each row reading its keys through its own block tab
 Semantics are exactly ``reference.ragged_paged_attention``'s: q [N, H, D]; row r owns tokens
 [query_start_loc[r], query_start_loc[r + 1]); token n of row r sees key j iff
 j < seq_lens[r] and j <= positions[n]; tokens that see nothing and padding tokens
-(n >= query_start_loc[R]) get zeros.
+(n >= query_start_loc[R]) get zeros. With ``sliding_window`` W (a layer's; None or 0: none),
+token n also does not see key j <= positions[n] - W.
 
 **Work items.** The wrapper (plain jnp, traced, so one compiled step serves every mix of rows)
 cuts each row's tokens into query blocks of ``block_q`` tokens that never straddle two rows:
@@ -33,6 +34,13 @@ float32. Keys at or beyond an item's bound (the tail of the last page, pages pas
 masked out of the scores and their V rows zeroed, so NaN there never reaches the result.
 Quantized pages (int8 / float8 with bfloat16 scales [num_pages, page_size, KVH]) are widened
 and multiplied by their per-token scale in the kernel, q in float32, as the oracle does.
+
+**Sliding window.** A windowed call (static: a layer's W) adds each slot's first visible key
+(``start``) beside its limit and the item's smallest (``first``): the kernel masks keys below a
+token's start and skips the page blocks wholly before the item's first (TPU: their index maps
+clamp to the first page needed, so no DMA, and ``pl.when`` skips compute; GPU: the page loop
+starts there), so a windowed layer reads about W keys per token, not its whole context. An
+unwindowed call builds exactly the kernel it did before windows existed.
 """
 
 from __future__ import annotations
@@ -78,7 +86,9 @@ class WorkItems(NamedTuple):
     row [W]: the item's row (empty items: some valid row, bound 0); bound [W]: keys the item
     needs (largest token limit in it); limit [W, bq]: each slot's visible-key limit (0 for
     slots past the item's tokens); token [W, bq]: the flat token of each slot (clamped);
-    token_item / token_slot [N]: where each flat token sits; valid [N]: not padding."""
+    token_item / token_slot [N]: where each flat token sits; valid [N]: not padding.
+    start [W, bq]: each slot's first visible key under the sliding window (0 without one);
+    first [W]: the smallest start among the item's slots that see a key (0 for empty items)."""
 
     row: jax.Array
     bound: jax.Array
@@ -87,6 +97,8 @@ class WorkItems(NamedTuple):
     token_item: jax.Array
     token_slot: jax.Array
     valid: jax.Array
+    start: jax.Array
+    first: jax.Array
 
 
 def plan_work_items(
@@ -97,9 +109,11 @@ def plan_work_items(
     num_tokens: int,
     block_q: int,
     max_keys: int,
+    sliding_window: int | None = None,
 ) -> WorkItems:
     """Cut each row's tokens into blocks of block_q (traced: any row mix, one static shape).
-    max_keys (pages per row x page size) caps every limit: keys past a block table don't exist."""
+    max_keys (pages per row x page size) caps every limit: keys past a block table don't exist.
+    sliding_window: each slot's first visible key (`reference.window_start`)."""
     qsl = query_start_loc.astype(jnp.int32)
     r = qsl.shape[0] - 1
     w = min(_cdiv(num_tokens, block_q) + r, num_tokens)  # sum(ceil(len_r / bq)) <= N / bq + R
@@ -126,7 +140,11 @@ def plan_work_items(
     slot = jnp.arange(block_q, dtype=jnp.int32)[None, :]
     token = jnp.clip(start[:, None] + slot, 0, num_tokens - 1)
     limit = jnp.where(slot < length[:, None], tok_limit[token], 0)
-    return WorkItems(row, jnp.max(limit, axis=1), limit, token, token_item, token_slot, valid)
+    start = reference.window_start(positions.astype(jnp.int32), sliding_window)[token]
+    sees = limit > start
+    first = jnp.min(jnp.where(sees, start, jnp.iinfo(jnp.int32).max), axis=1)
+    first = jnp.where(jnp.any(sees, axis=1), first, 0)
+    return WorkItems(row, jnp.max(limit, axis=1), limit, token, token_item, token_slot, valid, start, first)
 
 
 # -- TPU (Mosaic) lowering ------------------------------------------------------------------
@@ -153,11 +171,6 @@ def _token_layout(out, items, kv_heads, groups):
 
 
 def _tpu_kernel(
-    bound_ref,
-    row_ref,
-    bt_ref,
-    q_ref,
-    lim_ref,
     *refs,
     pages_per_block: int,
     page_size: int,
@@ -165,15 +178,21 @@ def _tpu_kernel(
     head_dim: int,
     scale: float,
     quantized: bool,
+    windowed: bool,
 ):
     """One (item, kv-head block, page block) step.
 
-    SMEM: bound_ref [W], row_ref [W], bt_ref [R*P]. q_ref/o_ref [kv_heads, G*bq, D];
-    lim_ref [G*bq, 1]; pages_per_block K page refs then as many V page refs, each
+    SMEM: bound_ref [W], row_ref [W], bt_ref [R*P] (windowed: first_ref [W]). q_ref/o_ref
+    [kv_heads, G*bq, D]; lim_ref [G*bq, 1] (windowed: then start_ref [G*bq, 1]);
+    pages_per_block K page refs then as many V page refs, each
     [ps, kv_heads*D] (heads as lane blocks of the free reshape of the pool); quantized: as
     many K and V scale refs, each [ps, KVH] (all heads: a one-head lane block of a narrow
     array is not a legal Mosaic block); scratch m/l [kv_heads, G*bq, 1], acc [kv_heads, G*bq, D].
     """
+    bound_ref, row_ref, bt_ref = refs[:3]
+    first_ref, refs = (refs[3], refs[4:]) if windowed else (None, refs[3:])
+    q_ref, lim_ref = refs[:2]
+    start_ref, refs = (refs[2], refs[3:]) if windowed else (None, refs[2:])
     n = pages_per_block
     k_refs, v_refs = refs[:n], refs[n : 2 * n]
     nq = 2 * n if quantized else 0
@@ -189,7 +208,11 @@ def _tpu_kernel(
         l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
-    @pl.when(i * n * ps < bound)  # page blocks past the item's last visible key: no compute
+    live = i * n * ps < bound  # page blocks past the item's last visible key: no compute
+    if windowed:  # nor before its first
+        live = live & ((i + 1) * n * ps > first_ref[w])
+
+    @pl.when(live)
     def _compute():
         limit = lim_ref[...]  # [G*bq, 1]
         for j in range(kv_heads):  # static
@@ -207,9 +230,15 @@ def _tpu_kernel(
                     head = hj * kv_heads + j
                     k = k.astype(jnp.float32) * _head_column(ks_refs[c][...], head)
                     v = v.astype(jnp.float32) * _head_column(vs_refs[c][...], head)
-                v = jnp.where(kpos_col < bound, v, jnp.zeros_like(v))
+                keep = kpos_col < bound
+                if windowed:  # a block clamped to the first page holds another position's V
+                    keep = keep & (kpos_col >= first_ref[w])
+                v = jnp.where(keep, v, jnp.zeros_like(v))
                 s = dot_nt(q, k) * scale
-                mask = jnp.broadcast_to(kpos_row < limit, s.shape)  # causal and context, per token
+                mask = kpos_row < limit  # causal and context, per token
+                if windowed:
+                    mask = mask & (kpos_row >= start_ref[...])
+                mask = jnp.broadcast_to(mask, s.shape)
                 m, l, acc = online_softmax_step(m, l, acc, s, mask, v)
             m_ref[j], l_ref[j], acc_ref[j] = m, l, acc
 
@@ -228,7 +257,9 @@ def _head_column(scales, head):
     return jnp.sum(jnp.where(lane == head, s, 0.0), axis=1, keepdims=True)
 
 
-def _ragged_tpu(q, k_pages, v_pages, k_scales, v_scales, items, block_tables, *, scale, pages_per_block, hb, interpret):
+def _ragged_tpu(
+    q, k_pages, v_pages, k_scales, v_scales, items, block_tables, *, scale, pages_per_block, hb, interpret, windowed
+):
     _, h, d = q.shape
     num_pages, ps, kvh, _ = k_pages.shape
     p = block_tables.shape[1]
@@ -241,11 +272,14 @@ def _ragged_tpu(q, k_pages, v_pages, k_scales, v_scales, items, block_tables, *,
     quantized = k_scales is not None
 
     def page_spec(c):
-        def index_map(wi, hj, i, bound_ref, row_ref, bt_ref):
+        def index_map(wi, hj, i, bound_ref, row_ref, bt_ref, *first_ref):
             # lax.div: jnp's floor division of signed ints needs sign(), which Mosaic lowers
             # only with a TPU attached; bounds are never negative.
             last = jnp.clip(lax.div(bound_ref[wi] + ps - 1, ps) - 1, 0, p - 1)
-            return bt_ref[row_ref[wi] * p + jnp.minimum(i * n + c, last)], 0, hj
+            page = jnp.minimum(i * n + c, last)
+            if first_ref:  # a window: pages before the item's first key repeat it (no DMA)
+                page = jnp.maximum(page, jnp.minimum(lax.div(first_ref[0][wi], ps), last))
+            return bt_ref[row_ref[wi] * p + page], 0, hj
 
         return pl.BlockSpec((None, ps, hb * d), index_map)
 
@@ -263,14 +297,21 @@ def _ragged_tpu(q, k_pages, v_pages, k_scales, v_scales, items, block_tables, *,
         head_dim=d,
         scale=scale,
         quantized=quantized,
+        windowed=windowed,
     )
     scales = [k_scales] * n + [v_scales] * n if quantized else []
+    tile = lambda x: jnp.tile(x, (1, g))[:, :, None]  # noqa: E731  (row g*bq + t: token t's)
+    prefetch = (items.bound, items.row, block_tables.astype(jnp.int32).reshape(-1))
+    per_token = (tile(items.limit),)
+    if windowed:
+        prefetch, per_token = (*prefetch, items.first), (*per_token, tile(items.start))
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=3,
+            num_scalar_prefetch=len(prefetch),
             grid=(w, kvh // hb, nblk),
-            in_specs=[q_spec, lim_spec]
+            in_specs=[q_spec]
+            + [lim_spec] * len(per_token)
             + [page_spec(c) for c in range(n)] * 2
             + [scale_spec(c) for c in range(n)] * (2 * quantized),
             out_specs=q_spec,
@@ -285,11 +326,9 @@ def _ragged_tpu(q, k_pages, v_pages, k_scales, v_scales, items, block_tables, *,
         interpret=interpret,
         name="ragged_paged_attention_tpu",
     )(
-        items.bound,
-        items.row,
-        block_tables.astype(jnp.int32).reshape(-1),
+        *prefetch,
         _item_layout(q, items, kvh),
-        jnp.tile(items.limit, (1, g))[:, :, None],  # row g*bq + t: token t's limit
+        *per_token,
         *([k_pages.reshape(num_pages, ps, kvh * d)] * n),  # free: heads become lane blocks
         *([v_pages.reshape(num_pages, ps, kvh * d)] * n),
         *scales,
@@ -314,16 +353,19 @@ def _gpu_kernel(
     scale: float,
     quantized: bool,
     split: bool,
+    windowed: bool,
 ):
     """One (item, kv head, split) program.
 
     q_ref [G*bq, D] (the head group's rows of the item); lim_ref [G*bq]; info_ref [2] =
-    (page blocks to read, bound); bt_ref [Pp]: the item's row of the block table; k_ref/v_ref
+    (page blocks to read, bound), windowed [4] = (those, the first page block any slot sees, 0)
+    and then start_ref [G*bq] (each row's first visible key) before the pages; bt_ref [Pp]: the item's row of the block table; k_ref/v_ref
     [num_pages, ps, D]: this KV head's view of the whole pool (a pointer); quantized:
     ks_ref/vs_ref [num_pages, ps]. Split s walks page blocks [s * blocks_per_split, ...) of
     the item's; split: it writes its unnormalised acc [G*bq, D] and m, l [G*bq] for
     combine_splits, else (one split) the normalised output o_ref [G*bq, D].
     """
+    start_ref, rest = (rest[0], rest[1:]) if windowed else (None, rest)
     if quantized:
         ks_ref, vs_ref, *outs = rest
     else:
@@ -347,6 +389,8 @@ def _gpu_kernel(
         kpos = it * span + lax.broadcasted_iota(jnp.int32, (span,), 0)
         v = jnp.where((kpos < bound)[:, None], v, jnp.zeros_like(v))
         mask = kpos[None, :] < limit[:, None]
+        if windowed:
+            mask = mask & (kpos[None, :] >= start_ref[...][:, None])
         s = dot_nt(q, k) * scale
         return online_softmax_step(*carry, s, mask, v)
 
@@ -357,6 +401,8 @@ def _gpu_kernel(
     )
     first = pl.program_id(2) * blocks_per_split
     last = jnp.minimum(first + blocks_per_split, steps)  # stops at the item's last visible key
+    if windowed:  # and starts at its first
+        first = jnp.maximum(first, info_ref[2])
     m, l, acc = lax.fori_loop(first, jnp.maximum(first, last), body, init)
     if split:
         acc_ref, m_ref, l_ref = outs
@@ -383,6 +429,7 @@ def _ragged_gpu(
     num_warps,
     num_stages,
     num_splits,
+    windowed,
 ):
     _, h, d = q.shape
     num_pages, ps, kvh, _ = k_pages.shape
@@ -397,7 +444,10 @@ def _ragged_gpu(
     per_split = _cdiv(_cdiv(p, n), splits)  # page blocks each split walks
     bt = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, pp - p)))[items.row]  # [W, Pp]
     steps = (items.bound + span - 1) // span
-    info = jnp.stack([steps, items.bound], axis=-1).astype(jnp.int32)  # [W, 2]
+    info = [steps, items.bound]
+    if windowed:  # a power of two wide, as Triton blocks are
+        info += [items.first // span, jnp.zeros_like(steps)]
+    info = jnp.stack(info, axis=-1).astype(jnp.int32)  # [W, 2], windowed [W, 4]
     kernel = functools.partial(
         _gpu_kernel,
         page_size=ps,
@@ -406,6 +456,7 @@ def _ragged_gpu(
         scale=scale,
         quantized=quantized,
         split=splits > 1,
+        windowed=windowed,
     )
     q_spec = pl.BlockSpec((None, None, g * bq, d), lambda wi, hi, si: (wi, hi, 0, 0))
     page_spec = pl.BlockSpec((num_pages, ps, None, d), lambda wi, hi, si: (0, 0, hi, 0))
@@ -429,10 +480,11 @@ def _ragged_gpu(
         in_specs=[
             q_spec,
             pl.BlockSpec((None, g * bq), lambda wi, hi, si: (wi, 0)),
-            pl.BlockSpec((None, 2), lambda wi, hi, si: (wi, 0)),
+            pl.BlockSpec((None, info.shape[1]), lambda wi, hi, si: (wi, 0)),
             pl.BlockSpec((None, pp), lambda wi, hi, si: (wi, 0)),
             page_spec,
             page_spec,
+            *([pl.BlockSpec((None, g * bq), lambda wi, hi, si: (wi, 0))] if windowed else []),
             *([scale_spec, scale_spec] if quantized else []),
         ],
         out_specs=out_specs,
@@ -447,6 +499,7 @@ def _ragged_gpu(
         bt,
         k_pages,
         v_pages,
+        *((jnp.tile(items.start, (1, g)),) if windowed else ()),
         *((k_scales, v_scales) if quantized else ()),
     )
     if splits > 1:
@@ -520,6 +573,7 @@ def ragged_paged_attention(
     num_warps: int | None = None,
     num_stages: int = 2,
     num_splits: int | None = None,
+    sliding_window: int | None = None,
 ) -> jax.Array:
     """Attention of the flat ragged batch q [N, H, D] over each row's pages -> [N, H, D] in
     q.dtype, with ``reference.ragged_paged_attention``'s semantics.
@@ -538,6 +592,7 @@ def ragged_paged_attention(
     default as the flash kernel), num_warps / num_stages (GPU), num_splits (GPU: split-K, each
     item's pages cut across that many programs and merged after; default from gpu_splits: several
     for a small decode batch, 1 for a mixed step). None are tuned on hardware.
+    sliding_window W (None or 0: full attention): token n sees only keys j > positions[n] - W.
     """
     backend, interpret = resolve(backend, interpret)
     _check_inputs(q, k_pages, v_pages, query_start_loc, seq_lens, block_tables, positions, k_scales, v_scales)
@@ -552,8 +607,15 @@ def ragged_paged_attention(
     else:  # Triton: G*bq rows, a power of two of at least 16 (tl.dot's minimum)
         bq = max(_cdiv(16, g), min(_next_pow2(block_q or 16), _next_pow2(n_tok)))
     items = plan_work_items(
-        query_start_loc, seq_lens, positions, num_tokens=n_tok, block_q=bq, max_keys=block_tables.shape[1] * ps
+        query_start_loc,
+        seq_lens,
+        positions,
+        num_tokens=n_tok,
+        block_q=bq,
+        max_keys=block_tables.shape[1] * ps,
+        sliding_window=sliding_window,
     )
+    windowed = bool(sliding_window)
     if backend == "tpu":
         hb = kv_heads_per_block or tpu_kv_heads_per_block(d, kvh, interpret)
         out = _ragged_tpu(
@@ -568,6 +630,7 @@ def ragged_paged_attention(
             pages_per_block=pages_per_block,
             hb=hb,
             interpret=interpret,
+            windowed=windowed,
         )
     else:
         out = _ragged_gpu(
@@ -584,5 +647,6 @@ def ragged_paged_attention(
             num_warps=num_warps,
             num_stages=num_stages,
             num_splits=num_splits,
+            windowed=windowed,
         )
     return out

@@ -24,10 +24,12 @@ _NEG = -1e30
 @dataclasses.dataclass
 class RaggedMetadata:
     """A ragged step's attention inputs (all int32): one flat array of N query tokens in rows of
-    any length (1 for decode, a chunk for prefill, k + 1 for speculative verification). Row r
-    owns tokens [query_start_loc[r], query_start_loc[r + 1]) and reads its keys through
-    block_tables[r]; token n of row r sees key j iff j < seq_lens[r] and j <= positions[n].
-    Tokens past query_start_loc[R] are padding: they write to the dummy page and see nothing."""
+        any length (1 for decode, a chunk for prefill, k + 1 for speculative verification). Row r
+        owns tokens [query_start_loc[r], query_start_loc[r + 1]) and reads its keys through
+        block_tables[r]; token n of row r sees key j iff j < seq_lens[r] and j <= positions[n].
+        Tokens past query_start_loc[R] are padding: they write to the dummy page and see nothing.
+    A layer with a sliding window W (the attention call's `sliding_window`) also hides key j from
+    token n when j <= positions[n] - W: each token sees its last W positions, itself included."""
 
     slot_mapping: jax.Array  # [N] flat page slot page*page_size+offset of each token's new K/V
     block_tables: jax.Array  # [R, P] each row's pages in sequence order
@@ -189,12 +191,25 @@ def _grouped_softmax_attention(q, k, v, mask, scale):
     return o.reshape(b, t, h, d).astype(q.dtype)
 
 
-def causal_attention(q, k, v, scale: float, segment_ids=None):
+def window_start(positions, sliding_window: int | None):
+    """The first key position each query sees under a sliding window of W keys (transformers'
+    `kv_idx > q_idx - W`: the query's own position and the W - 1 before it); 0 without one (a
+    window of 0 or None is full attention)."""
+    if not sliding_window:
+        return jnp.zeros_like(positions)
+    return jnp.maximum(positions - (sliding_window - 1), 0)
+
+
+def causal_attention(q, k, v, scale: float, segment_ids=None, sliding_window: int | None = None):
     """Dense causal attention over a right-padded batch (no cache): training, parity tests and
     fresh prompts. segment_ids [B, T] packs several prompts in one row: a token sees only
-    earlier tokens of its own segment."""
+    earlier tokens of its own segment. sliding_window W: a token sees only the W positions
+    ending at its own (None or 0: all earlier ones)."""
     t = q.shape[1]
-    mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), dtype=bool))[None], (q.shape[0], t, t))
+    causal = jnp.tril(jnp.ones((t, t), dtype=bool))
+    if sliding_window:
+        causal = causal & ~jnp.tril(jnp.ones((t, t), dtype=bool), -sliding_window)
+    mask = jnp.broadcast_to(causal[None], (q.shape[0], t, t))
     if segment_ids is not None:
         mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
     return _grouped_softmax_attention(q, k, v, mask, scale)
@@ -209,14 +224,24 @@ def gather_pages(pages, block_tables):
 
 
 def paged_attention(
-    q, k_pages, v_pages, block_tables, context_lens, positions, scale: float, k_scales=None, v_scales=None
+    q,
+    k_pages,
+    v_pages,
+    block_tables,
+    context_lens,
+    positions,
+    scale: float,
+    k_scales=None,
+    v_scales=None,
+    sliding_window: int | None = None,
 ):
     """Attention of q [B,T,H,D] (token t of slot b at positions[b,t]) over the slot's pages.
 
     Key j of slot b is visible iff j < context_lens[b] and j <= positions[b, t]. This one
     function serves decode (T=1), chunked prefill and prefill after a prefix-cache hit.
     With k_scales/v_scales [num_pages, page_size, KVH] the pages are quantized: dequantized
-    after the gather, attention in float32.
+    after the gather, attention in float32. sliding_window W (None or 0: none) also hides key j
+    when j < positions[b, t] - W + 1 (``window_start``).
     """
     out_dtype = q.dtype
     k = as_bf16(gather_pages(k_pages, block_tables))
@@ -229,6 +254,7 @@ def paged_attention(
         q = q.astype(jnp.float32)
     j = jnp.arange(k.shape[1])
     mask = (j[None, None, :] < context_lens[:, None, None]) & (j[None, None, :] <= positions[:, :, None])
+    mask = mask & (j[None, None, :] >= window_start(positions, sliding_window)[:, :, None])
     return _grouped_softmax_attention(q, k, v, mask, scale).astype(out_dtype)
 
 
@@ -253,6 +279,7 @@ def paged_attention_chunked(
     pages_per_chunk: int = 2,
     k_scales=None,
     v_scales=None,
+    sliding_window: int | None = None,
 ):
     """Paged attention as a loop over chunks of pages with an online softmax: flash-decoding
     in plain XLA. Same semantics as paged_attention (key j visible iff j < context_lens[b]
@@ -262,7 +289,9 @@ def paged_attention_chunked(
     so one compiled step serves every length.
 
     q [B, T, H, D]; block_tables [B, P] with P a multiple of pages_per_chunk; -> [B, T, H, D].
-    Quantized pages (k_scales/v_scales given) are dequantized chunk by chunk.
+    Quantized pages (k_scales/v_scales given) are dequantized chunk by chunk. sliding_window W
+    (None or 0: none) hides keys before ``window_start``; the loop starts at the first chunk
+    any query sees, so a windowed layer reads about W keys per token, not its whole context.
     """
     b, t, h, d = q.shape
     _, ps, kvh, _ = k_pages.shape
@@ -272,6 +301,11 @@ def paged_attention_chunked(
     qg = (q.astype(jnp.float32) * scale).reshape(b, t, kvh, g, d)
     n_chunks = (jnp.max(context_lens) + span - 1) // span
     limit = jnp.minimum(context_lens[:, None], positions + 1)  # [B, T]: keys j < limit are visible
+    start = window_start(positions, sliding_window)  # [B, T]: and keys j >= start
+    live = limit > start
+    first_chunk = 0
+    if sliding_window:  # chunks wholly before every live query's window are skipped
+        first_chunk = jnp.minimum(jnp.min(jnp.where(live, start, jnp.iinfo(start.dtype).max)) // span, n_chunks)
 
     def body(i, carry):
         m, l, acc = carry
@@ -280,9 +314,13 @@ def paged_attention_chunked(
         v = read_pages(v_pages, v_scales, pages).reshape(b, span, kvh, d).astype(jnp.float32)
         s = jnp.einsum("btkgd,bskd->btkgs", qg, k)
         pos = i * span + jnp.arange(span)
-        s = jnp.where(pos[None, None, None, None, :] < limit[:, :, None, None, None], s, _NEG)
+        seen = (pos[None, None, :] < limit[:, :, None]) & (pos[None, None, :] >= start[:, :, None])  # [B, T, span]
+        seen = seen[:, :, None, None, :]
+        s = jnp.where(seen, s, _NEG)
         m_new = jnp.maximum(m, s.max(-1))
-        p = jnp.exp(s - m_new[..., None])
+        # exactly zero for hidden keys, also in a chunk before the window where a query has
+        # seen nothing yet (exp(_NEG - _NEG) would be 1)
+        p = jnp.where(seen, jnp.exp(s - m_new[..., None]), 0.0)
         corr = jnp.exp(m - m_new)
         return m_new, l * corr + p.sum(-1), acc * corr[..., None] + jnp.einsum("btkgs,bskd->btkgd", p, v)
 
@@ -291,7 +329,7 @@ def paged_attention_chunked(
         jnp.zeros((b, t, kvh, g), jnp.float32),
         jnp.zeros((b, t, kvh, g, d), jnp.float32),
     )
-    _, l, acc = jax.lax.fori_loop(0, n_chunks, body, init)
+    _, l, acc = jax.lax.fori_loop(first_chunk, n_chunks, body, init)
     out = acc / jnp.where(l > 0, l, 1.0)[..., None]
     return out.reshape(b, t, h, d).astype(q.dtype)
 
@@ -313,7 +351,18 @@ def ragged_valid(query_start_loc, num_tokens: int):
 
 
 def ragged_paged_attention(
-    q, k_pages, v_pages, query_start_loc, seq_lens, block_tables, positions, scale: float, k_scales=None, v_scales=None
+    q,
+    k_pages,
+    v_pages,
+    query_start_loc,
+    seq_lens,
+    block_tables,
+    positions,
+    scale: float,
+    k_scales=None,
+    v_scales=None,
+    *,
+    sliding_window: int | None = None,
 ):
     """The oracle of every ragged attention kernel.
 
@@ -322,7 +371,8 @@ def ragged_paged_attention(
     and reads its keys through block_tables[r] [P]. Token n of row r sees key j iff
     j < seq_lens[r] and j <= positions[n]. A token that sees nothing, and every token at or past
     query_start_loc[R] (padding), gets zeros. Decode rows have one token, prefill chunks many,
-    speculative verification k + 1: one call serves them all.
+    speculative verification k + 1: one call serves them all. sliding_window W (a layer's;
+    None or 0: full attention) also hides key j when j < positions[n] - W + 1.
 
     Gathers every token's whole context (``paged_attention`` with one row per token): memory
     N x P x page_size, an oracle, not a serving path."""
@@ -331,7 +381,16 @@ def ragged_paged_attention(
     valid = ragged_valid(query_start_loc, n)
     lens = jnp.where(valid, seq_lens[rows], 0)
     out = paged_attention(
-        q[:, None], k_pages, v_pages, block_tables[rows], lens, positions[:, None], scale, k_scales, v_scales
+        q[:, None],
+        k_pages,
+        v_pages,
+        block_tables[rows],
+        lens,
+        positions[:, None],
+        scale,
+        k_scales,
+        v_scales,
+        sliding_window,
     )[:, 0]
     sees = jnp.minimum(lens, positions + 1) > 0
     return jnp.where(sees[:, None, None], out, jnp.zeros_like(out))
@@ -350,6 +409,7 @@ def ragged_paged_attention_chunked(
     v_scales=None,
     *,
     pages_per_chunk: int = 2,
+    sliding_window: int | None = None,
 ):
     """The XLA serving path of a ragged step, with ``ragged_paged_attention``'s arguments and
     result: ``paged_attention_chunked`` with one row per token (its row's block table and
@@ -364,7 +424,17 @@ def ragged_paged_attention_chunked(
     if pad:
         tables = jnp.pad(tables, ((0, 0), (0, pad)))
     out = paged_attention_chunked(
-        q[:, None], k_pages, v_pages, tables, lens, positions[:, None], scale, pages_per_chunk, k_scales, v_scales
+        q[:, None],
+        k_pages,
+        v_pages,
+        tables,
+        lens,
+        positions[:, None],
+        scale,
+        pages_per_chunk,
+        k_scales,
+        v_scales,
+        sliding_window,
     )[:, 0]
     sees = jnp.minimum(lens, positions + 1) > 0  # padding and tokens that see nothing: zeros
     return jnp.where(sees[:, None, None], out, jnp.zeros_like(out))

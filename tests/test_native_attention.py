@@ -510,4 +510,5 @@ def test_ragged_refuses_bad_shapes():
         native.ragged_paged_attention(q[None], k, v, *idx, 0.2)
     call = jax.ffi.ffi_call(native.RAGGED_TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype))
     with pytest.raises(Exception, match="query_start_loc"):
-        np.asarray(call(q, k, v, qsl[:2], lens, bt, pos, scale=np.float32(0.2), kv_heads_per_item=np.int64(0)))
+        attrs = dict(scale=np.float32(0.2), kv_heads_per_item=np.int64(0), window=np.int64(0))
+        np.asarray(call(q, k, v, qsl[:2], lens, bt, pos, **attrs))

@@ -110,6 +110,9 @@ class Family:
     checkpoint_tensor: (an nnx parameter path, the ModelConfig) -> its transformers tensor(s)
         (`mirrored_name` where the module's names mirror transformers'; a family with stacked
         experts maps those to the per-expert tensors).
+    gguf_tensor_value: (transformers name, float32 array) -> the values transformers holds, for
+        a family whose GGUF converter changed them (Gemma: llama.cpp folds the +1 of its
+        `x * (1 + w)` norms into the weights); None: as stored.
     """
 
     model: type
@@ -119,3 +122,4 @@ class Family:
     gguf_tensors: Mapping[str, str] = dataclasses.field(default_factory=dict)
     gguf_unpermute_qk: bool = False
     checkpoint_tensor: Callable[[tuple, Any], CheckpointTensor] = mirrored_name
+    gguf_tensor_value: Callable[[str, Any], Any] | None = None

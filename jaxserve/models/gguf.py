@@ -86,12 +86,13 @@ def _field(reader, key: str, default=None):
 
 def hf_name(gguf_name: str, extra: dict[str, str] | None = None) -> str | None:
     """The transformers tensor name of a GGUF tensor (None for one jaxserve does not use,
-    such as llama.cpp's precomputed `rope_freqs`); `extra`: the family's own layer names."""
+    such as llama.cpp's precomputed `rope_freqs`); `extra`: the family's own layer names, which
+    take precedence (Gemma's `ffn_norm` is its pre-feed-forward norm, not Llama's second)."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     parts = gguf_name.split(".", 2)
     if len(parts) == 3 and parts[0] == "blk":
-        name = LAYER_NAMES.get(parts[2]) or (extra or {}).get(parts[2])
+        name = (extra or {}).get(parts[2]) or LAYER_NAMES.get(parts[2])
         if name is not None:
             return f"model.layers.{int(parts[1])}.{name}"
     return None
@@ -201,6 +202,8 @@ def read_tensors(
         if name not in wanted:
             continue
         arr = dequantize(t)
+        if family.gguf_tensor_value is not None:
+            arr = family.gguf_tensor_value(name, arr)
         if family.gguf_unpermute_qk:
             if name.endswith("q_proj.weight") or name.endswith("q_proj.bias"):
                 arr = unpermute_qk(arr, cfg.num_heads)

@@ -129,6 +129,8 @@ class Attention(nnx.Module):
         self.o_proj = _linear(cfg.num_heads * hd, d, cfg.o_bias, dtype, rngs, std)
         self.cfg = cfg
         self.fused = False
+        # This layer's sliding window (DecoderLayer sets it from cfg.layer_window); None: full
+        self.window: int | None = None
 
     def normalize_qk(self, q, k):
         """q [B, T, N, D] and k [B, T, KVH, D] as RoPE takes them (Llama: unchanged)."""
@@ -153,12 +155,13 @@ class Attention(nnx.Module):
         v = v.reshape(b, t, c.num_kv_heads, c.head_dim)
         q, k = self.normalize_qk(q, k)
         q, k = rope(q, *rope_cs), rope(k, *rope_cs)
-        scale = c.head_dim**-0.5
+        scale = c.attn_scale
         if cache is None:
-            out = reference.causal_attention(q, k, v, scale)
+            out = reference.causal_attention(q, k, v, scale, sliding_window=self.window)
         else:
             cache, k, v = reference.write_kv(cache, k, v, meta.slot_mapping)
-            out = attn_fn(q, k, v, cache, meta, scale=scale)
+            # a backend is asked for a window only by a layer that has one
+            out = attn_fn(q, k, v, cache, meta, scale=scale, **({"window": self.window} if self.window else {}))
         return self.o_proj(out.reshape(b, t, -1)), cache
 
 
@@ -181,7 +184,11 @@ class MLP(nnx.Module):
             gate, up = jnp.split(self.gate_proj(x), 2, axis=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(jax.nn.silu(gate) * up)
+        return self.down_proj(self.activation(gate) * up)
+
+    def activation(self, gate):
+        """The gate's nonlinearity (SwiGLU: SiLU; Gemma: GELU, tanh form)."""
+        return jax.nn.silu(gate)
 
 
 class DecoderLayer(nnx.Module):
@@ -193,10 +200,13 @@ class DecoderLayer(nnx.Module):
         std: float,
         attention: type[Attention] = Attention,
         mlp: Callable[..., nnx.Module] = MLP,
+        layer: int = 0,
     ):
-        """attention: the attention class; mlp: builds the MLP as mlp(cfg, dtype, rngs, std)."""
+        """attention: the attention class; mlp: builds the MLP as mlp(cfg, dtype, rngs, std);
+        layer: the layer's index (its sliding window, `cfg.layer_window`)."""
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.self_attn = attention(cfg, dtype, rngs, std)
+        self.self_attn.window = cfg.layer_window(layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = mlp(cfg, dtype, rngs, std)
 
@@ -212,6 +222,7 @@ class LlamaForCausalLM(nnx.Module):
     (`make_mlp`)."""
 
     attention: type[Attention] = Attention
+    decoder_layer: type[nnx.Module] = DecoderLayer
 
     def make_mlp(self, layer: int) -> Callable[..., nnx.Module]:
         """What builds layer `layer`'s MLP, called as (cfg, dtype, rngs, std)."""
@@ -230,12 +241,28 @@ class LlamaForCausalLM(nnx.Module):
             embedding_init=nnx.initializers.normal(init_std),
         )
         self.layers = nnx.List(
-            [DecoderLayer(cfg, dtype, rngs, init_std, self.attention, self.make_mlp(i)) for i in range(cfg.num_layers)]
+            [
+                self.decoder_layer(cfg, dtype, rngs, init_std, self.attention, self.make_mlp(i), layer=i)
+                for i in range(cfg.num_layers)
+            ]
         )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.norm = self.make_norm(cfg.hidden_size)
         if not cfg.tie_word_embeddings:
             self.lm_head = _linear(cfg.hidden_size, cfg.vocab_size, False, dtype, rngs, init_std)
         self.untied = False  # untie_lm_head: a tied model's vocabulary projection as a Linear of its own
+
+    def make_norm(self, dim: int) -> nnx.Module:
+        """The final norm (Gemma's scales by 1 + w)."""
+        return RMSNorm(dim, self.cfg.rms_norm_eps, self.dtype)
+
+    def embed(self, tokens) -> jax.Array:
+        """The hidden states entering layer 0 (Gemma scales them by sqrt(hidden))."""
+        return self.embed_tokens(tokens)
+
+    def rope(self, positions, dtype):
+        """The RoPE tables every layer is handed (one pair here; a family whose layers differ
+        hands a pair per kind and its layers pick theirs)."""
+        return rope_tables(positions, jnp.asarray(self.cfg.inv_freq()), dtype)
 
     def input_embedding(self) -> jax.Array:
         """The token embedding table [V, H] (shared with a draft head: models/eagle.py)."""
@@ -281,8 +308,8 @@ class LlamaForCausalLM(nnx.Module):
         EAGLE draft head is conditioned on, models/eagle.py). num_live_logits (traced int32): only
         the first that many selected positions are real (the rest pad a row bucket); the native
         CPU matmul projects only those onto the vocabulary, the step's largest single read."""
-        x = self.embed_tokens(tokens)
-        rope_cs = rope_tables(positions, jnp.asarray(self.cfg.inv_freq()), x.dtype)
+        x = self.embed(tokens)
+        rope_cs = self.rope(positions, x.dtype)
         new_cache = []
         with linear.live_rows(num_live_tokens):
             for i, layer in enumerate(self.layers):
@@ -306,7 +333,8 @@ class LlamaForCausalLM(nnx.Module):
 
 
 def _mistral_config(get) -> dict:
-    """Mistral's window applies without `use_sliding_window` (served up to it: max_context)."""
+    """Mistral's window applies without `use_sliding_window`, in every layer (masked by the
+    attention backends)."""
     return {"sliding_window": get("sliding_window")}
 
 

@@ -43,6 +43,9 @@ class ModelConfig:
     mlp_bias: bool = False
     # Extra rope parameters as sorted (key, value) pairs, hashable; () means plain RoPE.
     rope_scaling: tuple[tuple[str, Any], ...] = ()
+    # Sliding-window attention: each query sees its last `sliding_window` positions in the layers
+    # `layer_types` marks "sliding_attention" (every layer when layer_types is empty: Mistral);
+    # "full_attention" layers see the whole context.
     sliding_window: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
@@ -55,6 +58,12 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
     sparse_layers: tuple[int, ...] = ()
+    # Per-layer attention kind (transformers' `layer_types`), read where a window applies
+    layer_types: tuple[str, ...] = ()
+    # Gemma 3: the sliding layers' RoPE base (None: rope_theta, and one set of tables for all)
+    rope_local_theta: float | None = None
+    # Gemma 3: attention scale query_pre_attn_scalar ** -0.5 (None: head_dim ** -0.5)
+    query_pre_attn_scalar: float | None = None
 
     @property
     def rope_type(self) -> str:
@@ -62,11 +71,24 @@ class ModelConfig:
 
     @property
     def max_context(self) -> int:
-        """Longest sequence served: a sliding window would need masking we do not do,
-        so a model with one is served up to its window only."""
-        if self.sliding_window:
-            return min(self.max_position_embeddings, self.sliding_window)
+        """Longest sequence served: the position embeddings' (a sliding window is masked by
+        every attention backend, so it no longer caps the context)."""
         return self.max_position_embeddings
+
+    def is_sliding(self, layer: int) -> bool:
+        """Layer `layer` attends through the sliding window."""
+        if not self.sliding_window:
+            return False
+        return not self.layer_types or self.layer_types[layer] == "sliding_attention"
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of layer `layer` (keys per query), None for full attention."""
+        return int(self.sliding_window) if self.is_sliding(layer) else None
+
+    @property
+    def attn_scale(self) -> float:
+        """What q.k is multiplied by before the softmax."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     def shape(self) -> ModelShape:
         """The shape kv-math sizes and times (bytes per token, weights streamed per step, the
@@ -98,16 +120,19 @@ class ModelConfig:
         """Every parameter, as kv-math counts the same shape (Qwen2's q/k/v biases left out)."""
         return self.shape().num_params
 
-    def inv_freq(self) -> np.ndarray:
-        """RoPE inverse frequencies in float32, computed exactly as transformers does."""
+    def inv_freq(self, local: bool = False) -> np.ndarray:
+        """RoPE inverse frequencies in float32, computed exactly as transformers does; local:
+        those of the sliding layers of a model with a base of their own (Gemma 3: plain RoPE at
+        rope_local_theta, no scaling)."""
         dim = self.head_dim
-        inv = (1.0 / (self.rope_theta ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim))).astype(
-            np.float32
-        )
-        params = dict(self.rope_scaling)
+        theta = self.rope_local_theta if local and self.rope_local_theta else self.rope_theta
+        inv = (1.0 / (theta ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim))).astype(np.float32)
+        params = {} if local and self.rope_local_theta else dict(self.rope_scaling)
         rtype = params.get("rope_type", "default")
         if rtype == "default":
             return inv
+        if rtype == "linear":  # positions divided by the factor (Gemma 3's larger models)
+            return (inv / np.float32(params["factor"])).astype(np.float32)
         if rtype == "llama3":
             factor = float(params["factor"])
             low, high = float(params["low_freq_factor"]), float(params["high_freq_factor"])
@@ -119,7 +144,7 @@ class ModelConfig:
             smoothed = ((1 - smooth) * inv_l / factor + smooth * inv_l).astype(np.float32)
             medium = ~(wavelen < high_wl) & ~(wavelen > low_wl)
             return np.where(medium, smoothed, inv_l).astype(np.float32)
-        raise ValueError(f"rope_parameters.rope_type={rtype!r} is not supported (supported: default, llama3)")
+        raise ValueError(f"rope_parameters.rope_type={rtype!r} is not supported (supported: default, linear, llama3)")
 
     @classmethod
     def from_hf(cls, hf: Any, name: str = "") -> "ModelConfig":
@@ -161,6 +186,7 @@ class ModelConfig:
             mlp_bias=bool(get("mlp_bias", False)),
             rope_scaling=tuple(sorted(rope.items())),
             sliding_window=get("sliding_window") if get("use_sliding_window", False) else None,
+            layer_types=tuple(get("layer_types") or ()),
             eos_token_ids=eos_ids,
             bos_token_id=get("bos_token_id"),
             name=name,
@@ -203,6 +229,7 @@ class ModelConfig:
         d["rope_scaling"] = tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in d["rope_scaling"])
         d["eos_token_ids"] = tuple(d["eos_token_ids"])
         d["sparse_layers"] = tuple(d.get("sparse_layers", ()))
+        d["layer_types"] = tuple(d.get("layer_types", ()))
         return cls(**d)
 
 

@@ -70,6 +70,7 @@ FAMILIES: tuple[Entry, ...] = (
     Entry(("Qwen2ForCausalLM",), ("qwen2",), (), "jaxserve.models.llama:QWEN2"),
     Entry(("Qwen3ForCausalLM",), ("qwen3",), ("qwen3",), "jaxserve.models.qwen3:QWEN3"),
     Entry(("Qwen3MoeForCausalLM",), ("qwen3_moe",), (), "jaxserve.models.qwen3_moe:QWEN3_MOE"),
+    Entry(("Gemma3ForCausalLM",), ("gemma3_text",), ("gemma3",), "jaxserve.models.gemma3:GEMMA3"),
 )
 
 

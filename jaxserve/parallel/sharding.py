@@ -154,20 +154,20 @@ def shard_attention(attn_fn: Callable, cfg: ModelConfig, mesh: Mesh) -> Callable
         return attn_fn
     kv = kv_spec(cfg, tp)
 
-    def per_chip(q, k, v, kv_pages, meta, *, scale):
+    def per_chip(q, k, v, kv_pages, meta, *, scale, window=None):
         # kv_pages: (k_pages, v_pages), or with an 8-bit cache (k_pages, v_pages, k_scales,
         # v_scales); scales [num_pages, page_size, KVH] follow their heads (axis 2 too)
         if not kv_sharded:
             head = lax.axis_index(AXIS) * local_heads // group
             k, v = (lax.dynamic_slice_in_dim(x, head, 1, axis=2) for x in (k, v))
             kv_pages = tuple(lax.dynamic_slice_in_dim(x, head, 1, axis=2) for x in kv_pages)
-        return attn_fn(q, k, v, tuple(kv_pages), meta, scale=scale)
+        return attn_fn(q, k, v, tuple(kv_pages), meta, scale=scale, **({"window": window} if window else {}))
 
-    def wrapped(q, k, v, kv_pages, meta, *, scale):
+    def wrapped(q, k, v, kv_pages, meta, *, scale, window=None):
         meta_spec = jax.tree.map(lambda _: P(), meta)
         cache_spec = kv_spec(cfg, tp, quantized=True) if len(kv_pages) == 4 else (kv, kv)
         body = jax.shard_map(
-            functools.partial(per_chip, scale=scale),
+            functools.partial(per_chip, scale=scale, window=window),
             mesh=mesh,
             out_specs=HEADS,
             check_vma=False,

@@ -30,9 +30,10 @@ from pallas_kernels.reference import RaggedMetadata
 
 @dataclasses.dataclass(frozen=True)
 class AttentionBackend:
-    """`forward(q, k, v, kv_cache, md, *, scale)`: q [..., H, D] (leading axes flatten to the
-    step's N tokens), k/v this step's new keys and values (already in `kv_cache`, the layer's
-    cache tuple), md what `metadata` built. Returns q's shape."""
+    """`forward(q, k, v, kv_cache, md, *, scale, window=None)`: q [..., H, D] (leading axes
+    flatten to the step's N tokens), k/v this step's new keys and values (already in `kv_cache`,
+    the layer's cache tuple), md what `metadata` built, window the layer's sliding window (each
+    token sees its last `window` positions; None: all of them). Returns q's shape."""
 
     name: str
     forward: Callable[..., Any]
@@ -46,11 +47,12 @@ class AttentionBackend:
 def paged_forward(kernel: Callable) -> Callable:
     """A backend's forward from a ragged paged-attention kernel with the oracle's arguments
     (`reference.ragged_paged_attention`: q [N, H, D], pages, query_start_loc, seq_lens,
-    block_tables, positions, scale, k_scales, v_scales): q's leading axes flattened to the
-    step's tokens, the layer's cache tuple split into pages and scales (this step's k/v are
-    already in the pages, so k and v themselves are not read)."""
+    block_tables, positions, scale, k_scales, v_scales, *, sliding_window): q's leading axes
+    flattened to the step's tokens, the layer's cache tuple split into pages and scales (this
+    step's k/v are already in the pages, so k and v themselves are not read). A layer without a
+    window calls the kernel exactly as before windows existed."""
 
-    def forward(q, k, v, kv_cache, md, *, scale):
+    def forward(q, k, v, kv_cache, md, *, scale, window=None):
         del k, v
         k_pages, v_pages, k_scales, v_scales = reference.split_cache(kv_cache)
         out = kernel(
@@ -64,16 +66,17 @@ def paged_forward(kernel: Callable) -> Callable:
             scale,
             k_scales,
             v_scales,
+            **({"sliding_window": window} if window else {}),
         )
         return out.reshape(q.shape)
 
     return forward
 
 
-def _native_kernel(*args):
+def _native_kernel(*args, **kw):
     from pallas_kernels import native
 
-    return native.ragged_paged_attention(*args)
+    return native.ragged_paged_attention(*args, **kw)
 
 
 def _pallas_kernel(*args, interpret: bool):

@@ -5,7 +5,8 @@
 //   pallas_kernels/reference.py::ragged_paged_attention: q [N, H, D] one flat array of tokens;
 //   row r owns tokens [query_start_loc[r], query_start_loc[r + 1]) (query_start_loc [R+1] int32,
 //   nondecreasing from 0) and reads its keys through block_tables[r] [P]; seq_lens [R];
-//   positions [N].  Token n of row r sees key j iff j < seq_lens[r] and j <= positions[n].
+//   positions [N].  Token n of row r sees key j iff j < seq_lens[r] and j <= positions[n], and
+//   with a sliding window W > 0 (the `window` attribute; 0: none) also j > positions[n] - W.
 //   Decode rows have one token, prefill chunks many, speculative verification k + 1.
 // - dense (JaxservePagedAttention[Q8]), reference.py::paged_attention: q [B, T, H, D],
 //   context_lens [B], positions [B, T]: the ragged case with query_start_loc[b] = b * T.
@@ -257,6 +258,7 @@ struct Problem {
   const uint16_t* vs;
   int64_t R, N, H, KVH, G, D, P, num_pages, ps;
   float scale;
+  int64_t window;  // sliding window: keys per query, its own included (0: full attention)
   bool q_bf16;
   // Set by plan():
   int64_t khi;           // KV heads per item
@@ -293,6 +295,21 @@ JS_INLINE int64_t item_limits(const Problem& pr, const WorkItem& ip, int64_t* li
     maxlim = std::max(maxlim, l);
   }
   return maxlim;
+}
+
+// Query t of the item sees no key below lo[t] = positions - window + 1 (0 without a window).
+// Writes them to lo (if not null); returns the smallest among queries that see a key (the
+// item's keys below it are read by none of them), or 0.
+JS_INLINE int64_t item_starts(const Problem& pr, const WorkItem& ip, int64_t* lo) {
+  int64_t minlo = INT64_MAX;
+  const int64_t ctx = std::clamp<int64_t>(pr.lens[ip.b], 0, pr.P * pr.ps);
+  for (int64_t t = 0; t < ip.nt; ++t) {
+    const int64_t pos = pr.pos[ip.n0 + t];
+    const int64_t l = pr.window > 0 ? std::max<int64_t>(0, pos - pr.window + 1) : 0;
+    if (lo) lo[t] = l;
+    if (l < std::min<int64_t>(ctx, pos + 1)) minlo = std::min(minlo, l);
+  }
+  return minlo == INT64_MAX ? 0 : minlo;
 }
 
 // The items a long row's keys were split into: the whole item, its first partials slot, how many.
@@ -349,15 +366,17 @@ void plan(Problem& pr, const std::vector<int64_t>& starts, int64_t workers, int6
         const int64_t nt = base + (i < extra ? 1 : 0);
         WorkItem it{r, n0, nt, kh0};
         const int64_t nchunks = (item_limits(pr, it, nullptr) + pr.cl - 1) / pr.cl;
-        if (nchunks <= kSplitChunks) {
+        // a sliding window: the partitions wholly before every query's window are left out
+        const int64_t q0 = std::min(item_starts(pr, it, nullptr) / pr.cl, nchunks) / kSplitChunks;
+        if (nchunks - q0 * kSplitChunks <= kSplitChunks) {
           items.push_back(it);
         } else {
-          const int64_t first = slots, parts = (nchunks + kSplitChunks - 1) / kSplitChunks;
+          const int64_t first = slots, parts = (nchunks + kSplitChunks - 1) / kSplitChunks - q0;
           slots += parts;
           groups.push_back({it, first, parts});
           for (int64_t q = 0; q < parts; ++q) {
             WorkItem pi = it;
-            pi.c0 = q * kSplitChunks;
+            pi.c0 = (q0 + q) * kSplitChunks;
             pi.c1 = pi.c0 + kSplitChunks;
             pi.part = first + q;
             items.push_back(pi);
@@ -374,7 +393,8 @@ void plan(Problem& pr, const std::vector<int64_t>& starts, int64_t workers, int6
     const WorkItem& it = items[i];
     const int64_t nkh = std::min(pr.khi, pr.KVH - it.kh0);
     const int64_t lim = item_limits(pr, it, nullptr);
-    const int64_t keys = it.part < 0 ? lim : std::max<int64_t>(0, std::min(lim, it.c1 * pr.cl) - it.c0 * pr.cl);
+    const int64_t from = std::max(it.c0 * pr.cl, item_starts(pr, it, nullptr));
+    const int64_t keys = std::max<int64_t>(0, (it.part < 0 ? lim : std::min(lim, it.c1 * pr.cl)) - from);
     cost[i] = {-keys * nkh * (16 + it.nt * pr.G), int64_t(i)};
   }
   std::sort(cost.begin(), cost.end());  // ties keep the listing order (the index breaks them)
@@ -426,7 +446,7 @@ void merge_partitions(const Problem& pr, const SplitGroup& g) {
 
 // Per-worker scratch, 64-byte aligned: scaled queries and accumulators [khi][tb*G][D], running
 // max / sum [khi][tb*G], scores / probabilities [tb*G][clp], one chunk of K and of V widened to
-// float32 [clp][D] (bfloat16 pages), per-query key limits [tb], the element offsets of the
+// float32 [clp][D] (bfloat16 pages), per-query key limits and window starts [2][tb], the element offsets of the
 // tokens of this chunk and the next [2][clp].
 //
 // The bfloat16 dot-product variant (run_item's DP) adds: the scaled queries in bfloat16 [khi][tb*G][D],
@@ -435,7 +455,7 @@ void merge_partitions(const Problem& pr, const SplitGroup& g) {
 struct Scratch {
   float* base = nullptr;
   float *q, *acc, *m, *l, *s, *p, *kf, *vf;
-  int64_t *lim, *off;
+  int64_t *lim, *lo, *off;
   uint16_t *qb, *pb;
   uint32_t *kp, *vp;
   int64_t kw;  // kp's row stride in words: clp rounded up to 64
@@ -443,7 +463,7 @@ struct Scratch {
     auto up = [](int64_t n) { return (n + kRound - 1) / kRound * kRound; };
     const int64_t rows = pr.khi * pr.tb * pr.G;
     const int64_t nq = up(rows * pr.D), nm = up(rows), ns = up(pr.tb * pr.G * pr.clp);
-    const int64_t nk = up(pr.clp * pr.D), nl = up(pr.tb * 2), no = up(pr.clp * 4);
+    const int64_t nk = up(pr.clp * pr.D), nl = up(pr.tb * 4), no = up(pr.clp * 4);
     kw = (pr.clp + 63) / 64 * 64;
     // in floats (4 bytes): qb and pb are halves, kp [D/2][kw] and vp [clp/2][D] words
     const int64_t nqb = up((rows * pr.D + 1) / 2), npb = up((pr.tb * pr.G * pr.clp + 1) / 2);
@@ -462,6 +482,7 @@ struct Scratch {
     kf = p + ns;
     vf = kf + nk;
     lim = reinterpret_cast<int64_t*>(vf + nk);
+    lo = lim + pr.tb;
     off = reinterpret_cast<int64_t*>(vf + nk + nl);
     float* tail = vf + nk + nl + no;
     qb = reinterpret_cast<uint16_t*>(tail);
@@ -746,6 +767,7 @@ JS_INLINE void run_item(const Problem& pr, int64_t item, int64_t next_item, Scra
   const int64_t R = nt * G;  // query rows per KV head
 
   const int64_t maxlim = item_limits(pr, ip, sc.lim);
+  const int64_t minlo = item_starts(pr, ip, sc.lo);
 
   // Scaled queries (float32), zeroed accumulators.
   for (int64_t kh = 0; kh < nkh; ++kh)
@@ -778,7 +800,9 @@ JS_INLINE void run_item(const Problem& pr, int64_t item, int64_t next_item, Scra
   const int64_t cl = pr.cl, clp = pr.clp;
   // This item's chunks: all of the keys it sees, or its partition's share of them.
   const int64_t nchunks = std::min(ip.c1, (maxlim + cl - 1) / cl);
-  const int64_t cfirst = std::min(ip.c0, nchunks);
+  // From the first chunk any query sees: a chunk wholly before a query's window leaves its state
+  // untouched, so skipping it changes no bits.
+  const int64_t cfirst = std::min(std::max(ip.c0, minlo / cl), nchunks);
 
   // Element offsets (KV head 0) of the tokens of chunk c of a row (block table `row_bt`, keys
   // below `lim`); returns how many there are.
@@ -797,7 +821,8 @@ JS_INLINE void run_item(const Problem& pr, int64_t item, int64_t next_item, Scra
     if (next_item < 0) return 0;
     const WorkItem& np = pr.items[next_item];
     if (np.kh0 != kh0 || std::min(pr.khi, KVH - np.kh0) != nkh) return 0;
-    return std::max<int64_t>(0, fill_row(pr.bt + np.b * pr.P, item_limits(pr, np, nullptr), np.c0, dst));
+    const int64_t c0 = std::max(np.c0, item_starts(pr, np, nullptr) / cl);
+    return std::max<int64_t>(0, fill_row(pr.bt + np.b * pr.P, item_limits(pr, np, nullptr), c0, dst));
   };
   int64_t* off = sc.off;
   int64_t* off_next = sc.off + clp;
@@ -903,17 +928,19 @@ JS_INLINE void run_item(const Problem& pr, int64_t item, int64_t next_item, Scra
       // Online softmax over this chunk, per query row.
       for (int64_t t = 0; t < nt; ++t) {
         const int64_t nq = std::clamp<int64_t>(sc.lim[t] - start, 0, nvalid);
+        const int64_t nlo = std::clamp<int64_t>(sc.lo[t] - start, 0, nvalid);  // before its window
         for (int64_t g = 0; g < G; ++g) {
           const int64_t r = t * G + g;
           float* srow = sc.s + r * clp;
           float* prow = sc.p + r * clp;
-          if (nq == 0) {  // this query sees none of the chunk
+          if (nq <= nlo) {  // this query sees none of the chunk
             for (int64_t c0 = 0; c0 < nvalid; c0 += N) vstore<N>(prow + c0, splat<N>(0.0f));
             continue;
           }
           // Keys this query does not see (and the padding up to whole vectors) score kNeg,
           // whose exp below is exactly 0.
           for (int64_t j = nq; j < clp; ++j) srow[j] = kNeg;
+          for (int64_t j = 0; j < nlo; ++j) srow[j] = kNeg;
           V mv = splat<N>(kNeg);
           for (int64_t c0 = 0; c0 < nq; c0 += N) mv = vmax<N>(mv, vload<N>(srow + c0));
           const float m_old = mk[r];
@@ -1268,7 +1295,7 @@ ffi::Error PagedAttentionCore(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBu
                               const ffi::AnyBuffer* k_scales, const ffi::AnyBuffer* v_scales,
                               ffi::BufferR2<ffi::S32> bt, ffi::BufferR1<ffi::S32> lens,
                               ffi::BufferR2<ffi::S32> pos, ffi::Result<ffi::AnyBuffer> out, float scale,
-                              int64_t kv_heads_per_item) {
+                              int64_t kv_heads_per_item, int64_t window) {
   Problem pr{};
   ItemFn fn = nullptr;
   if (auto e = setup("paged_attention", 4, q, k, v, k_scales, v_scales, out, pr, fn); e.failure()) return e;
@@ -1280,6 +1307,7 @@ ffi::Error PagedAttentionCore(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBu
   pr.N = B * T;
   pr.P = btd[1];
   pr.scale = scale;
+  pr.window = window;
   pr.bt = bt.typed_data();
   pr.lens = lens.typed_data();
   pr.pos = pos.typed_data();
@@ -1292,16 +1320,17 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBu
                               ffi::AnyBuffer v, ffi::BufferR2<ffi::S32> bt,
                               ffi::BufferR1<ffi::S32> lens, ffi::BufferR2<ffi::S32> pos,
                               ffi::Result<ffi::AnyBuffer> out, float scale,
-                              int64_t kv_heads_per_item) {
-  return PagedAttentionCore(pool, q, k, v, nullptr, nullptr, bt, lens, pos, out, scale, kv_heads_per_item);
+                              int64_t kv_heads_per_item, int64_t window) {
+  return PagedAttentionCore(pool, q, k, v, nullptr, nullptr, bt, lens, pos, out, scale, kv_heads_per_item, window);
 }
 
 ffi::Error PagedAttentionQ8Impl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k,
                                 ffi::AnyBuffer v, ffi::AnyBuffer k_scales, ffi::AnyBuffer v_scales,
                                 ffi::BufferR2<ffi::S32> bt, ffi::BufferR1<ffi::S32> lens,
                                 ffi::BufferR2<ffi::S32> pos, ffi::Result<ffi::AnyBuffer> out, float scale,
-                                int64_t kv_heads_per_item) {
-  return PagedAttentionCore(pool, q, k, v, &k_scales, &v_scales, bt, lens, pos, out, scale, kv_heads_per_item);
+                                int64_t kv_heads_per_item, int64_t window) {
+  return PagedAttentionCore(pool, q, k, v, &k_scales, &v_scales, bt, lens, pos, out, scale, kv_heads_per_item,
+                            window);
 }
 
 // The ragged handlers: q [N, H, D], query_start_loc [R + 1], seq_lens [R], block_tables [R, P],
@@ -1309,7 +1338,7 @@ ffi::Error PagedAttentionQ8Impl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::Any
 ffi::Error RaggedCore(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                       const ffi::AnyBuffer* k_scales, const ffi::AnyBuffer* v_scales, ffi::BufferR1<ffi::S32> qsl,
                       ffi::BufferR1<ffi::S32> lens, ffi::BufferR2<ffi::S32> bt, ffi::BufferR1<ffi::S32> pos,
-                      ffi::Result<ffi::AnyBuffer> out, float scale, int64_t kv_heads_per_item) {
+                      ffi::Result<ffi::AnyBuffer> out, float scale, int64_t kv_heads_per_item, int64_t window) {
   Problem pr{};
   ItemFn fn = nullptr;
   if (auto e = setup("ragged_paged_attention", 3, q, k, v, k_scales, v_scales, out, pr, fn); e.failure()) return e;
@@ -1325,6 +1354,7 @@ ffi::Error RaggedCore(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, 
   pr.N = N;
   pr.P = btd[1];
   pr.scale = scale;
+  pr.window = window;
   pr.bt = bt.typed_data();
   pr.lens = lens.typed_data();
   pr.pos = pos.typed_data();
@@ -1336,15 +1366,16 @@ ffi::Error RaggedCore(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, 
 ffi::Error RaggedImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                       ffi::BufferR1<ffi::S32> qsl, ffi::BufferR1<ffi::S32> lens, ffi::BufferR2<ffi::S32> bt,
                       ffi::BufferR1<ffi::S32> pos, ffi::Result<ffi::AnyBuffer> out, float scale,
-                      int64_t kv_heads_per_item) {
-  return RaggedCore(pool, q, k, v, nullptr, nullptr, qsl, lens, bt, pos, out, scale, kv_heads_per_item);
+                      int64_t kv_heads_per_item, int64_t window) {
+  return RaggedCore(pool, q, k, v, nullptr, nullptr, qsl, lens, bt, pos, out, scale, kv_heads_per_item, window);
 }
 
 ffi::Error RaggedQ8Impl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                         ffi::AnyBuffer k_scales, ffi::AnyBuffer v_scales, ffi::BufferR1<ffi::S32> qsl,
                         ffi::BufferR1<ffi::S32> lens, ffi::BufferR2<ffi::S32> bt, ffi::BufferR1<ffi::S32> pos,
-                        ffi::Result<ffi::AnyBuffer> out, float scale, int64_t kv_heads_per_item) {
-  return RaggedCore(pool, q, k, v, &k_scales, &v_scales, qsl, lens, bt, pos, out, scale, kv_heads_per_item);
+                        ffi::Result<ffi::AnyBuffer> out, float scale, int64_t kv_heads_per_item, int64_t window) {
+  return RaggedCore(pool, q, k, v, &k_scales, &v_scales, qsl, lens, bt, pos, out, scale, kv_heads_per_item,
+                    window);
 }
 
 }  // namespace
@@ -1362,7 +1393,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedAttention, PagedAttentionImpl,
                                   .Arg<ffi::BufferR2<ffi::S32>>()      // positions [B, T]
                                   .Ret<ffi::AnyBuffer>()               // out [B, T, H, D]
                                   .Attr<float>("scale")
-                                  .Attr<int64_t>("kv_heads_per_item"));
+                                  .Attr<int64_t>("kv_heads_per_item")
+                                  .Attr<int64_t>("window"));
 
 // int8 pages with bfloat16 scales [num_pages, page_size, KVH] (kv_cache_dtype="int8").
 JS_EXPORT XLA_FFI_Error* JaxservePagedAttentionQ8(XLA_FFI_CallFrame* call_frame);
@@ -1380,7 +1412,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedAttentionQ8, PagedAttentionQ8Impl,
                                   .Arg<ffi::BufferR2<ffi::S32>>()      // positions [B, T]
                                   .Ret<ffi::AnyBuffer>()               // out [B, T, H, D]
                                   .Attr<float>("scale")
-                                  .Attr<int64_t>("kv_heads_per_item"));
+                                  .Attr<int64_t>("kv_heads_per_item")
+                                  .Attr<int64_t>("window"));
 
 // The ragged layout: one flat array of query tokens, rows of any length (decode, prefill chunks,
 // speculative verification in one call).
@@ -1398,7 +1431,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveRaggedPagedAttention, RaggedImpl,
                                   .Arg<ffi::BufferR1<ffi::S32>>()      // positions [N]
                                   .Ret<ffi::AnyBuffer>()               // out [N, H, D]
                                   .Attr<float>("scale")
-                                  .Attr<int64_t>("kv_heads_per_item"));
+                                  .Attr<int64_t>("kv_heads_per_item")
+                                  .Attr<int64_t>("window"));
 
 JS_EXPORT XLA_FFI_Error* JaxserveRaggedPagedAttentionQ8(XLA_FFI_CallFrame* call_frame);
 
@@ -1416,7 +1450,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveRaggedPagedAttentionQ8, RaggedQ8Impl,
                                   .Arg<ffi::BufferR1<ffi::S32>>()      // positions [N]
                                   .Ret<ffi::AnyBuffer>()               // out [N, H, D]
                                   .Attr<float>("scale")
-                                  .Attr<int64_t>("kv_heads_per_item"));
+                                  .Attr<int64_t>("kv_heads_per_item")
+                                  .Attr<int64_t>("window"));
 
 // Which vector code runs: 0 baseline, 1 AVX2+FMA, 2 AVX-512, 3 AVX-512 + AVX512-BF16, 4 that + AMX.
 JS_EXPORT int jaxserve_cpu_isa() { return current_isa().load(); }
@@ -1428,8 +1463,9 @@ JS_EXPORT int jaxserve_cpu_set_isa(int isa) {
   return current_isa().load();
 }
 // Bumped whenever the FFI signature changes, so a stale library is not used (3: the int8 pages'
-// scales are bfloat16, float32 before; 4: the ragged handlers; 5: the avx512bf16 level, amx is 4).
-JS_EXPORT int jaxserve_cpu_abi_version() { return 5; }
+// scales are bfloat16, float32 before; 4: the ragged handlers; 5: the avx512bf16 level, amx is 4;
+// 6: the sliding `window` attribute).
+JS_EXPORT int jaxserve_cpu_abi_version() { return 6; }
 
 // The sha256 of the source this library was built from (native.py passes it), so that a source
 // checkout rebuilds a library made from another version of this file.
