@@ -74,7 +74,7 @@ ENGINE_FLAGS = {
     "--num-scheduler-steps": (
         "num_scheduler_steps",
         int,
-        "decode steps one device call may run when every sequence plainly decodes (8; 1: a call a step)",
+        "decode steps one device call may run when every sequence plainly decodes (1; 8 for throughput)",
     ),
     "--prompt-lookup-min": ("prompt_lookup_min", int, "prompt lookup: the shortest suffix matched (2)"),
     "--prompt-lookup-max": ("prompt_lookup_max", int, "prompt lookup: the longest suffix matched (3)"),

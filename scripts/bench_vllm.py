@@ -8,7 +8,8 @@ repeated prompt would hit both engines' prefix caches), the same for every engin
 The workload (as the step-shape and precision issues measured it): 48 requests, prompts
 U[32, 640] tokens, outputs U[8, 200], greedy, no EOS (`ignore_eos`), token ids U[3, 32000),
 on the random 56.4M Llama of ../shared/workloads/mixed-64.json. Reports output tokens per
-second per round, medians, and jaxserve's ratio to each vLLM run.
+second per round, medians, and jaxserve's ratio to each vLLM run. `--random 32,128,32000
+--decode 64,256`: the thin, deep Llama's decode step at 64 rows instead.
 
     .venv/bin/python scripts/bench_vllm.py --vllm-python /path/to/vllm-venv/bin/python \\
         [--rounds 3] [--vllm-dtypes bfloat16,float32] [--jaxserve-opts '{}' --jaxserve-opts '{"dtype": "float32"}']
@@ -125,12 +126,29 @@ def main(argv=None) -> int:
     ap.add_argument("--requests", type=int, default=48)
     ap.add_argument("--model-dir", default=str(Path(tempfile.gettempdir()) / "jaxserve-bench-56m"))
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument(
+        "--random",
+        metavar="LAYERS,HIDDEN,VOCAB",
+        help="a random Llama of that shape (jaxserve bench latency --host's) instead of the 56.4M one",
+    )
+    ap.add_argument(
+        "--decode",
+        metavar="ROWS,OUTPUT",
+        help="decode steps instead: ROWS requests of 16 prompt tokens making OUTPUT tokens each; reports "
+        "ms per decode step (a round's seconds / OUTPUT: one prefill step among them)",
+    )
     args = ap.parse_args(argv)
 
     from jaxserve.tools.bench.workload import model_from_spec as build_model
 
     model = Path(args.model_dir)
-    if not (model / "config.json").is_file():
+    if args.random:
+        from jaxserve.tools.bench.host import random_model
+
+        model = Path(tempfile.gettempdir()) / f"jaxserve-bench-random-{args.random.replace(',', '-')}"
+        if not (model / "config.json").is_file():
+            random_model(*(int(x) for x in args.random.split(",")), model)
+    elif not (model / "config.json").is_file():
         build_model(json.loads(WORKLOAD.read_text())["model"], model)
     script = Path(tempfile.mkdtemp()) / "worker.py"
     script.write_text(WORKER)
@@ -147,12 +165,17 @@ def main(argv=None) -> int:
     rates: dict[str, list[float]] = {w.name: [] for w in workers}
     try:
         for r in range(args.rounds):
-            reqs = workload(1000 + r, args.requests)
+            if args.decode:
+                rows, out_len = (int(x) for x in args.decode.split(","))
+                reqs = [(p[:16], out_len) for p, _ in workload(1000 + r, rows)]
+            else:
+                reqs = workload(1000 + r, args.requests)
             for w in workers if r % 2 == 0 else workers[::-1]:  # alternate who goes first
                 out = w.round(reqs)
                 rates[w.name].append(out["tokens"] / out["seconds"])
+                step = f", {1e3 * out['seconds'] / reqs[0][1]:.2f} ms per decode step" if args.decode else ""
                 print(
-                    f"round {r} {w.name:>16}: {out['tokens']} tokens in {out['seconds']:.2f} s = {rates[w.name][-1]:.0f} tok/s",
+                    f"round {r} {w.name:>16}: {out['tokens']} tokens in {out['seconds']:.2f} s = {rates[w.name][-1]:.0f} tok/s{step}",
                     flush=True,
                 )
     finally:

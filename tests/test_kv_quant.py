@@ -247,13 +247,14 @@ def test_native_refuses_fp8_pages():
 def test_native_kernel_takes_bfloat16_scales():
     """The FFI target reads the pool's bfloat16 scales as they are (ABI 3) and refuses the
     float32 scales of ABI 2 with an error naming them, instead of misreading their bytes."""
+    assert native.available()  # loads the library and registers its targets (run alone, nothing has yet)
     rng = np.random.default_rng(5)
     clean, _, _, _, bt = _quantized_pool(rng, [20], 8, 2, 32, "int8")
     assert native.ABI_VERSION >= 3 and clean[2].dtype == jnp.bfloat16  # 3: bfloat16 scales
     q, cl = randn(rng, (1, 1, 4, 32)), jnp.asarray([20], jnp.int32)
     call = jax.ffi.ffi_call(native.TARGET_Q8, jax.ShapeDtypeStruct(q.shape, q.dtype))
     args = (bt, cl, cl[:, None] - 1)
-    kw = {"scale": np.float32(0.2), "kv_heads_per_item": np.int64(0)}
+    kw = {"scale": np.float32(0.2), "kv_heads_per_item": np.int64(0), "window": np.int64(0)}  # ABI 6: window
     np.testing.assert_array_equal(
         np.asarray(call(q, *clean, *args, **kw)),
         np.asarray(native.paged_attention(q, *clean[:2], *args, 0.2, *clean[2:])),

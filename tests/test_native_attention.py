@@ -494,6 +494,7 @@ class RaggedMeta(NamedTuple):
 def test_ragged_refuses_bad_shapes():
     """Index arrays whose shapes do not fit q and each other: ValueError naming the field (and
     the FFI handler, called directly, refuses them too)."""
+    assert native.available()  # loads the library and registers its targets (run alone, nothing has yet)
     rng = np.random.default_rng(1)
     k, v, _, _, idx = _ragged_batch(rng, [3, 1], [10, 5], 8, 1, 32, pad=0)
     q = randn(rng, (4, 2, 32))
