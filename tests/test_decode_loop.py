@@ -129,3 +129,23 @@ def test_rows_the_host_must_see_decode_a_step_a_call(engines):
     assert many.stats()["multi_step_calls"] == calls  # logprobs: every token read on the host
     assert [(o.token_ids, o.logprobs) for o in got] == [(o.token_ids, o.logprobs) for o in want]
     pool_whole(many)
+
+
+def test_the_decode_loop_lowers_for_tpu(tok_model, monkeypatch):
+    """The plain step's program with several decode steps (a while loop around the Pallas ragged
+    kernel) exports for TPU: the loop is what serving runs there."""
+    from jaxserve.runner import model_runner, sampling
+
+    monkeypatch.setattr(model_runner, "default_argmax", lambda mesh: sampling.argmax)  # the CPU's is a custom call
+    d, _, _ = tok_model
+    opts = dict(attention_impl="pallas", interpret=False, matmul_impl="xla", num_scheduler_steps=8)
+    llm = LLM(d, **{**BASE, "page_size": 16, "num_pages": 32}, **opts, warmup=False)
+    r = llm.runner
+    batch = r.batch([Chunk([1], 5, [1], step_batch.GREEDY)] * 4, 4, 4)
+    exported = jax.export.export(r.target.step.jitted, platforms=("tpu",))(
+        r.target.params, r.target.kv, batch, r._prev_tokens, np.bool_(False), None, np.int32(8),
+        num_logprobs=r.cfg.max_logprobs, max_steps=8, page_size=16,
+    )  # fmt: skip
+    text = exported.mlir_module()
+    assert "stablehlo.while" in text and "tpu_custom_call" in text
+    llm.shutdown()
