@@ -23,21 +23,18 @@ import pytest
 import torch
 from conftest import hf_greedy, make_hf_model, run_on_devices
 from gguf import GGUFWriter, RopeScalingType
-from test_gguf import add_hf_tensors
+from test_gguf import add_hf_tensors, add_shape
 from test_llama import _greedy_dense
 from test_qwen3 import (
-    GREEDY,
     TP_SCRIPT,
     _last_logits_error,
     assert_matches_transformers,
-    mixed_shared_prefix_requests,
+    engine_matches_transformers,
 )
 
-from jaxserve import LLM, SamplingParams
 from jaxserve.models import gemma3, registry
 from jaxserve.models.loader import load_model
 from jaxserve.models.model_config import ModelConfig
-from jaxserve.runner.executable_cache import compile_count
 
 WINDOW = 8
 
@@ -130,25 +127,10 @@ def test_the_window_is_what_matches(gemma):
     assert _last_logits_error(full, hf, cfg.vocab_size) > 1e-2
 
 
-def engine_greedy(path, hf, **options) -> None:
-    """8 slots over a 24-page pool of 8 tokens (requests grow to ~110 tokens: preemption),
-    prefix caching on: each request gets transformers' greedy tokens run alone, with no compile
-    after warm-up."""
-    llm = LLM(path, max_slots=8, page_size=8, max_model_len=160, num_pages=24, token_buckets=(16, 32, 64), **options)
-    prompts, outs = mixed_shared_prefix_requests(512, seed=3)
-    before = compile_count()
-    results = llm.generate(prompts, [SamplingParams(max_tokens=m, **GREEDY) for m in outs])
-    assert compile_count() == before
-    assert llm.scheduler.num_preemptions > 0
-    assert any(r.num_cached_prompt_tokens >= 16 for r in results)
-    for p, m, r in zip(prompts, outs, results):
-        assert r.token_ids == hf_greedy(hf, p, m)
-
-
 @pytest.mark.parametrize("attention_impl", ["native", "xla"])
 def test_engine_greedy_matches_transformers(gemma, attention_impl):
     path, hf = gemma
-    engine_greedy(path, hf, attention_impl=attention_impl)
+    engine_matches_transformers(path, hf, 512, seed=3, attention_impl=attention_impl)
 
 
 def test_sliding_window_from_rope_fields_of_an_older_config():
@@ -202,20 +184,12 @@ def write_gemma3_gguf(path, hf) -> None:
     names (four norms per block), the norms' +1 folded into the weights, float32."""
     cfg = hf.config
     w = GGUFWriter(str(path), "gemma3")
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
+    add_shape(w, cfg, rope_theta=cfg.rope_parameters["full_attention"]["rope_theta"])
     w.add_key_length(cfg.head_dim)
     w.add_value_length(cfg.head_dim)
-    w.add_rope_freq_base(cfg.rope_parameters["full_attention"]["rope_theta"])
     w.add_rope_scaling_type(RopeScalingType.LINEAR)
     w.add_rope_scaling_factor(cfg.rope_parameters["full_attention"]["factor"])
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_sliding_window(cfg.sliding_window)
-    w.add_vocab_size(cfg.vocab_size)
     w.add_eos_token_id(cfg.eos_token_id)
     folded = copy.deepcopy(hf)
     with torch.no_grad():

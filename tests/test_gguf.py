@@ -120,15 +120,16 @@ def write_llama_gguf(path: Path, hf, qtype: Q, tokenizer_dir: Path = ASSET) -> N
     add_hf_tensors(w, hf, qtype)
 
 
-def add_shape(w: GGUFWriter, cfg) -> None:
-    """The metadata llama.cpp's converters write for every decoder, from a transformers config."""
+def add_shape(w: GGUFWriter, cfg, rope_theta: float | None = None) -> None:
+    """The metadata llama.cpp's converters write for every decoder, from a transformers config
+    (rope_theta: the base, where the config keeps it per layer kind)."""
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
     w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"] if rope_theta is None else rope_theta)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)
 

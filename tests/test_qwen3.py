@@ -87,12 +87,12 @@ def mixed_shared_prefix_requests(vocab: int, seed: int, n: int = 12) -> tuple[li
     return prompts, [int(x) for x in rng.integers(1, 50, n)]
 
 
-def engine_matches_transformers(path, hf, vocab: int) -> None:
+def engine_matches_transformers(path, hf, vocab: int, seed: int = 1, **options) -> None:
     """The serving engine (8 slots, a 24-page pool of 8 tokens: requests growing to ~100 tokens
-    preempt; prefix caching on) gives each request transformers' greedy tokens run alone,
-    without compiling after warm-up."""
-    llm = LLM(path, max_slots=8, page_size=8, max_model_len=160, num_pages=24, token_buckets=(16, 32, 64))
-    prompts, outs = mixed_shared_prefix_requests(vocab, seed=1)
+    preempt; prefix caching on; LLM `options` beside) gives each request transformers' greedy
+    tokens run alone, without compiling after warm-up, and every page comes back."""
+    llm = LLM(path, max_slots=8, page_size=8, max_model_len=160, num_pages=24, token_buckets=(16, 32, 64), **options)
+    prompts, outs = mixed_shared_prefix_requests(vocab, seed=seed)
     before = compile_count()
     results = llm.generate(prompts, [SamplingParams(max_tokens=m, **GREEDY) for m in outs])
     assert compile_count() == before

@@ -229,7 +229,7 @@ class Scheduler:
         to the dummy page."""
         ahead = self.lookahead
         if num_steps > 1:
-            ahead = max(ahead, min(num_steps, seq.params.max_tokens - seq.num_generated) - 1)
+            ahead = max(ahead, min(num_steps, self.tokens_left(seq)) - 1)
         return min(seq.length + ahead, self.max_model_len)
 
     def tokens_left(self, seq: Sequence) -> int:

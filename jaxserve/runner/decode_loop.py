@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.runner.step_batch import DUMMY_PAGE, StepBatch
-from pallas_kernels.reference import RaggedMetadata
+from pallas_kernels.reference import RaggedMetadata, ragged_valid
 
 
 def advance(batch: StepBatch, sampled: jax.Array, page_size: int) -> tuple[StepBatch, jax.Array]:
@@ -34,7 +34,7 @@ def advance(batch: StepBatch, sampled: jax.Array, page_size: int) -> tuple[StepB
     and its token ids."""
     attn = batch.attn
     n, r = batch.num_tokens, batch.num_rows
-    real = jnp.arange(n) < attn.query_start_loc[-1]
+    real = ragged_valid(attn.query_start_loc, n)
     live = jnp.diff(attn.query_start_loc) > 0
     tokens = jnp.where(real, jnp.zeros((n,), jnp.int32).at[:r].set(sampled[:n]), 0)
     positions = attn.positions + real.astype(jnp.int32)

@@ -682,19 +682,16 @@ class ModelRunner:
             )
             self._fill_eagle(batch, hidden)
             return PendingStep(out, len(rows), bool(want), scores, tuple(scored))
-        if self.max_steps > 1:  # the plain step's program is the decode loop (one trip by default)
+        loop = self.max_steps > 1  # the plain step's program is the decode loop (one trip by default)
+        extra = (None, np.int32(num_steps)) if loop else ()
+        if loop:
             eg = {"max_steps": self.max_steps, "page_size": self.cfg.page_size}
-            with phase(self.host_times, "dispatch"):
-                w.kv, out, self._prev_tokens = w.step(
-                    w.params, w.kv, batch, self._prev_tokens, want, None, np.int32(num_steps), num_logprobs=nlp, **eg
-                )
-            return PendingStep(out, len(rows), bool(want), num_steps=num_steps)
         with phase(self.host_times, "dispatch"):
             w.kv, out, self._prev_tokens, *hidden = w.step(
-                w.params, w.kv, batch, self._prev_tokens, want, num_logprobs=nlp, **eg
+                w.params, w.kv, batch, self._prev_tokens, want, *extra, num_logprobs=nlp, **eg
             )
         self._fill_eagle(batch, hidden)
-        return PendingStep(out, len(rows), bool(want))
+        return PendingStep(out, len(rows), bool(want), num_steps=num_steps if loop else 0)
 
     def _fill_eagle(self, batch: StepBatch, hidden: list) -> None:
         """An EAGLE head's features and KV over a target step's tokens (hidden: the step's last

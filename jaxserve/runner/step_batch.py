@@ -56,16 +56,25 @@ class SamplingMetadata:
     bias_values: jax.Array
     stop_ids: jax.Array
 
-    @classmethod
-    def make(cls, num_rows: int, vocab_size: int, **given) -> "SamplingMetadata":
-        """Every row at its defaults (greedy, no controls), with `given` fields replaced."""
-        s, pad = num_rows, vocab_size
-        f = dict(
+    @staticmethod
+    def basics(num_rows: int) -> dict:
+        """The per-row controls every sampling row sets (temperature, top_k, top_p, seed,
+        counter), at their greedy defaults."""
+        s = num_rows
+        return dict(
             temperature=np.zeros((s,), np.float32),
             top_k=np.zeros((s,), np.int32),
             top_p=np.ones((s,), np.float32),
             seeds=np.zeros((s, 2), np.uint32),
             counters=np.zeros((s,), np.int32),
+        )
+
+    @classmethod
+    def make(cls, num_rows: int, vocab_size: int, **given) -> "SamplingMetadata":
+        """Every row at its defaults (greedy, no controls), with `given` fields replaced."""
+        s, pad = num_rows, vocab_size
+        f = dict(
+            **cls.basics(s),
             min_p=np.zeros((s,), np.float32),
             repetition_penalty=np.ones((s,), np.float32),
             presence_penalty=np.zeros((s,), np.float32),
@@ -185,8 +194,13 @@ class Defaults:
 
     @classmethod
     def make(cls, num_rows: int, vocab_size: int, put=jnp.asarray) -> "Defaults":
-        bitmask = np.full((num_rows, (vocab_size + 31) // 32), -1, np.int32)
+        bitmask = all_allowed(num_rows, vocab_size)
         return cls(put(bitmask), jax.tree.map(put, SamplingMetadata.make(num_rows, vocab_size)))
+
+
+def all_allowed(num_rows: int, vocab_size: int) -> np.ndarray:
+    """The grammar bitmask [R, ceil(V/32)] of rows without a grammar: every token allowed."""
+    return np.full((num_rows, (vocab_size + 31) // 32), -1, np.int32)
 
 
 def build(
@@ -220,19 +234,11 @@ def build(
     active = np.zeros((num_rows,), bool)
     plain = defaults is not None and all(c.controls is None for c in rows)
     if plain:  # only the per-row basics are made here
-        d = defaults.sampling
-        sm = dataclasses.replace(
-            d,
-            temperature=np.zeros((num_rows,), np.float32),
-            top_k=np.zeros((num_rows,), np.int32),
-            top_p=np.ones((num_rows,), np.float32),
-            seeds=np.zeros((num_rows, 2), np.uint32),
-            counters=np.zeros((num_rows,), np.int32),
-        )
+        sm = dataclasses.replace(defaults.sampling, **SamplingMetadata.basics(num_rows))
         bitmask = defaults.bitmask
     else:
         sm = SamplingMetadata.make(num_rows, vocab_size)
-        bitmask = np.full((num_rows, (vocab_size + 31) // 32), -1, np.int32)
+        bitmask = all_allowed(num_rows, vocab_size)
     num_drafts = np.zeros((num_rows,), np.int32)
     fed = np.full((num_tokens,), -1, np.int32)
     off = 0

@@ -36,6 +36,11 @@ def round_line(label: str, k: int, s: dict) -> str:
     )
 
 
+def order(k: int, n: int) -> list[int]:
+    """Round k's order of n configurations: 0, 1, ... when k is even, reversed when it is odd."""
+    return list(range(n)) if k % 2 == 0 else list(range(n))[::-1]
+
+
 def run_ab(
     configs: list[Config],
     run_round: Callable[[int, int], RoundStats],
@@ -48,8 +53,7 @@ def run_ab(
     Returns one result dict per configuration (the `configs` list of the result JSON)."""
     per: list[list[RoundStats]] = [[] for _ in configs]
     for k in range(rounds):
-        order = list(range(len(configs)))
-        for c in order if k % 2 == 0 else order[::-1]:
+        for c in order(k, len(configs)):
             r = run_round(c, k)
             per[c].append(r)
             print(round_line(configs[c].label, k, r.summary()), file=out or sys.stdout, flush=True)

@@ -378,8 +378,7 @@ def cmd_host(args, argv) -> dict:
         llms, configs = _build_llms(args, stack, [{**sized, **o} for o in args.engine_opts or [{}]])
         per: list[list[dict]] = [[] for _ in llms]
         for k in range(args.rounds):
-            order = list(range(len(llms)))
-            for c in order if k % 2 == 0 else order[::-1]:
+            for c in ab.order(k, len(llms)):
                 r = host.measure(llms[c], args.rows, args.context, args.steps, args.seed + k)
                 r["device_ms"] = host.device_ms(llms[c], args.rows, args.context)
                 per[c].append(r)
