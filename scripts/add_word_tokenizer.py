@@ -4,7 +4,7 @@ jaxserve's HTTP API) load it and stream text: token i is the word "w<i>", words 
 
     .venv/bin/python scripts/add_word_tokenizer.py /tmp/bench56-tok   # a copy of /tmp/jaxserve-bench-56m
 
-Used by scripts/bench_serve_vllm.sh's serving runs (docs/benchmarks-log.md).
+Used by scripts/bench_serve_vllm.sh's serving runs (docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ step drafts the most frequent continuation of the longest matching suffix, token
     .venv/bin/python scripts/estimate_corpus_drafts.py --work /tmp/corpus   # ~7 min, then cached
 
 Prints tokens per target step and a speedup estimate from a verify's measured cost (a k = 3
-verify is ~1.25x a plain step on the AVX2 host in float32: docs/benchmarks-log.md).
+verify is ~1.25x a plain step on the AVX2 host in float32).
 """
 
 from __future__ import annotations

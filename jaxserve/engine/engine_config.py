@@ -52,7 +52,7 @@ class EngineConfig:
     # tokens. A longer minimum proposes less often and is right more often (a 1-token match
     # in chat is a poor guess, and a verify row costs more than a decode row on a CPU). On the
     # default model 2 proposed in half the code steps instead of 77%, for 2.13 tokens a step
-    # instead of 2.29, and served code 1.53x plain against 1.44x (docs/benchmarks-log.md).
+    # instead of 2.29, and served code 1.53x plain against 1.44x.
     prompt_lookup_min: int = 2
     # Prompt lookup chooses each step's drafts per request (engine/spec_policy.py): from 0 (a
     # plain, overlapped step) to num_speculative_tokens, by that request's measured acceptance

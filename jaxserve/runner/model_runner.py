@@ -988,7 +988,7 @@ DEFAULT_TOKEN_BUDGET = {"cpu": 256}
 # Rows from which a CPU decode step is compute-bound rather than memory-bound (kv-math's
 # crossover on the 2-core development hosts: docs/architecture.md). A speculative step verifying
 # more rows than this costs about what its rows cost, so it no longer pays: n-gram at batch 8,
-# k = 3 (32 rows) ran 0.76x plain on SmolLM2 (docs/benchmarks-log.md, 2026-12-04).
+# k = 3 (32 rows) ran 0.76x plain on SmolLM2 (measured on the AVX512-BF16 host).
 CPU_COMPUTE_BOUND_ROWS = 16
 
 

@@ -509,8 +509,8 @@ JS_INLINE void prefetch_row(const KT* p, int64_t d) {
 // An item over several KV heads (every item from 8 query rows on, with 2 threads) reads a
 // chunk's rows once per head, one head's slice of each row at a time; fetching the rest of its
 // rows during the first head's pass keeps more lines in flight: 1.1-1.2x at 8 and 32 rows x 512
-// keys, pages in order or scattered, every page dtype and instruction set (2026-12-06, AMD EPYC
-// Zen 4, 2 cores; docs/benchmarks-log.md); the whole decode step did not move beyond the noise.
+// keys, pages in order or scattered, every page dtype and instruction set (AMD EPYC
+// Zen 4, 2 cores: docs/benchmarks.md); the whole decode step did not move beyond the noise.
 template <class KT>
 JS_INLINE void prefetch_rest(const KT* pool, const int64_t* off, int64_t nvalid, int64_t from, int64_t n) {
   for (int64_t j = 0; j < nvalid; ++j) prefetch_row(pool + off[j] + from, n);

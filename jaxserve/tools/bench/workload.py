@@ -236,7 +236,7 @@ class Workload:
 def model_from_spec(spec: dict, out: Path) -> Path:
     """Save the random Llama a workload file's `model` field describes (transformers'
     LlamaForCausalLM after torch.manual_seed(0), float32) to `out`: the model of mixed-64.json,
-    the one every dated figure in docs/benchmarks-log.md ran. Needs torch (the `test` extra)."""
+    the 56.4M Llama of docs/benchmarks.md's figures. Needs torch (the `test` extra)."""
     try:
         import torch
         from transformers import LlamaConfig, LlamaForCausalLM
