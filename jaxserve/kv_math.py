@@ -68,7 +68,7 @@ class ModelShape:
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 8192
     name: str = "custom"
-    qk_norm: bool = False  # Qwen3: an RMSNorm weight of head_dim on q and on k in every layer
+    qk_norm: bool = False  # Qwen3, Gemma 3: an RMSNorm weight of head_dim on q and on k in every layer
     # Mixture of experts (Qwen3-MoE): num_moe_layers of the layers have num_experts SwiGLU experts
     # of width moe_intermediate_size and a router [E, hidden]; each token runs num_experts_per_tok
     # of them. The other layers keep a dense MLP of intermediate_size.
@@ -76,6 +76,9 @@ class ModelShape:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     num_moe_layers: int = 0
+    # Hidden-size norms in every block: 2 in Llama's (before attention and the MLP), 4 in
+    # Gemma 3's (before and after each)
+    block_norms: int = 2
 
     def __post_init__(self) -> None:
         for f in (
@@ -136,7 +139,8 @@ class ModelShape:
             tie_word_embeddings=bool(get("tie_word_embeddings", False)),
             max_position_embeddings=int(get("max_position_embeddings") or 8192),
             name=name or get("_name_or_path") or get("name_or_path") or get("model_type") or "custom",
-            qk_norm=get("model_type") in ("qwen3", "qwen3_moe"),
+            qk_norm=get("model_type") in ("qwen3", "qwen3_moe", "gemma3", "gemma3_text"),
+            block_norms=4 if get("model_type") in ("gemma3", "gemma3_text") else 2,
             **moe,
         )
 
@@ -159,13 +163,13 @@ class ModelShape:
     @property
     def num_params(self) -> int:
         """Embeddings, LM head unless tied, q/k/v/o, the MLPs (dense, or router and every expert),
-        RMSNorm weights (with q/k norms where the model has them).
+        RMSNorm weights (2 or, in Gemma 3, 4 per block; q/k norms where the model has them).
 
         Qwen2's q/k/v biases are left out: under 0.01% of the weights, and presets stay comparable.
         """
         d = self.hidden_size
         attn = d * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
-        norms = 2 * d + (2 * self.head_dim if self.qk_norm else 0)
+        norms = self.block_norms * d + (2 * self.head_dim if self.qk_norm else 0)
         dense_layers = self.num_layers - self.num_moe_layers
         mlps = dense_layers * 3 * d * self.intermediate_size
         mlps += self.num_moe_layers * self.num_experts * (d + self.expert_params)  # router row + expert

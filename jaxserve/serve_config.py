@@ -196,9 +196,10 @@ class _ServeConfigMethods:
 
     @property
     def model_path(self) -> Path:
-        """The checkpoint (a directory or a GGUF file): `model`, or the default model (an installed
-        package's file; ValueError saying how to install it when missing)."""
-        return Path(self.model) if self.model is not None else registry.default_model()
+        """The checkpoint (a directory or a GGUF file): `model`, a packaged model's name
+        (registry.PACKAGED_MODELS), or the default model (an installed package's file; ValueError
+        saying how to install it when missing)."""
+        return registry.model_path(self.model)
 
     def replace(self, **changes) -> "ServeConfig":
         """A copy with fields changed, validated again."""

