@@ -234,9 +234,52 @@ def cmd_serve(args) -> int:
         llm.shutdown()  # release the other processes
 
 
+def _token_values(text: str) -> tuple[str, float]:
+    key, _, value = text.partition("=")
+    try:
+        return key, float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected TOKEN_ID=BIAS, got {text!r}") from None
+
+
+def _add_sampling_flags(p: argparse.ArgumentParser, title: str) -> None:
+    """A flag per field of the shared sampling model (engine/sampling_request.py), with its
+    description as help: --temperature, --min-p, --stop (repeatable), --logit-bias TOKEN=BIAS
+    (repeatable), --ignore-eos/--no-ignore-eos, ... A flag left out is the engine's default."""
+    import types
+    import typing
+
+    from jaxserve.engine.sampling_request import SamplingFields
+
+    g = p.add_argument_group(title)
+    for name, field in SamplingFields.model_fields.items():
+        flag, help_ = "--" + name.replace("_", "-"), field.description
+        args = [a for a in typing.get_args(field.annotation) if a is not type(None)]
+        base = args[-1] if isinstance(field.annotation, types.UnionType) else field.annotation
+        origin = typing.get_origin(base)
+        if base is bool:
+            g.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_)
+        elif origin is dict:
+            g.add_argument(flag, type=_token_values, action="append", default=None, metavar="TOKEN=BIAS", help=help_)
+        elif origin is list:
+            g.add_argument(flag, type=typing.get_args(base)[0], action="append", default=None, help=help_)
+        else:
+            g.add_argument(flag, type=base, default=None, help=help_)
+
+
+def _sampling_fields(args):
+    """The shared sampling model from the flags _add_sampling_flags made (those given)."""
+    from jaxserve.engine.sampling_request import SamplingFields
+
+    values = {name: getattr(args, name) for name in SamplingFields.model_fields}
+    if values["logit_bias"] is not None:
+        values["logit_bias"] = dict(values["logit_bias"])
+    return SamplingFields.parse({k: v for k, v in values.items() if v is not None})
+
+
 def _generate_params(args):
     """The SamplingParams of `jaxserve generate`, checked before any model loads."""
-    from jaxserve.engine.request import SamplingParams
+    from jaxserve.engine.sampling_request import to_sampling_params
 
     constraint = {}
     if args.json_schema is not None:
@@ -247,28 +290,8 @@ def _generate_params(args):
         constraint["regex"] = args.regex
     if args.json_object:
         constraint["json_object"] = True
-    bias = {}
-    for item in args.logit_bias:
-        tok, _, val = item.partition("=")
-        try:
-            bias[int(tok)] = float(val)
-        except ValueError:
-            raise ValueError(f"logit_bias: expected TOKEN_ID=BIAS, got {item!r}") from None
-    return SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        seed=args.seed,
-        n=args.n,
-        min_p=args.min_p,
-        min_tokens=args.min_tokens,
-        repetition_penalty=args.repetition_penalty,
-        presence_penalty=args.presence_penalty,
-        frequency_penalty=args.frequency_penalty,
-        logit_bias=bias or None,
-        **constraint,
-    )
+    fields = _sampling_fields(args)
+    return to_sampling_params(fields, max_tokens=fields.max_tokens, default_max=0, max_model_len=0, **constraint)(0)
 
 
 def cmd_generate(args) -> int:
@@ -310,9 +333,7 @@ def cmd_client(args) -> int:
         if token is None and cfg.token_file:
             token = Path(cfg.token_file).read_text().strip()
     c = Client(target or "127.0.0.1:50051", token=token)
-    sampling = dict(max_tokens=args.max_tokens, temperature=args.temperature)
-    if args.seed is not None:
-        sampling["seed"] = args.seed
+    sampling = _sampling_fields(args).model_dump(exclude_none=True)
     prompt = args.prompt
     if args.chat:  # one user turn (after an optional system message), rendered by the server's template
         prompt = ([{"role": "system", "content": args.system}] if args.system else []) + [
@@ -472,21 +493,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_flags(p)
     p.add_argument("prompt", nargs="+")
     p.add_argument("--chat", action="store_true", help="send each PROMPT as a user message (the model's chat template)")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None, help="sampling seed")
-    g = p.add_argument_group("sampling controls and constrained output (docs/sampling.md)")
-    g.add_argument("--n", type=int, default=1, help="completions of each prompt (they share its KV pages)")
-    g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--min-tokens", type=int, default=0, help="EOS and stop tokens banned until this many tokens")
-    g.add_argument("--repetition-penalty", type=float, default=1.0, help="Hugging Face semantics; 1 is off")
-    g.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI semantics, in [-2, 2]")
-    g.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI semantics, in [-2, 2]")
-    g.add_argument(
-        "--logit-bias", action="append", default=[], metavar="TOKEN=BIAS", help="repeatable; -100 bans the token"
-    )
+    _add_sampling_flags(p, "sampling (docs/sampling.md; default: the engine's, greedy, 64 tokens)")
+    p.set_defaults(max_tokens=64, temperature=0.0)
+    g = p.add_argument_group("constrained output (docs/sampling.md)")
     one = g.add_mutually_exclusive_group()
     one.add_argument("--json-schema", metavar="FILE", help="the output is JSON valid under this JSON Schema file")
     one.add_argument("--json-object", action="store_true", help="the output is a JSON object")
@@ -504,9 +513,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("prompt")
     p.add_argument("--target", default=None, help="HOST:PORT (default 127.0.0.1:50051, or gin's host:port)")
     p.add_argument("--token", default=None)
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=None)
+    _add_sampling_flags(p, "sampling (default: the server's, greedy, 64 tokens)")
+    p.set_defaults(max_tokens=64, temperature=0.0)
     p.add_argument("--timeout", type=float, default=None)
     p.add_argument("--echo", action="store_true", help="print the prompt first")
     p.add_argument("--chat", action="store_true", help="send PROMPT as a user message (the server's chat template)")

@@ -42,6 +42,10 @@ def _integer(name: str, value: Any, lo: int, hi: int | None = None, what: str = 
     return int(value)
 
 
+def _control(default: float) -> Any:
+    return dataclasses.field(default=default, metadata={"row_control": True})
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling. Penalties follow Hugging Face (repetition_penalty, over prompt and
@@ -62,11 +66,13 @@ class SamplingParams:
     # skips the prefix cache (its cached tokens would have no logits), as vLLM does.
     prompt_logprobs: int | None = None
     n: int = 1
-    min_p: float = 0.0
+    # Per-row scalar controls of the sampler (runner/sampling.py ROW_CONTROLS, with the same
+    # defaults: each an exact no-op there); one away from its default makes a row `controlled`.
+    min_p: float = _control(0.0)
     min_tokens: int = 0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    repetition_penalty: float = _control(1.0)
+    presence_penalty: float = _control(0.0)
+    frequency_penalty: float = _control(0.0)
     logit_bias: Mapping[int, float] | None = None
     json_schema: str | dict | None = None  # a JSON Schema (text or dict); kept as canonical JSON text
     regex: str | None = None
@@ -129,6 +135,13 @@ class SamplingParams:
         given = [c for c in CONSTRAINTS if getattr(self, c) not in (None, False)]
         if len(given) > 1:
             raise ValueError(f"{given[1]}: only one of {', '.join(CONSTRAINTS)} may be set, got {', '.join(given)}")
+        controlled = (
+            bool(given)
+            or self.min_tokens > 0
+            or self.logit_bias is not None
+            or any(getattr(self, f.name) != f.default for f in ROW_CONTROL_FIELDS)
+        )
+        set_("_controlled", controlled)  # asked of every row every step: worked out once
 
     @property
     def greedy(self) -> bool:
@@ -150,19 +163,16 @@ class SamplingParams:
     @property
     def controlled(self) -> bool:
         """Uses a control beyond temperature/top-k/top-p/seed (the device gets a Controls row)."""
-        return (
-            self.constraint is not None
-            or self.penalized
-            or self.min_p > 0
-            or self.min_tokens > 0
-            or self.logit_bias is not None
-        )
+        return self._controlled
 
     @property
     def plain_decode_only(self) -> bool:
         """Needs the plain decode step (speculative steps compute neither logprobs, masks,
         penalties nor biases): see docs/sampling.md."""
         return self.logprobs is not None or self.controlled
+
+
+ROW_CONTROL_FIELDS = tuple(f for f in dataclasses.fields(SamplingParams) if f.metadata.get("row_control"))
 
 
 class Status(enum.Enum):
