@@ -135,13 +135,6 @@ class SamplingParams:
         given = [c for c in CONSTRAINTS if getattr(self, c) not in (None, False)]
         if len(given) > 1:
             raise ValueError(f"{given[1]}: only one of {', '.join(CONSTRAINTS)} may be set, got {', '.join(given)}")
-        controlled = (
-            bool(given)
-            or self.min_tokens > 0
-            or self.logit_bias is not None
-            or any(getattr(self, f.name) != f.default for f in ROW_CONTROL_FIELDS)
-        )
-        set_("_controlled", controlled)  # asked of every row every step: worked out once
 
     @property
     def greedy(self) -> bool:
@@ -163,7 +156,12 @@ class SamplingParams:
     @property
     def controlled(self) -> bool:
         """Uses a control beyond temperature/top-k/top-p/seed (the device gets a Controls row)."""
-        return self._controlled
+        return (
+            self.constraint is not None
+            or self.min_tokens > 0
+            or self.logit_bias is not None
+            or any(getattr(self, name) != default for name, default in _ROW_DEFAULTS)
+        )
 
     @property
     def plain_decode_only(self) -> bool:
@@ -173,6 +171,7 @@ class SamplingParams:
 
 
 ROW_CONTROL_FIELDS = tuple(f for f in dataclasses.fields(SamplingParams) if f.metadata.get("row_control"))
+_ROW_DEFAULTS = tuple((f.name, f.default) for f in ROW_CONTROL_FIELDS)
 
 
 class Status(enum.Enum):
