@@ -140,7 +140,7 @@ class StepBatch:
 @dataclasses.dataclass(frozen=True)
 class Controls:
     """A row's sampling controls beyond (temperature, top_k, top_p, seed, counter): the scalar
-    controls (`values`: one per ROW_CONTROLS entry, in its order; `of` makes them from a
+    controls (`values`: one per ROW_CONTROLS entry, in its order; `values_of` makes them from a
     request's fields), min_tokens with the ids it bans, the penalties' recent tokens,
     logit_bias, and the grammar's packed bitmask row ([ceil(V/32)] int32; None: every token
     allowed)."""
