@@ -1,4 +1,4 @@
-"""The `jaxserve` command: serve, generate, client, kv-math, bench, convert, k8s.
+"""The `jaxserve` command: serve, generate, client, kv-math, bench, convert, k8s, options.
 
 Every command takes gin configuration (see docs/deploy.md):
 
@@ -17,6 +17,9 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import Any, Callable
+
+from jaxserve.serve_config import options
 
 log = logging.getLogger("jaxserve.cli")
 
@@ -34,74 +37,34 @@ def _csv_ints(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
+def _flag_type(hint) -> Callable[[str], Any] | None:
+    """The argparse type of a field's annotation (None for a switch: bool)."""
+    import types
+    import typing
+
+    args = [a for a in typing.get_args(hint) if a is not type(None)] if isinstance(hint, types.UnionType) else [hint]
+    base = args[0]
+    if base is bool:
+        return None
+    return _csv_ints if typing.get_origin(base) is tuple else base
+
+
+def _flags(group: str, switches: bool) -> dict:
+    """flag -> (ServeConfig field, type, help) of one group's options, from their declaration
+    (serve_config.options); switches: the bool options (--X / --no-X) instead."""
+    out = {}
+    for o in options():
+        if o.group != group or o.flag is None or o.name == "model" or (_flag_type(o.hint) is None) != switches:
+            continue
+        help_ = o.help + (f" ({' | '.join(o.choices)})" if o.choices else "")
+        out[o.flag] = (o.name, _flag_type(o.hint), help_)
+    return out
+
+
 # flag -> (ServeConfig field, type, help); a flag left out takes its value from gin.
-ENGINE_FLAGS = {
-    "--max-slots": ("max_slots", int, "concurrent sequences (decode batch)"),
-    "--page-size": ("page_size", int, "tokens per KV page"),
-    "--max-model-len": ("max_model_len", int, "longest prompt + output"),
-    "--num-pages": ("num_pages", int, "KV pages (default: sized from memory)"),
-    "--kv-cache-memory-bytes": ("kv_cache_memory_bytes", int, "KV cache budget in bytes"),
-    "--memory-fraction": ("memory_fraction", float, "share of accelerator memory to use"),
-    "--token-buckets": ("token_buckets", _csv_ints, "a step's padded token counts, compiled at warm-up, e.g. 16,32,64"),
-    "--max-num-batched-tokens": (
-        "max_num_batched_tokens",
-        int,
-        "token budget of one step: decode rows, then prompt chunks",
-    ),
-    "--max-prefill-tokens-while-decoding": (
-        "max_prefill_tokens_while_decoding",
-        int,
-        "prompt tokens a step may carry while sequences decode (bounds the inter-token gap)",
-    ),
-    "--dtype": ("dtype", str, "float32 | bfloat16 (default: by backend)"),
-    "--quantization": ("quantization", str, "int8: weight-only int8 projections, per-output-channel scales"),
-    "--attention-impl": ("attention_impl", str, "xla | pallas (default: by backend)"),
-    "--kv-cache-dtype": (
-        "kv_cache_dtype",
-        str,
-        "auto | float32 | bfloat16 | int8 | fp8 (8-bit KV pages with per-token scales)",
-    ),
-    "--matmul-impl": ("matmul_impl", str, "native | xla: the projections' matmul (default: native on CPU)"),
-    "--matmul-dtype": (
-        "matmul_dtype",
-        str,
-        "bfloat16 | float32: native matmul weights (default: bfloat16 with AMX or AVX512-BF16)",
-    ),
-    "--tensor-parallel-size": ("tensor_parallel_size", int, "chips in the tensor-parallel mesh"),
-    "--expert-parallel-size": ("expert_parallel_size", int, "devices the MoE experts split over (beside tp)"),
-    "--speculative-model": ("speculative_model", str, 'a draft checkpoint directory, or "ngram"'),
-    "--num-speculative-tokens": ("num_speculative_tokens", int, "draft tokens per step"),
-    "--num-scheduler-steps": (
-        "num_scheduler_steps",
-        int,
-        "decode steps one device call may run when every sequence plainly decodes (1; 8 for throughput)",
-    ),
-    "--prompt-lookup-min": ("prompt_lookup_min", int, "prompt lookup: the shortest suffix matched (2)"),
-    "--prompt-lookup-max": ("prompt_lookup_max", int, "prompt lookup: the longest suffix matched (3)"),
-    "--speculative-disable-by-batch-size": (
-        "speculative_disable_by_batch_size",
-        int,
-        "steps with more decoding sequences run plain (default: 16 // (k + 1) on the CPU)",
-    ),
-    "--compilation-cache-dir": ("compilation_cache_dir", str, "persistent XLA compilation cache directory"),
-    "--tool-call-parser": (
-        "tool_call_parser",
-        str,
-        "hermes | smollm2 | llama3_json | mistral: how the model writes tool calls (default: from the chat template)",
-    ),
-}
-SERVER_FLAGS = {
-    "--host": ("host", str, "address to bind"),
-    "--port": ("port", int, "gRPC port; 0 picks a free port (printed at start)"),
-    "--metrics-port": ("metrics_port", int, "Prometheus endpoint port"),
-    "--http-port": ("http_port", int, "also serve the OpenAI-compatible HTTP API on this port; 0 picks a free port"),
-    "--token-file": ("token_file", str, "file holding the bearer token to require"),
-    "--tls-cert": ("tls_cert", str, "PEM certificate chain"),
-    "--tls-key": ("tls_key", str, "PEM private key"),
-    "--max-waiting": ("max_waiting", int, "queued requests before RESOURCE_EXHAUSTED"),
-    "--grace": ("grace", float, "seconds SIGTERM waits for in-flight requests"),
-    "--default-max-tokens": ("default_max_tokens", int, "max_tokens of a request that sets none"),
-}
+ENGINE_FLAGS = _flags("engine", switches=False)
+ENGINE_SWITCHES = _flags("engine", switches=True)  # --prefix-caching / --no-prefix-caching, ...
+SERVER_FLAGS = _flags("server", switches=False)
 
 
 def _dest(flag: str) -> str:
@@ -146,13 +109,8 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     )
     _add_flags(p, ENGINE_FLAGS, "engine")
     g = p.add_argument_group("engine switches")
-    g.add_argument(
-        "--prefix-caching",
-        dest="prefix_caching",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="reuse KV pages of shared prompt prefixes",
-    )
+    for flag, (_, _, help_) in ENGINE_SWITCHES.items():
+        g.add_argument(flag, dest=_dest(flag), action=argparse.BooleanOptionalAction, default=None, help=help_)
     g.add_argument("--no-compilation-cache", action="store_true", help="do not use a persistent compilation cache")
 
 
@@ -162,8 +120,9 @@ def _overrides(args, flags: dict) -> dict:
     out = {k: v for k, v in out.items() if v is not None}
     if getattr(args, "model", None) is not None:
         out["model"] = args.model
-    if getattr(args, "prefix_caching", None) is not None:
-        out["enable_prefix_caching"] = args.prefix_caching
+    for flag, (field, _, _) in ENGINE_SWITCHES.items():
+        if getattr(args, _dest(flag), None) is not None:
+            out[field] = getattr(args, _dest(flag))
     if getattr(args, "no_compilation_cache", False):
         out["compilation_cache_dir"] = None
     if getattr(args, "no_grpc", False):
@@ -275,9 +234,52 @@ def cmd_serve(args) -> int:
         llm.shutdown()  # release the other processes
 
 
+def _token_values(text: str) -> tuple[str, float]:
+    key, _, value = text.partition("=")
+    try:
+        return key, float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected TOKEN_ID=BIAS, got {text!r}") from None
+
+
+def _add_sampling_flags(p: argparse.ArgumentParser, title: str) -> None:
+    """A flag per field of the shared sampling model (engine/sampling_request.py), with its
+    description as help: --temperature, --min-p, --stop (repeatable), --logit-bias TOKEN=BIAS
+    (repeatable), --ignore-eos/--no-ignore-eos, ... A flag left out is the engine's default."""
+    import types
+    import typing
+
+    from jaxserve.engine.sampling_request import SamplingFields
+
+    g = p.add_argument_group(title)
+    for name, field in SamplingFields.model_fields.items():
+        flag, help_ = "--" + name.replace("_", "-"), field.description
+        args = [a for a in typing.get_args(field.annotation) if a is not type(None)]
+        base = args[-1] if isinstance(field.annotation, types.UnionType) else field.annotation
+        origin = typing.get_origin(base)
+        if base is bool:
+            g.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_)
+        elif origin is dict:
+            g.add_argument(flag, type=_token_values, action="append", default=None, metavar="TOKEN=BIAS", help=help_)
+        elif origin is list:
+            g.add_argument(flag, type=typing.get_args(base)[0], action="append", default=None, help=help_)
+        else:
+            g.add_argument(flag, type=base, default=None, help=help_)
+
+
+def _sampling_fields(args):
+    """The shared sampling model from the flags _add_sampling_flags made (those given)."""
+    from jaxserve.engine.sampling_request import SamplingFields
+
+    values = {name: getattr(args, name) for name in SamplingFields.model_fields}
+    if values["logit_bias"] is not None:
+        values["logit_bias"] = dict(values["logit_bias"])
+    return SamplingFields.parse({k: v for k, v in values.items() if v is not None})
+
+
 def _generate_params(args):
     """The SamplingParams of `jaxserve generate`, checked before any model loads."""
-    from jaxserve.engine.request import SamplingParams
+    from jaxserve.engine.sampling_request import to_sampling_params
 
     constraint = {}
     if args.json_schema is not None:
@@ -288,28 +290,8 @@ def _generate_params(args):
         constraint["regex"] = args.regex
     if args.json_object:
         constraint["json_object"] = True
-    bias = {}
-    for item in args.logit_bias:
-        tok, _, val = item.partition("=")
-        try:
-            bias[int(tok)] = float(val)
-        except ValueError:
-            raise ValueError(f"logit_bias: expected TOKEN_ID=BIAS, got {item!r}") from None
-    return SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        seed=args.seed,
-        n=args.n,
-        min_p=args.min_p,
-        min_tokens=args.min_tokens,
-        repetition_penalty=args.repetition_penalty,
-        presence_penalty=args.presence_penalty,
-        frequency_penalty=args.frequency_penalty,
-        logit_bias=bias or None,
-        **constraint,
-    )
+    fields = _sampling_fields(args)
+    return to_sampling_params(fields, max_tokens=fields.max_tokens, default_max=0, max_model_len=0, **constraint)(0)
 
 
 def cmd_generate(args) -> int:
@@ -351,9 +333,7 @@ def cmd_client(args) -> int:
         if token is None and cfg.token_file:
             token = Path(cfg.token_file).read_text().strip()
     c = Client(target or "127.0.0.1:50051", token=token)
-    sampling = dict(max_tokens=args.max_tokens, temperature=args.temperature)
-    if args.seed is not None:
-        sampling["seed"] = args.seed
+    sampling = _sampling_fields(args).model_dump(exclude_none=True)
     prompt = args.prompt
     if args.chat:  # one user turn (after an optional system message), rendered by the server's template
         prompt = ([{"role": "system", "content": args.system}] if args.system else []) + [
@@ -471,6 +451,19 @@ def cmd_k8s(argv) -> int:
     return main(argv)
 
 
+def cmd_options(args) -> int:
+    """Every option: docs/options.md's Markdown, or one line each."""
+    from jaxserve.serve_config import options_markdown
+
+    if args.markdown:
+        print(options_markdown(), end="")
+        return 0
+    for o in options():
+        flag = f" ({o.flag})" if o.flag else ""
+        print(f"ServeConfig.{o.name}{flag} = {o.default!r}: {o.help}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     gin_parent = _gin_parent()
     ap = argparse.ArgumentParser(prog="jaxserve", description="A JAX/XLA inference server for LLMs.", epilog=GIN_HELP)
@@ -500,21 +493,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_flags(p)
     p.add_argument("prompt", nargs="+")
     p.add_argument("--chat", action="store_true", help="send each PROMPT as a user message (the model's chat template)")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None, help="sampling seed")
-    g = p.add_argument_group("sampling controls and constrained output (docs/sampling.md)")
-    g.add_argument("--n", type=int, default=1, help="completions of each prompt (they share its KV pages)")
-    g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--min-tokens", type=int, default=0, help="EOS and stop tokens banned until this many tokens")
-    g.add_argument("--repetition-penalty", type=float, default=1.0, help="Hugging Face semantics; 1 is off")
-    g.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI semantics, in [-2, 2]")
-    g.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI semantics, in [-2, 2]")
-    g.add_argument(
-        "--logit-bias", action="append", default=[], metavar="TOKEN=BIAS", help="repeatable; -100 bans the token"
-    )
+    _add_sampling_flags(p, "sampling (docs/sampling.md; default: the engine's, greedy, 64 tokens)")
+    p.set_defaults(max_tokens=64, temperature=0.0)
+    g = p.add_argument_group("constrained output (docs/sampling.md)")
     one = g.add_mutually_exclusive_group()
     one.add_argument("--json-schema", metavar="FILE", help="the output is JSON valid under this JSON Schema file")
     one.add_argument("--json-object", action="store_true", help="the output is a JSON object")
@@ -532,9 +513,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("prompt")
     p.add_argument("--target", default=None, help="HOST:PORT (default 127.0.0.1:50051, or gin's host:port)")
     p.add_argument("--token", default=None)
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=None)
+    _add_sampling_flags(p, "sampling (default: the server's, greedy, 64 tokens)")
+    p.set_defaults(max_tokens=64, temperature=0.0)
     p.add_argument("--timeout", type=float, default=None)
     p.add_argument("--echo", action="store_true", help="print the prompt first")
     p.add_argument("--chat", action="store_true", help="send PROMPT as a user message (the server's chat template)")
@@ -564,6 +544,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=None)
     p.add_argument("--cache-dir", default=None)
     p.set_defaults(fn=cmd_convert)
+    p = sub.add_parser("options", help="list every option (gin field, flag, default, help)")
+    p.add_argument("--markdown", action="store_true", help="print docs/options.md")
+    p.set_defaults(fn=cmd_options)
     return ap
 
 

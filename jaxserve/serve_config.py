@@ -24,14 +24,13 @@ import logging
 import os
 import re
 import tokenize
-import types
-import typing
 from pathlib import Path
 from typing import Any, Sequence
 
 import gin
 
-from jaxserve.engine.engine_config import EngineConfig
+from jaxserve.engine import engine_config
+from jaxserve.engine.engine_config import EngineConfig, check_type
 from jaxserve.models import registry
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"  # package data: installed with the wheel
@@ -50,7 +49,7 @@ __all__ = [
 # Fields that hold a filesystem path: "~" is expanded at construction.
 _PATH_FIELDS = ("model", "compilation_cache_dir", "token_file", "tls_cert", "tls_key")
 
-_ENGINE_HINTS = typing.get_type_hints(EngineConfig)
+_ENGINE_HINTS = engine_config.hints()
 ENGINE_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(EngineConfig))
 
 # (name, type, default, help) of the fields that are not EngineConfig's.
@@ -84,64 +83,12 @@ SERVER_FIELDS: tuple[str, ...] = tuple(f[0] for f in _SERVER_FIELDS)
 FIELD_HELP: dict[str, str] = {f[0]: f[3] for f in _MODEL_FIELDS + _SERVER_FIELDS}
 
 
-def _type_name(hint: Any) -> str:
-    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
-        return " or ".join(_type_name(a) for a in typing.get_args(hint))
-    if typing.get_origin(hint) is tuple:
-        return f"a tuple of {_type_name(typing.get_args(hint)[0])}"
-    return "None" if hint is type(None) else getattr(hint, "__name__", str(hint))
-
-
-def _coerce(hint: Any, value: Any) -> Any:
-    """Value checked (and lists turned into tuples) against a field's annotation; TypeError if it does not fit."""
-    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
-        for arg in typing.get_args(hint):
-            try:
-                return _coerce(arg, value)
-            except TypeError:
-                pass
-        raise TypeError
-    if hint is type(None):
-        if value is None:
-            return None
-        raise TypeError
-    if typing.get_origin(hint) is tuple:
-        if not isinstance(value, (tuple, list)):
-            raise TypeError
-        item = typing.get_args(hint)[0]
-        return tuple(_coerce(item, v) for v in value)
-    if hint is bool:
-        if isinstance(value, bool):
-            return value
-        raise TypeError
-    if hint is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise TypeError
-    if hint is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        raise TypeError
-    if hint is str:
-        if isinstance(value, str):
-            return value
-        raise TypeError
-    return value  # an annotation this checker does not know: trust it
-
-
 class _ServeConfigMethods:
     """Methods of ServeConfig (its fields are generated below)."""
 
     def __post_init__(self):
-        hints = _ALL_HINTS
         for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            try:
-                value = _coerce(hints[f.name], value)
-            except TypeError:
-                raise ValueError(
-                    f"ServeConfig.{f.name} must be {_type_name(hints[f.name])}, got {value!r} ({type(value).__name__})"
-                ) from None
+            value = check_type(f"ServeConfig.{f.name}", _ALL_HINTS[f.name], getattr(self, f.name))
             if f.name in _PATH_FIELDS and isinstance(value, str):
                 value = os.path.expanduser(value)
             object.__setattr__(self, f.name, value)
@@ -357,3 +304,83 @@ def operative_config_str() -> str:
     """Gin's operative configuration: every ServeConfig parameter of the last load_config, with
     the defaults filled in. Log it at start: it is the effective configuration."""
     return gin.operative_config_str()
+
+
+# -- every option, for the CLI's flags and docs/options.md ----------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Option:
+    """One ServeConfig field as the flags and the docs show it."""
+
+    group: str  # "checkpoint" | "engine" | "server"
+    name: str
+    hint: Any
+    default: Any
+    help: str
+    flag: str | None  # None: gin only
+    choices: tuple[str, ...] | None = None
+    minimum: int | None = None
+
+
+def options() -> list[Option]:
+    """Every ServeConfig field in declaration order: the checkpoint's, EngineConfig's (from its
+    declaration), the server's."""
+    out = [
+        Option("checkpoint", n, h, d, help_, "--model" if n == "model" else None) for n, h, d, help_ in _MODEL_FIELDS
+    ]
+    for f in dataclasses.fields(EngineConfig):
+        out.append(
+            Option(
+                "engine",
+                f.name,
+                _ENGINE_HINTS[f.name],
+                f.default,
+                f.metadata["help"],
+                engine_config.flag_of(f),
+                engine_config.choices_of(f),
+                f.metadata["minimum"],
+            )
+        )
+    out += [Option("server", n, h, d, help_, "--" + n.replace("_", "-")) for n, h, d, help_ in _SERVER_FIELDS]
+    return out
+
+
+OPTIONS_PAGE_HEAD = """\
+# Options
+
+Every option of a deployment, generated from its one declaration (`EngineConfig` in
+`jaxserve/engine/engine_config.py`, the checkpoint and server fields in `jaxserve/serve_config.py`).
+Regenerate this page with `jaxserve options --markdown > docs/options.md`; a test fails when
+they disagree.
+
+Set an option in a gin file or with `--gin_param 'ServeConfig.NAME = VALUE'`, or with its
+flag on `jaxserve serve` and `jaxserve generate` (switches also take `--no-...`). Explicit
+flags override gin; `jaxserve/configs/default.gin` (used when no `--gin_file` is given) sets
+some values other than these defaults, and `jaxserve serve` logs the effective configuration
+at start. Python callers pass the engine options to `LLM(model, **options)`.
+"""
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def options_markdown() -> str:
+    """docs/options.md: a table per group of every option."""
+    titles = {"checkpoint": "Checkpoint", "engine": "Engine", "server": "Server"}
+    lines = [OPTIONS_PAGE_HEAD]
+    for group, title in titles.items():
+        lines += [
+            f"## {title}",
+            "",
+            "| `ServeConfig.` | flag | type | default | what |",
+            "| --- | --- | --- | --- | --- |",
+        ]
+        for o in options():
+            if o.group != group:
+                continue
+            what = o.help + (f" (one of: {', '.join(o.choices)})" if o.choices else "")
+            flag = "-" if o.flag is None else f"`{o.flag}`"
+            typ = engine_config.type_name(o.hint) + (f", >= {o.minimum}" if o.minimum is not None else "")
+            lines.append(f"| `{o.name}` | {flag} | {_cell(typ)} | `{o.default!r}` | {_cell(what)} |")
+        lines.append("")
+    return "\n".join(lines)

@@ -608,10 +608,7 @@ class EngineCore:
             penalty_ids, penalty_counts = seq.history.items() if seq.history is not None else ((), ())
             bias = p.logit_bias or {}
             controls = Controls(
-                min_p=p.min_p,
-                repetition_penalty=p.repetition_penalty,
-                presence_penalty=p.presence_penalty,
-                frequency_penalty=p.frequency_penalty,
+                values=Controls.values_of(p),
                 min_tokens=p.min_tokens,
                 stop_ids=sorted(self.scheduler.eos | set(p.stop_token_ids)) if p.min_tokens else (),
                 penalty_ids=penalty_ids,

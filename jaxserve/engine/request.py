@@ -42,6 +42,10 @@ def _integer(name: str, value: Any, lo: int, hi: int | None = None, what: str = 
     return int(value)
 
 
+def _control(default: float) -> Any:
+    return dataclasses.field(default=default, metadata={"row_control": True})
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling. Penalties follow Hugging Face (repetition_penalty, over prompt and
@@ -62,11 +66,13 @@ class SamplingParams:
     # skips the prefix cache (its cached tokens would have no logits), as vLLM does.
     prompt_logprobs: int | None = None
     n: int = 1
-    min_p: float = 0.0
+    # Per-row scalar controls of the sampler (runner/sampling.py ROW_CONTROLS, with the same
+    # defaults: each an exact no-op there); one away from its default makes a row `controlled`.
+    min_p: float = _control(0.0)
     min_tokens: int = 0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    repetition_penalty: float = _control(1.0)
+    presence_penalty: float = _control(0.0)
+    frequency_penalty: float = _control(0.0)
     logit_bias: Mapping[int, float] | None = None
     json_schema: str | dict | None = None  # a JSON Schema (text or dict); kept as canonical JSON text
     regex: str | None = None
@@ -152,10 +158,9 @@ class SamplingParams:
         """Uses a control beyond temperature/top-k/top-p/seed (the device gets a Controls row)."""
         return (
             self.constraint is not None
-            or self.penalized
-            or self.min_p > 0
             or self.min_tokens > 0
             or self.logit_bias is not None
+            or any(getattr(self, name) != default for name, default in _ROW_DEFAULTS)
         )
 
     @property
@@ -163,6 +168,10 @@ class SamplingParams:
         """Needs the plain decode step (speculative steps compute neither logprobs, masks,
         penalties nor biases): see docs/sampling.md."""
         return self.logprobs is not None or self.controlled
+
+
+ROW_CONTROL_FIELDS = tuple(f for f in dataclasses.fields(SamplingParams) if f.metadata.get("row_control"))
+_ROW_DEFAULTS = tuple((f.name, f.default) for f in ROW_CONTROL_FIELDS)
 
 
 class Status(enum.Enum):

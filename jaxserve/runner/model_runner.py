@@ -430,7 +430,9 @@ class _Weights:
 
 @dataclasses.dataclass(frozen=True)
 class RunnerConfig:
-    """What the runner needs of the engine's options, resolved for this backend."""
+    """What the runner needs of the engine's options, resolved for this backend and model. Built
+    only by `resolve` from an EngineConfig, whose declaration holds every option's default and
+    help (docs/options.md): the fields here have neither, only what resolving changed."""
 
     max_slots: int
     page_size: int
@@ -442,26 +444,24 @@ class RunnerConfig:
     dtype: str
     attention_impl: str
     interpret: bool
-    # "auto" (pages in dtype) | "bfloat16" | "int8" | "fp8" (8-bit pages + bfloat16 scales)
-    kv_cache_dtype: str = "auto"
-    matmul_impl: str = "xla"  # "native": Linear weights packed for the C++ CPU matmul
-    matmul_dtype: str = "float32"  # the native matmul's float weights: "float32" | "bfloat16" (AMX / AVX512-BF16)
-    matmul_reason: str = ""  # why that matmul_impl / matmul_dtype (the start-up log, model info)
-    max_logprobs: int = 0  # the top-n alternatives a decode step computes when any row asks for logprobs
-    prompt_logprobs: bool = True  # warm up the scoring prefill (prompt logprobs)
-    num_speculative_tokens: int = 0  # k of a speculative step; 0 = no speculation
-    num_scheduler_steps: int = 1  # decode steps one plain call may run (runner/decode_loop.py)
-    # a step with more decoding sequences runs plain (EngineConfig's field, resolved: on the CPU
-    # CPU_COMPUTE_BOUND_ROWS // (k + 1) by default); None: always speculate
-    speculative_disable_by_batch_size: int | None = None
-    tensor_parallel_size: int = 1
-    expert_parallel_size: int = 1  # devices the experts split over (an "expert" axis beside "tp")
+    kv_cache_dtype: str  # "auto" resolved to bfloat16 where the CPU computes in bfloat16 by default
+    matmul_impl: str
+    matmul_dtype: str
+    matmul_reason: str  # why that matmul_impl / matmul_dtype (the start-up log, model info)
+    max_logprobs: int  # the top-n alternatives a decode step computes when any row asks for logprobs
+    prompt_logprobs: bool  # warm up the scoring prefill (enable_prompt_logprobs)
+    num_speculative_tokens: int  # k of a speculative step; 0 = no speculation
+    num_scheduler_steps: int
+    # on the CPU CPU_COMPUTE_BOUND_ROWS // (k + 1) by default; None: always speculate
+    speculative_disable_by_batch_size: int | None
+    tensor_parallel_size: int
+    expert_parallel_size: int
     # Speculative batch buckets are powers of two from 8 rows (on TPU/GPU a sublane tile: fewer
     # rows cost the same). On the CPU every padded row costs its share of the matmuls, so a lone
     # request gets a bucket of one row.
-    single_row_bucket: bool = False
-    store_context: str | None = None  # with compilation_cache_dir: the key of the executable store
-    compilation_cache_dir: str | None = None
+    single_row_bucket: bool
+    store_context: str | None  # with compilation_cache_dir: the key of the executable store
+    compilation_cache_dir: str | None
 
     @property
     def weight_dtype(self) -> str:

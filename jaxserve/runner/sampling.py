@@ -25,6 +25,17 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+# The per-row scalar controls this module reads, each with the value at which it is an exact
+# no-op. The step batch holds them as one [S, len] float32 array (step_batch.SamplingMetadata,
+# read here as `sm.min_p`, ...), and the engine fills a controlled row's from the request's
+# SamplingParams field of the same name: a new scalar control is one entry here, used below.
+ROW_CONTROLS: dict[str, float] = {
+    "min_p": 0.0,
+    "repetition_penalty": 1.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+}
+
 
 def argmax(logits, block: int = 128):
     """First index of the row maximum, in two passes: the maximum of each block of `block`

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve.runner.sampling import ROW_CONTROLS
 from pallas_kernels.reference import RaggedMetadata
 
 DUMMY_PAGE = 0  # padding writes here and block tables are padded with it; never handed out
@@ -28,6 +29,8 @@ GREEDY = (0.0, 0, 1.0, 0, 0)  # a Chunk's sampling for a greedy row: (temperatur
 PENALTY_TOKENS = 256  # the most recent distinct tokens of a row the penalties see
 MAX_LOGIT_BIAS = 64  # logit_bias entries of a row
 MAX_STOP_IDS = 16  # EOS + stop token ids banned while a row is under its min_tokens
+_CONTROL_COLUMN = {name: i for i, name in enumerate(ROW_CONTROLS)}
+_CONTROL_DEFAULTS = np.array(list(ROW_CONTROLS.values()), np.float32)
 
 
 @jax.tree_util.register_dataclass
@@ -45,16 +48,21 @@ class SamplingMetadata:
     top_p: jax.Array
     seeds: jax.Array
     counters: jax.Array
-    min_p: jax.Array
-    repetition_penalty: jax.Array
-    presence_penalty: jax.Array
-    frequency_penalty: jax.Array
+    # [S, len(ROW_CONTROLS)] float32: the sampler's scalar controls (min_p, the penalties, ...),
+    # a column each in ROW_CONTROLS' order, read by name (`sm.min_p`)
+    row_controls: jax.Array
     min_tokens: jax.Array
     penalty_ids: jax.Array
     penalty_counts: jax.Array
     bias_ids: jax.Array
     bias_values: jax.Array
     stop_ids: jax.Array
+
+    def __getattr__(self, name: str) -> jax.Array:
+        """A scalar control's column [S] (only called for names that are not fields)."""
+        if name in _CONTROL_COLUMN:
+            return self.row_controls[:, _CONTROL_COLUMN[name]]
+        raise AttributeError(name)
 
     @staticmethod
     def basics(num_rows: int) -> dict:
@@ -75,10 +83,7 @@ class SamplingMetadata:
         s, pad = num_rows, vocab_size
         f = dict(
             **cls.basics(s),
-            min_p=np.zeros((s,), np.float32),
-            repetition_penalty=np.ones((s,), np.float32),
-            presence_penalty=np.zeros((s,), np.float32),
-            frequency_penalty=np.zeros((s,), np.float32),
+            row_controls=np.tile(_CONTROL_DEFAULTS, (s, 1)),
             min_tokens=np.zeros((s,), np.int32),
             penalty_ids=np.full((s, PENALTY_TOKENS), pad, np.int32),
             penalty_counts=np.zeros((s, PENALTY_TOKENS), np.int32),
@@ -87,7 +92,10 @@ class SamplingMetadata:
             stop_ids=np.full((s, MAX_STOP_IDS), pad, np.int32),
         )
         for k, v in given.items():
-            f[k] = np.asarray(v, f[k].dtype).reshape(f[k].shape)
+            if k in _CONTROL_COLUMN:
+                f["row_controls"][:, _CONTROL_COLUMN[k]] = np.asarray(v, np.float32).reshape(s)
+            else:
+                f[k] = np.asarray(v, f[k].dtype).reshape(f[k].shape)
         return cls(**f)
 
 
@@ -131,14 +139,13 @@ class StepBatch:
 
 @dataclasses.dataclass(frozen=True)
 class Controls:
-    """A row's sampling controls beyond (temperature, top_k, top_p, seed, counter): penalties,
-    min_p, min_tokens with the ids it bans, logit_bias, and the grammar's packed bitmask row
-    ([ceil(V/32)] int32; None: every token allowed)."""
+    """A row's sampling controls beyond (temperature, top_k, top_p, seed, counter): the scalar
+    controls (`values`: one per ROW_CONTROLS entry, in its order; `values_of` makes them from a
+    request's fields), min_tokens with the ids it bans, the penalties' recent tokens,
+    logit_bias, and the grammar's packed bitmask row ([ceil(V/32)] int32; None: every token
+    allowed)."""
 
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    values: Sequence[float] = tuple(ROW_CONTROLS.values())
     min_tokens: int = 0
     stop_ids: Sequence[int] = ()
     penalty_ids: Sequence[int] = ()
@@ -146,6 +153,11 @@ class Controls:
     bias_ids: Sequence[int] = ()
     bias_values: Sequence[float] = ()
     bitmask: np.ndarray | None = None
+
+    @staticmethod
+    def values_of(params) -> tuple[float, ...]:
+        """The scalar controls of a request: its fields named as ROW_CONTROLS' entries."""
+        return tuple(getattr(params, name) for name in ROW_CONTROLS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -277,9 +289,7 @@ def build(
             sm.seeds[r] = (seed & 0xFFFFFFFF, seed >> 32)
         ctl = c.controls
         if ctl is not None:
-            sm.min_p[r], sm.min_tokens[r] = ctl.min_p, ctl.min_tokens
-            sm.repetition_penalty[r], sm.presence_penalty[r] = ctl.repetition_penalty, ctl.presence_penalty
-            sm.frequency_penalty[r] = ctl.frequency_penalty
+            sm.row_controls[r], sm.min_tokens[r] = ctl.values, ctl.min_tokens
             _fill(r, sm.penalty_ids, ctl.penalty_ids, sm.penalty_counts, ctl.penalty_counts)
             _fill(r, sm.bias_ids, ctl.bias_ids, sm.bias_values, ctl.bias_values)
             _fill(r, sm.stop_ids, ctl.stop_ids)

@@ -11,6 +11,20 @@ from jaxserve.v1 import jaxserve_pb2 as pb
 from jaxserve.v1 import jaxserve_pb2_grpc as pb_grpc
 
 
+def sampling_message(sampling: dict) -> pb.SamplingParams:
+    """The proto SamplingParams of keyword arguments named as the shared sampling model
+    (engine/sampling_request.py): logit_bias keys may be text, as in JSON; a field without a
+    proto field of its own goes in the `controls` map."""
+    given = dict(sampling)
+    if isinstance(given.get("stop"), str):
+        given["stop"] = [given["stop"]]
+    if given.get("logit_bias"):
+        given["logit_bias"] = {int(k): v for k, v in given["logit_bias"].items()}
+    named = pb.SamplingParams.DESCRIPTOR.fields_by_name
+    controls = {k: float(given.pop(k)) for k in list(given) if k not in named}  # no field of its own
+    return pb.SamplingParams(**given, controls=controls)
+
+
 class Client:
     def __init__(self, target: str = "127.0.0.1:50051", token: str | None = None, root_cert: bytes | None = None):
         self.channel = (
@@ -26,7 +40,7 @@ class Client:
     ) -> pb.GenerateRequest:
         """prompt: text, token ids, or chat messages ({"role", "content"} dicts, rendered by the
         server's chat template)."""
-        req = pb.GenerateRequest(request_id=request_id, sampling=pb.SamplingParams(**sampling))
+        req = pb.GenerateRequest(request_id=request_id, sampling=sampling_message(sampling))
         if isinstance(prompt, str):
             req.text = prompt
         elif prompt and isinstance(prompt[0], dict):

@@ -11,15 +11,17 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import numbers
 import uuid
+from collections.abc import Mapping
 from typing import Any
 
 import grpc
 
 from jaxserve.engine.chat import Conversation
 from jaxserve.engine.client import EngineClient, EngineDead, QueueFull, split_logprobs
-from jaxserve.engine.request import SamplingParams
-from jaxserve.serving.lifecycle import RequestLife, default_max_tokens
+from jaxserve.engine.sampling_request import SamplingFields, to_sampling_params
+from jaxserve.serving.lifecycle import RequestLife
 from jaxserve.serving.metrics import Metrics
 from jaxserve.v1 import jaxserve_pb2 as pb
 from jaxserve.v1 import jaxserve_pb2_grpc as pb_grpc
@@ -28,6 +30,36 @@ log = logging.getLogger("jaxserve.server")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["JaxServe"].full_name
 FINISH = {"stop": pb.STOP, "length": pb.LENGTH, "abort": pb.ABORT}
+
+
+# Proto fields the shared sampling model does not hold: said the proto's own way.
+_OWN = ("logprobs", "controls", "json_schema", "regex", "grammar", "json_object")
+
+
+def sampling_fields(s: pb.SamplingParams) -> tuple[SamplingFields, dict[str, Any]]:
+    """A proto SamplingParams as the shared sampling model, plus logprobs and the output
+    constraint. In proto3 an unset number reads 0, which means "the default" for every field
+    but temperature (0 is greedy): only the fields set (ListFields) are passed, and
+    temperature always. `controls` carries, by name, any field of the model that has no proto
+    field of its own (a new control needs no new field number)."""
+    given = {f.name: v for f, v in s.ListFields()}
+    extra = {name: given.pop(name) for name in _OWN if name in given}
+    for name, value in extra.pop("controls", {}).items():
+        if name in given or name not in SamplingFields.model_fields:
+            raise ValueError(f"controls: {name!r} is not a sampling field without its own proto field")
+        given[name] = value
+    values = {k: _plain(v) for k, v in given.items()}
+    values["temperature"] = s.temperature
+    return SamplingFields.parse(values), extra
+
+
+def _plain(value: Any) -> Any:
+    """A proto value as JSON would give it: a map with text keys, a repeated field as a list."""
+    if isinstance(value, Mapping):
+        return {str(k): v for k, v in value.items()}
+    if isinstance(value, (str, bytes, numbers.Number)):
+        return value
+    return list(value)
 
 
 class JaxServeServicer(pb_grpc.JaxServeServicer):
@@ -43,35 +75,14 @@ class JaxServeServicer(pb_grpc.JaxServeServicer):
     def _params(self, req: pb.GenerateRequest):
         """The request's SamplingParams, as a function of its prompt length when max_tokens
         is unset (then: the default, or what fits in the context)."""
-        s = req.sampling
-        if s.logprobs < 0:
-            raise ValueError(f"logprobs must be >= 0, got {s.logprobs}")
-        which = s.WhichOneof("constraint")
-        constraint = {which: getattr(s, which)} if which else {}
-
-        def build(prompt_len: int) -> SamplingParams:
-            max_tokens = s.max_tokens or default_max_tokens(prompt_len, self.default_max_tokens, self.max_model_len)
-            return SamplingParams(
-                max_tokens=max_tokens,
-                temperature=s.temperature,
-                top_k=s.top_k,
-                top_p=s.top_p if s.top_p != 0 else 1.0,
-                seed=s.seed if s.HasField("seed") else None,
-                stop=tuple(s.stop),
-                stop_token_ids=tuple(s.stop_token_ids),
-                ignore_eos=s.ignore_eos,
-                logprobs=s.logprobs or None,
-                **constraint,
-                n=s.n or 1,
-                min_p=s.min_p,
-                min_tokens=s.min_tokens,
-                repetition_penalty=s.repetition_penalty or 1.0,
-                presence_penalty=s.presence_penalty,
-                frequency_penalty=s.frequency_penalty,
-                logit_bias=dict(s.logit_bias) or None,
-            )
-
-        return build
+        fields, extra = sampling_fields(req.sampling)
+        return to_sampling_params(
+            fields,
+            max_tokens=fields.max_tokens,
+            default_max=self.default_max_tokens,
+            max_model_len=self.max_model_len,
+            **extra,
+        )
 
     async def Generate(self, request, context):
         if self.draining:

@@ -16,13 +16,6 @@ from jaxserve.engine.request import RequestOutput
 from jaxserve.serving.metrics import Metrics, RequestMetrics
 
 
-def default_max_tokens(prompt_len: int, default: int, max_model_len: int) -> int:
-    """max_tokens of a request that sets none: the server's default, or what the context has
-    left after the prompt (at least 1, so an over-long prompt is refused by the engine's own
-    check naming the prompt, not by a max_tokens the client never sent)."""
-    return max(1, min(default, max_model_len - prompt_len))
-
-
 class RequestLife:
     """A submitted request's stream, tracked: iterate `outputs()` (in `contextlib.aclosing`, so
     an early stop runs its cleanup at once); `timer` holds its metrics (token counts so far)."""

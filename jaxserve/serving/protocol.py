@@ -15,13 +15,13 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 
+from jaxserve.engine import sampling_request
 from jaxserve.engine.request import SamplingParams
+from jaxserve.engine.sampling_request import SamplingFields
 from jaxserve.engine.tool_calls import ToolRequest
-from jaxserve.serving.lifecycle import default_max_tokens
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
 MAX_PROMPTS = 1024  # prompts in one /v1/completions request (each is its own engine request)
-SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 
 
 # -- errors ---------------------------------------------------------------------------
@@ -102,28 +102,14 @@ class ResponseFormat(_Body):
     json_schema: dict | None = None
 
 
-class SamplingRequest(_Body):
+class SamplingRequest(SamplingFields):
+    """The sampling fields every frontend shares (engine/sampling_request.py), and OpenAI's own."""
+
     model: str
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    n: int | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
     user: str | None = None
-    # Extensions beyond OpenAI's fields (vLLM has the same ones).
-    top_k: int | None = None
-    min_p: float | None = None
-    min_tokens: int | None = None
-    repetition_penalty: float | None = None
-    ignore_eos: bool | None = None
-    stop_token_ids: list[int] | None = None
-    return_tokens_as_token_ids: bool | None = None  # logprobs tokens as "token_id:N"
+    return_tokens_as_token_ids: bool | None = None  # logprobs tokens as "token_id:N" (vLLM's)
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -229,37 +215,15 @@ def to_sampling_params(
     renames: dict[str, str],
     grammar: str | None = None,
 ) -> Callable[[int], SamplingParams]:
-    """Validate the sampling fields now (before any tokenization) and return the builder of
-    the request's SamplingParams as a function of its prompt length. renames: engine field
-    names -> this endpoint's parameter names, for error messages."""
+    """The shared mapping (sampling_request.to_sampling_params) with what only the HTTP API says
+    its own way: stream_options, response_format, logprobs and a tool call's grammar. Errors
+    are 400s naming the parameter (renames: engine field names -> this endpoint's names)."""
     if b.stream_options is not None and not b.stream:
         raise invalid("stream_options", "stream_options is only allowed when stream is true")
-    kw: dict[str, Any] = {}
-    for name in ("temperature", "top_p", "seed", "top_k", "ignore_eos", "n"):
-        if getattr(b, name) is not None:
-            kw[name] = getattr(b, name)
-    if b.stop is not None:
-        kw["stop"] = (b.stop,) if isinstance(b.stop, str) else tuple(b.stop)
-    if b.stop_token_ids:
-        kw["stop_token_ids"] = tuple(b.stop_token_ids)
-    if logprobs is not None:
-        kw["logprobs"] = logprobs
-    # Fields that only matter at a value other than their default: passed to the engine when
-    # its SamplingParams has them, refused by name when it does not.
-    extra = {
-        "presence_penalty": b.presence_penalty or None,
-        "frequency_penalty": b.frequency_penalty or None,
-        "min_p": b.min_p or None,
-        "min_tokens": b.min_tokens or None,
-        "repetition_penalty": b.repetition_penalty if b.repetition_penalty not in (None, 1.0) else None,
-        "logit_bias": b.logit_bias or None,
-        "grammar": grammar,  # a tool call's (tool_choice required or a function)
-    }
-    if extra["logit_bias"] is not None:
-        try:
-            extra["logit_bias"] = {int(k): v for k, v in b.logit_bias.items()}
-        except ValueError:
-            raise invalid("logit_bias", "logit_bias keys must be token ids") from None
+    extra: dict[str, Any] = {
+        "logprobs": logprobs,
+        "grammar": grammar,
+    }  # a tool call's (tool_choice required or a function)
     if isinstance(b, ChatCompletionRequest) and b.response_format is not None:
         rf = b.response_format
         if grammar is not None and rf.type != "text":
@@ -277,20 +241,11 @@ def to_sampling_params(
             raise invalid(
                 "response_format", f"response_format.type must be text, json_object or json_schema, got {rf.type!r}"
             )
-    for name, value in extra.items():
-        if value is None:
-            continue
-        if name not in SAMPLING_FIELDS:
-            param = "response_format" if name in ("json_object", "json_schema") else name
-            raise invalid(param, f"{param} is not supported by this server")
-        kw[name] = value
-
-    def build(prompt_len: int) -> SamplingParams:
-        n = max_tokens if max_tokens is not None else default_max_tokens(prompt_len, default_max, max_model_len)
-        return SamplingParams(max_tokens=n, **kw)
-
     try:
-        build(0)  # judge the fields now, before the prompt is tokenized
-    except (ValueError, TypeError) as e:
+        return sampling_request.to_sampling_params(
+            b, max_tokens=max_tokens, default_max=default_max, max_model_len=max_model_len, **extra
+        )
+    except ValueError as e:
+        if str(e).startswith(("json_object ", "json_schema ")):  # "... is not supported by this server"
+            raise invalid("response_format", "response_format is not supported by this server") from None
         raise engine_error(e, renames) from None
-    return build

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ajaxserve/v1/jaxserve.proto\x12\x0bjaxserve.v1\"\xc5\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.jaxserve.v1.TokenIdsH\x00\x12)\n\x08messages\x18\x05 \x01(\x0b\x32\x15.jaxserve.v1.MessagesH\x00\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.jaxserve.v1.SamplingParamsB\x08\n\x06prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"6\n\x08Messages\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.jaxserve.v1.ChatMessage\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x90\x04\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05top_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x01\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x10\n\x08logprobs\x18\t \x01(\x05\x12\t\n\x01n\x18\n \x01(\x05\x12\r\n\x05min_p\x18\x0b \x01(\x02\x12\x12\n\nmin_tokens\x18\x0c \x01(\x05\x12\x1a\n\x12repetition_penalty\x18\r \x01(\x02\x12\x18\n\x10presence_penalty\x18\x0e \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0f \x01(\x02\x12>\n\nlogit_bias\x18\x10 \x03(\x0b\x32*.jaxserve.v1.SamplingParams.LogitBiasEntry\x12\x15\n\x0bjson_schema\x18\x11 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x12 \x01(\tH\x00\x12\x11\n\x07grammar\x18\x13 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x14 \x01(\x08H\x00\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0c\n\nconstraintB\x07\n\x05_seed\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"Z\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12&\n\x03top\x18\x03 \x03(\x0b\x32\x19.jaxserve.v1.TokenLogprob\"\xd9\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12,\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1a.jaxserve.v1.TokenLogprobs\x12\x30\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x19.jaxserve.v1.FinishReason\x12!\n\x05usage\x18\x06 \x01(\x0b\x32\x12.jaxserve.v1.Usage\x12\r\n\x05index\x18\x07 \x01(\x05\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\x05\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x12\n\x10ModelInfoRequest\"\xb0\x01\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x16\n\x0e\x63ontext_length\x18\x02 \x01(\x05\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x10\n\x08\x66\x65\x61tures\x18\x04 \x03(\t\x12\x11\n\tmax_slots\x18\x05 \x01(\x05\x12\x11\n\tpage_size\x18\x06 \x01(\x05\x12\x14\n\x0cnum_kv_pages\x18\x07 \x01(\x05\x12\x15\n\rhas_tokenizer\x18\x08 \x01(\x08*N\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x08\n\x04STOP\x10\x01\x12\n\n\x06LENGTH\x10\x02\x12\t\n\x05\x41\x42ORT\x10\x03\x32\xdc\x01\n\x08JaxServe\x12I\n\x08Generate\x12\x1c.jaxserve.v1.GenerateRequest\x1a\x1d.jaxserve.v1.GenerateResponse0\x01\x12>\n\x05\x41\x62ort\x12\x19.jaxserve.v1.AbortRequest\x1a\x1a.jaxserve.v1.AbortResponse\x12\x45\n\x0cGetModelInfo\x12\x1d.jaxserve.v1.ModelInfoRequest\x1a\x16.jaxserve.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ajaxserve/v1/jaxserve.proto\x12\x0bjaxserve.v1\"\xc5\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.jaxserve.v1.TokenIdsH\x00\x12)\n\x08messages\x18\x05 \x01(\x0b\x32\x15.jaxserve.v1.MessagesH\x00\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.jaxserve.v1.SamplingParamsB\x08\n\x06prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"6\n\x08Messages\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.jaxserve.v1.ChatMessage\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xfe\x04\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05top_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x01\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x10\n\x08logprobs\x18\t \x01(\x05\x12\t\n\x01n\x18\n \x01(\x05\x12\r\n\x05min_p\x18\x0b \x01(\x02\x12\x12\n\nmin_tokens\x18\x0c \x01(\x05\x12\x1a\n\x12repetition_penalty\x18\r \x01(\x02\x12\x18\n\x10presence_penalty\x18\x0e \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0f \x01(\x02\x12>\n\nlogit_bias\x18\x10 \x03(\x0b\x32*.jaxserve.v1.SamplingParams.LogitBiasEntry\x12\x15\n\x0bjson_schema\x18\x11 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x12 \x01(\tH\x00\x12\x11\n\x07grammar\x18\x13 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x14 \x01(\x08H\x00\x12;\n\x08\x63ontrols\x18\x15 \x03(\x0b\x32).jaxserve.v1.SamplingParams.ControlsEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x1a/\n\rControlsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x0c\n\nconstraintB\x07\n\x05_seed\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"Z\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12&\n\x03top\x18\x03 \x03(\x0b\x32\x19.jaxserve.v1.TokenLogprob\"\xd9\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12,\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1a.jaxserve.v1.TokenLogprobs\x12\x30\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x19.jaxserve.v1.FinishReason\x12!\n\x05usage\x18\x06 \x01(\x0b\x32\x12.jaxserve.v1.Usage\x12\r\n\x05index\x18\x07 \x01(\x05\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\x05\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x12\n\x10ModelInfoRequest\"\xb0\x01\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x16\n\x0e\x63ontext_length\x18\x02 \x01(\x05\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x10\n\x08\x66\x65\x61tures\x18\x04 \x03(\t\x12\x11\n\tmax_slots\x18\x05 \x01(\x05\x12\x11\n\tpage_size\x18\x06 \x01(\x05\x12\x14\n\x0cnum_kv_pages\x18\x07 \x01(\x05\x12\x15\n\rhas_tokenizer\x18\x08 \x01(\x08*N\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x08\n\x04STOP\x10\x01\x12\n\n\x06LENGTH\x10\x02\x12\t\n\x05\x41\x42ORT\x10\x03\x32\xdc\x01\n\x08JaxServe\x12I\n\x08Generate\x12\x1c.jaxserve.v1.GenerateRequest\x1a\x1d.jaxserve.v1.GenerateResponse0\x01\x12>\n\x05\x41\x62ort\x12\x19.jaxserve.v1.AbortRequest\x1a\x1a.jaxserve.v1.AbortResponse\x12\x45\n\x0cGetModelInfo\x12\x1d.jaxserve.v1.ModelInfoRequest\x1a\x16.jaxserve.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=1620
-  _globals['_FINISHREASON']._serialized_end=1698
+  _globals['_SAMPLINGPARAMS_CONTROLSENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_CONTROLSENTRY']._serialized_options = b'8\001'
+  _globals['_FINISHREASON']._serialized_start=1730
+  _globals['_FINISHREASON']._serialized_end=1808
   _globals['_GENERATEREQUEST']._serialized_start=44
   _globals['_GENERATEREQUEST']._serialized_end=241
   _globals['_TOKENIDS']._serialized_start=243
@@ -44,25 +46,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGE']._serialized_start=324
   _globals['_CHATMESSAGE']._serialized_end=368
   _globals['_SAMPLINGPARAMS']._serialized_start=371
-  _globals['_SAMPLINGPARAMS']._serialized_end=899
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=828
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=876
-  _globals['_TOKENLOGPROB']._serialized_start=901
-  _globals['_TOKENLOGPROB']._serialized_end=950
-  _globals['_TOKENLOGPROBS']._serialized_start=952
-  _globals['_TOKENLOGPROBS']._serialized_end=1042
-  _globals['_GENERATERESPONSE']._serialized_start=1045
-  _globals['_GENERATERESPONSE']._serialized_end=1262
-  _globals['_USAGE']._serialized_start=1264
-  _globals['_USAGE']._serialized_end=1351
-  _globals['_ABORTREQUEST']._serialized_start=1353
-  _globals['_ABORTREQUEST']._serialized_end=1387
-  _globals['_ABORTRESPONSE']._serialized_start=1389
-  _globals['_ABORTRESPONSE']._serialized_end=1419
-  _globals['_MODELINFOREQUEST']._serialized_start=1421
-  _globals['_MODELINFOREQUEST']._serialized_end=1439
-  _globals['_MODELINFO']._serialized_start=1442
-  _globals['_MODELINFO']._serialized_end=1618
-  _globals['_JAXSERVE']._serialized_start=1701
-  _globals['_JAXSERVE']._serialized_end=1921
+  _globals['_SAMPLINGPARAMS']._serialized_end=1009
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=889
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=937
+  _globals['_SAMPLINGPARAMS_CONTROLSENTRY']._serialized_start=939
+  _globals['_SAMPLINGPARAMS_CONTROLSENTRY']._serialized_end=986
+  _globals['_TOKENLOGPROB']._serialized_start=1011
+  _globals['_TOKENLOGPROB']._serialized_end=1060
+  _globals['_TOKENLOGPROBS']._serialized_start=1062
+  _globals['_TOKENLOGPROBS']._serialized_end=1152
+  _globals['_GENERATERESPONSE']._serialized_start=1155
+  _globals['_GENERATERESPONSE']._serialized_end=1372
+  _globals['_USAGE']._serialized_start=1374
+  _globals['_USAGE']._serialized_end=1461
+  _globals['_ABORTREQUEST']._serialized_start=1463
+  _globals['_ABORTREQUEST']._serialized_end=1497
+  _globals['_ABORTRESPONSE']._serialized_start=1499
+  _globals['_ABORTRESPONSE']._serialized_end=1529
+  _globals['_MODELINFOREQUEST']._serialized_start=1531
+  _globals['_MODELINFOREQUEST']._serialized_end=1549
+  _globals['_MODELINFO']._serialized_start=1552
+  _globals['_MODELINFO']._serialized_end=1728
+  _globals['_JAXSERVE']._serialized_start=1811
+  _globals['_JAXSERVE']._serialized_end=2031
 # @@protoc_insertion_point(module_scope)
