@@ -404,11 +404,7 @@ def cmd_kv_math(argv) -> int:
 
     gin_args, rest = _split_gin(argv)
     if "-h" in rest or "--help" in rest:
-        parser = kv_math._parser()  # noqa: SLF001
-        for action in parser._actions:  # noqa: SLF001  a literal "%" in a help string breaks argparse
-            if action.help and "%" in action.help.replace("%(", ""):
-                action.help = action.help.replace("%", "%%").replace("%%(", "%(")
-        parser.print_help()
+        kv_math._parser().print_help()  # noqa: SLF001
         print(
             f"\n{GIN_HELP}\nFrom gin: ServeConfig.model (or kv_math_preset when the checkpoint is not local) -> "
             "--model, tensor_parallel_size -> --chips, page_size, max_model_len -> --context, dtype -> "
