@@ -286,3 +286,27 @@ def test_bench_kernels_matmul(capsys, tmp_path):
         assert m["bytes"] == 40 * 70 * 4 + rows * (40 + 70) * 4 and m["flops"] == 2 * rows * 40 * 70
     code, _, err = run(["bench", "kernels", "--matmul", "40by70"], capsys)
     assert code == 2 and "matmul" in err
+
+
+def test_bench_structured_validate_and_throughput(capsys, tmp_path, opts):
+    """`bench structured`: --validate checks a mixed batch with the constraints' own oracle
+    (jsonschema, re.fullmatch) and the unconstrained rows against their runs alone; the
+    throughput run alternates unconstrained and half-constrained rounds on the same prompts, the
+    unconstrained rounds making exactly their budget (EOS ignored) and the constrained rows
+    stopping when their JSON is whole."""
+    eng = json.dumps({**opts, "max_model_len": 256, "token_buckets": [16, 32, 64]})
+    base = ["bench", "structured", "--model", str(TEST_MODEL), "--engine-opts", eng, "--batch", "4"]
+    code, stdout, err = run(base + ["--validate", "12"], capsys)
+    assert code == 0, err
+    assert ", 0 invalid;" in stdout and ", 0 differ from their run alone" in stdout
+    out = tmp_path / "s.json"
+    code, stdout, err = run(
+        base + ["--num-requests", "4", "--output-len", "40", "--rounds", "2", "--out", str(out)], capsys
+    )
+    assert code == 0, err
+    doc = json.loads(out.read_text())
+    plain, half = doc["configs"]
+    assert [c["label"] for c in doc["configs"]] == ["unconstrained", "half-constrained"]
+    assert all(r["output_tokens"] == 4 * 40 and r["completed"] == 4 for r in plain["rounds"])
+    assert all(r["completed"] == 4 and r["output_tokens"] < 4 * 40 for r in half["rounds"])
+    assert doc["summary"]["grammar_mask_ms_per_step"] > 0 and doc["summary"]["throughput_ratio"] > 0

@@ -29,6 +29,9 @@ SUBCOMMANDS = {
     "prefix": "prefix caching on against off, on prompts sharing a long prefix",
     "speculative": "speculative decoding (n-gram, a draft model) against plain decoding",
     "kernels": "attention kernels and projections timed beside their memory bound (a streaming read in the same run)",
+    "structured": "structured output: a constrained batch's validity, or its throughput against unconstrained",
+    "quality": "held-out loss and greedy agreement of engine options (quantization, KV dtype, attention) against the first",
+    "startup": "a fresh process's time to its first token, with empty caches (cold) and filled ones (warm)",
 }
 
 
@@ -290,6 +293,38 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _out_flag(p)
     p.set_defaults(run=cmd_kernels)
+
+    p = mk("structured")
+    _engine_flags(p, compare=False)
+    p.add_argument("--validate", type=_positive, metavar="N", help="check the outputs of N mixed requests instead")
+    p.add_argument("--num-requests", type=_positive, default=64)
+    p.add_argument("--output-len", type=_positive, default=48)
+    p.add_argument("--batch", type=_positive, default=16, help="requests in flight at once (max_slots; default 16)")
+    p.add_argument("--rounds", type=_positive, default=3)
+    _out_flag(p)
+    p.set_defaults(run=cmd_structured)
+
+    p = mk("quality")
+    _engine_flags(p)
+    p.add_argument("--workload-file", metavar="FILE.json", help="a JSON workload whose `model` --model workload builds")
+    p.add_argument("--text", action="append", default=[], metavar="FILE", help="held-out text (default: the stdlib's "
+                   "held-out split of scripts/train_default_model.py); repeatable")  # fmt: skip
+    p.add_argument("--windows", type=int, default=64, help="held-out windows scored (default 64; 0: no loss)")
+    p.add_argument("--seq-len", type=_positive, default=256, help="predicted tokens per window (default 256)")
+    p.add_argument("--num-prompts", type=int, default=64, help="greedy prompts (default 64; 0: no agreement)")
+    p.add_argument("--prompt-len", type=_positive, default=32)
+    p.add_argument("--output-len", type=_positive, default=128)
+    _out_flag(p)
+    p.set_defaults(run=cmd_quality)
+
+    p = mk("startup")
+    p.add_argument("--model", default=None, help="checkpoint directory or GGUF file (default: the default model)")
+    _gin_flags(p)
+    p.add_argument("--prompt", default="def f():")
+    p.add_argument("--serve", action="store_true", help="start `jaxserve serve`: first token of an HTTP completion")
+    p.add_argument("--rounds", type=_positive, default=3, help="cold and warm starts each (default 3)")
+    _out_flag(p)
+    p.set_defaults(run=cmd_startup)
     return ap
 
 
@@ -576,6 +611,24 @@ def cmd_kernels(args, argv) -> dict:
     from jaxserve.tools.bench import kernels
 
     return kernels.run(args, argv)
+
+
+def cmd_structured(args, argv) -> dict:
+    from jaxserve.tools.bench import structured
+
+    return structured.run(args, argv, _build_llms)
+
+
+def cmd_quality(args, argv) -> dict:
+    from jaxserve.tools.bench import quality
+
+    return quality.run(args, argv, _build_llms)
+
+
+def cmd_startup(args, argv) -> dict:
+    from jaxserve.tools.bench import startup
+
+    return startup.run(args, argv)
 
 
 # -- entry -----------------------------------------------------------------------------------------

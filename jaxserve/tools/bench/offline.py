@@ -29,9 +29,11 @@ def check_fits(requests: list[Request], max_model_len: int) -> None:
             )
 
 
-def run_offline(llm, requests: list[Request], *, max_concurrency: int | None = None) -> RoundStats:
+def run_offline(llm, requests: list[Request], *, max_concurrency: int | None = None, params=None) -> RoundStats:
     """One round on an LLM. RoundStats.extra gets the engine's counters that moved (prefix cache
-    hits, speculative acceptance, preemptions) and `outputs` (the token ids, for equality checks)."""
+    hits, speculative acceptance, preemptions, grammar masks) and `outputs` (the token ids, for
+    equality checks). `params`: each request's own SamplingParams (bench structured's
+    constraints) instead of greedy-or-sampled to exactly its output_len."""
     from jaxserve.llm import SamplingParams
 
     llm.flush_prefix_cache()
@@ -49,12 +51,12 @@ def run_offline(llm, requests: list[Request], *, max_concurrency: int | None = N
             i, r = queue.popleft()
             timer = RequestTimer()
             timer.sent()
-            rid = llm.add_request(
-                r.prompt,
-                SamplingParams(
+            sp = params[i] if params is not None else None
+            if sp is None:
+                sp = SamplingParams(
                     max_tokens=r.output_len, temperature=r.temperature, top_p=r.top_p, ignore_eos=True, seed=i
-                ),
-            )
+                )
+            rid = llm.add_request(r.prompt, sp)
             timers[rid] = (i, timer)
 
     start = time.perf_counter()
@@ -78,6 +80,11 @@ def run_offline(llm, requests: list[Request], *, max_concurrency: int | None = N
         "prefix_cache_hit_tokens": after["prefix_cache_hit_tokens"] - before["prefix_cache_hit_tokens"],
         "compiles_since_warmup": llm.compiles_since_warmup(),
     }
+    if after.get("grammar_mask_steps", 0) > before.get("grammar_mask_steps", 0):
+        steps = after["grammar_mask_steps"] - before["grammar_mask_steps"]
+        extra["grammar_mask_ms_per_step"] = (
+            1e3 * (after["grammar_mask_seconds"] - before["grammar_mask_seconds"]) / steps
+        )
     if "spec_mean_accepted" in after:
         extra["spec_tokens_per_target_step"] = after["spec_mean_accepted"]
         extra["spec_acceptance_by_position"] = after.get("spec_acceptance_by_position")
