@@ -32,6 +32,8 @@ SUBCOMMANDS = {
     "structured": "structured output: a constrained batch's validity, or its throughput against unconstrained",
     "quality": "held-out loss and greedy agreement of engine options (quantization, KV dtype, attention) against the first",
     "startup": "a fresh process's time to its first token, with empty caches (cold) and filled ones (warm)",
+    "profile": "one decode step under the JAX profiler: time per op and op kind (fusions, the native kernels)",
+    "lm-eval": "lm-evaluation-harness against `jaxserve serve`, beside lm-eval's hf backend on the same checkpoint",
 }
 
 
@@ -151,7 +153,7 @@ def _engine_flags(p: argparse.ArgumentParser, *, compare: bool = True) -> None:
         "--model",
         default=None,
         help="checkpoint directory or GGUF file (default: the default model); 'workload' builds the random "
-        "Llama a JSON workload's `model` field describes (needs torch)",
+        "Llama a JSON workload's `model` field describes (needs torch); FILE.json builds that file's",
     )
     if compare:
         g.add_argument(
@@ -189,6 +191,18 @@ def build_parser() -> argparse.ArgumentParser:
     p = mk("throughput")
     _engine_flags(p)
     _workload_flags(p, kind="random", n=64, plen="16-512", olen="16-256")
+    p.add_argument("--rate", type=_rate, default=math.inf, help="requests/s, Poisson arrivals into the engine (bench "
+                   "serve's schedule, without HTTP); inf (default): all at once")  # fmt: skip
+    g = p.add_argument_group("vLLM beside jaxserve (its offline engine, in a process of its own venv)")
+    g.add_argument("--vllm-python", metavar="PY", help="the python of a venv with vLLM: adds vLLM configurations")
+    g.add_argument(
+        "--vllm-opts",
+        action="append",
+        type=_json_object,
+        default=[],
+        metavar="JSON",
+        help='vllm.LLM(...) options, e.g. \'{"dtype": "bfloat16"}\'; repeat it for several (default {})',
+    )
     _out_flag(p)
     p.set_defaults(run=cmd_throughput)
 
@@ -312,6 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--windows", type=int, default=64, help="held-out windows scored (default 64; 0: no loss)")
     p.add_argument("--seq-len", type=_positive, default=256, help="predicted tokens per window (default 256)")
     p.add_argument("--num-prompts", type=int, default=64, help="greedy prompts (default 64; 0: no agreement)")
+    p.add_argument("--random-prompts", action="store_true", help="greedy prompts of seeded random ids, not text")
     p.add_argument("--prompt-len", type=_positive, default=32)
     p.add_argument("--output-len", type=_positive, default=128)
     _out_flag(p)
@@ -325,6 +340,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=_positive, default=3, help="cold and warm starts each (default 3)")
     _out_flag(p)
     p.set_defaults(run=cmd_startup)
+
+    p = mk("profile")
+    p.add_argument("--model", required=True, help="a checkpoint, config.json, workload JSON, GGUF or kv-math preset "
+                   "(its shape; random weights)")  # fmt: skip
+    p.add_argument("--batch", type=_positive, default=32, help="decode rows (default 32)")
+    p.add_argument("--context", type=_positive, default=512, help="tokens of context per row (default 512)")
+    p.add_argument("--steps", type=_positive, default=10, help="steps traced, after 3 untraced (default 10)")
+    p.add_argument("--top", type=_positive, default=25, help="ops listed (default 25)")
+    p.add_argument("--matmul-dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--kv-cache-dtype", default="auto", help="auto, int8, fp8 or bfloat16 pages")
+    _out_flag(p)
+    p.set_defaults(run=cmd_profile)
+
+    p = mk("lm-eval")
+    p.add_argument("--model", default="assets/models/default/target", help="a checkpoint directory both load")
+    p.add_argument("--venv", default="/tmp/lmeval-venv", help="lm-eval's venv (created on first use)")
+    p.add_argument("--tasks", default="tests/data/lm_eval", help="the tasks' directory (run from the repository root)")
+    p.add_argument("--max-length", type=_positive, default=256, help="context of both backends (rolling windows)")
+    p.add_argument("--work", default="/tmp/lm_eval_check", help="lm-eval's output directory")
+    _out_flag(p)
+    p.set_defaults(run=cmd_lm_eval)
     return ap
 
 
@@ -342,13 +378,17 @@ def _base(args) -> tuple[str | None, dict]:
 
 
 def _resolve_model(model: str | None, args, stack: ExitStack) -> str | None:
-    if model != "workload":
+    if model is not None and model.endswith(".json"):  # a workload file: its `model`, any requests
+        source = model
+    elif model != "workload":
         return model
-    if not getattr(args, "workload_file", None):
+    elif not getattr(args, "workload_file", None):
         raise ValueError("model: 'workload' needs --workload-file with a `model` field")
-    spec = json.loads(Path(args.workload_file).read_text()).get("model")
+    else:
+        source = args.workload_file
+    spec = json.loads(Path(source).read_text()).get("model")
     if not isinstance(spec, dict):
-        raise ValueError(f"model: {args.workload_file} has no `model` field to build")
+        raise ValueError(f"model: {source} has no `model` field to build")
     from jaxserve.tools.bench.workload import model_from_spec
 
     tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="jaxserve-bench-")))
@@ -376,15 +416,45 @@ def _build_llms(args, stack: ExitStack, option_sets: list[dict]) -> tuple[list, 
     return llms, configs
 
 
-def _offline_ab(args, llms, configs, rounds_of, *, max_concurrency=None) -> list[dict]:
+def _offline_ab(args, llms, configs, rounds_of, *, max_concurrency=None, others=()) -> list[dict]:
+    """Rounds alternating over the LLMs, then `others` (callables requests -> RoundStats: vLLM).
+    With a finite --rate, round k's arrivals are bench serve's Poisson schedule of seed + k."""
     from jaxserve.tools.bench.offline import check_fits, run_offline
+    from jaxserve.tools.bench.serve import arrival_gaps
 
     for llm in llms:
         check_fits(rounds_of(0), llm.max_model_len)
     cache: dict[int, list] = {}
     get = lambda k: cache.setdefault(k, rounds_of(k))  # noqa: E731
+    rate = getattr(args, "rate", math.inf)
 
-    return ab.run_ab(configs, lambda c, k: run_offline(llms[c], get(k), max_concurrency=max_concurrency), args.rounds)
+    def one(c: int, k: int):
+        reqs = get(k)
+        if c >= len(llms):
+            return others[c - len(llms)](reqs)
+        arrivals = None if math.isinf(rate) else arrival_gaps(len(reqs), rate, args.seed + k).cumsum().tolist()
+        return run_offline(llms[c], reqs, max_concurrency=max_concurrency, arrivals=arrivals)
+
+    return ab.run_ab(configs, one, args.rounds)
+
+
+def _vllm_workers(args, stack: ExitStack, configs: list[ab.Config], text: bool) -> list:
+    """One vLLM worker per --vllm-opts, on the checkpoint the jaxserve configurations load."""
+    from jaxserve.tools.bench import vllm
+
+    if not args.vllm_python:
+        return []
+    model = configs[0].spec["model"]
+    if model is None or not Path(model).is_dir():
+        raise ValueError(f"vllm_python: vLLM needs a checkpoint directory as --model, got {model!r}")
+    runners = []
+    for opts in args.vllm_opts or [{}]:
+        print(f"starting vLLM on {model} with {_label(opts)}", flush=True)
+        worker = vllm.Worker(args.vllm_python, model, opts, text)
+        stack.callback(worker.close)
+        configs.append(ab.Config(f"vllm {_label(opts)}", {"model": model, "vllm_options": opts}))
+        runners.append(worker.round)
+    return runners
 
 
 # -- subcommands -----------------------------------------------------------------------------------
@@ -392,10 +462,15 @@ def _offline_ab(args, llms, configs, rounds_of, *, max_concurrency=None) -> list
 
 def cmd_throughput(args, argv) -> dict:
     Workload.load(_workload_spec(args, 2**31 - 1))  # a bad workload fails before any model loads
+    if args.vllm_python and not Path(args.vllm_python).is_file():
+        raise ValueError(f"vllm_python: {args.vllm_python} is not a file (the python of a venv with vLLM)")
+    if args.vllm_python and math.isfinite(args.rate):
+        raise ValueError("rate: vLLM's offline generate takes a round at once; compare arrivals with bench serve")
     with ExitStack() as stack:
         llms, configs = _build_llms(args, stack, args.engine_opts or [{}])
         wl = Workload.load(_workload_spec(args, llms[0].model_cfg.vocab_size))
-        results = _offline_ab(args, llms, configs, wl.round)
+        vllm = _vllm_workers(args, stack, configs, text=isinstance(wl.round(0)[0].prompt, str))
+        results = _offline_ab(args, llms, configs, wl.round, others=vllm)
     ab.print_medians(results)
     return result.document("throughput", argv, workload=wl.describe(), configs=results)
 
@@ -629,6 +704,18 @@ def cmd_startup(args, argv) -> dict:
     from jaxserve.tools.bench import startup
 
     return startup.run(args, argv)
+
+
+def cmd_profile(args, argv) -> dict:
+    from jaxserve.tools.bench import profile
+
+    return profile.run(args, argv)
+
+
+def cmd_lm_eval(args, argv) -> dict:
+    from jaxserve.tools.bench import lm_eval
+
+    return lm_eval.run(args, argv)
 
 
 # -- entry -----------------------------------------------------------------------------------------

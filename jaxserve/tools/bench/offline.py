@@ -29,11 +29,15 @@ def check_fits(requests: list[Request], max_model_len: int) -> None:
             )
 
 
-def run_offline(llm, requests: list[Request], *, max_concurrency: int | None = None, params=None) -> RoundStats:
+def run_offline(
+    llm, requests: list[Request], *, max_concurrency: int | None = None, params=None, arrivals=None
+) -> RoundStats:
     """One round on an LLM. RoundStats.extra gets the engine's counters that moved (prefix cache
     hits, speculative acceptance, preemptions, grammar masks) and `outputs` (the token ids, for
     equality checks). `params`: each request's own SamplingParams (bench structured's
-    constraints) instead of greedy-or-sampled to exactly its output_len."""
+    constraints) instead of greedy-or-sampled to exactly its output_len. `arrivals`: each request's
+    arrival, seconds after the start (`bench throughput --rate`): it is added at the first step
+    boundary after it and timed from its arrival, as a streaming client of the engine sees it."""
     from jaxserve.llm import SamplingParams
 
     llm.flush_prefix_cache()
@@ -48,9 +52,12 @@ def run_offline(llm, requests: list[Request], *, max_concurrency: int | None = N
 
     def submit() -> None:
         while queue and len(timers) < limit:
-            i, r = queue.popleft()
+            i, r = queue[0]
+            if arrivals is not None and start + arrivals[i] > time.perf_counter():
+                return
+            queue.popleft()
             timer = RequestTimer()
-            timer.sent()
+            timer.sent(None if arrivals is None else start + arrivals[i])
             sp = params[i] if params is not None else None
             if sp is None:
                 sp = SamplingParams(
@@ -61,7 +68,10 @@ def run_offline(llm, requests: list[Request], *, max_concurrency: int | None = N
 
     start = time.perf_counter()
     submit()
-    while timers:
+    while timers or queue:
+        if not timers:  # idle until the next arrival
+            time.sleep(max(0.0, start + arrivals[queue[0][0]] - time.perf_counter()))
+            submit()
         for out in llm.step():
             now = time.perf_counter()
             if out.request_id not in timers:

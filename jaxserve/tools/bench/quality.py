@@ -11,8 +11,9 @@ GPU) is one `LLM`, loaded one after another, and gets:
   keeps out of training (files whose sha256(relative path) % 50 == 0): documents between BOS and
   EOS, cut into non-overlapping windows, --windows of them evenly spaced;
 - greedy agreement with the reference: --num-prompts prompts (the first --prompt-len tokens of
-  evenly spaced windows), --output-len greedy tokens each, EOS ignored: identical completions,
-  the share of equal tokens, and the mean position of the first difference.
+  evenly spaced windows, or with --random-prompts seeded random ids: a random-weight model's
+  case), --output-len greedy tokens each, EOS ignored: identical completions, the share of
+  equal tokens, and the mean position of the first difference.
 """
 
 from __future__ import annotations
@@ -86,26 +87,37 @@ def agreement(outs: list[list[int]], ref: list[list[int]]) -> dict:
     }
 
 
+def _inputs(args, llm) -> tuple[np.ndarray | None, list[list[int]]]:
+    """(held-out windows or None, greedy prompts), made once, with the first LLM's tokenizer."""
+    wins, prompts = None, []
+    if args.windows or (args.num_prompts and not args.random_prompts):
+        texts = [Path(f).read_text() for f in args.text] if args.text else heldout_texts()
+        count = max(args.windows, 0 if args.random_prompts else args.num_prompts)
+        wins = windows(llm.tokenizer, texts, max(args.seq_len, args.prompt_len), count)
+    if args.random_prompts:
+        rng = np.random.default_rng(0)
+        vocab = llm.model_cfg.vocab_size
+        prompts = [rng.integers(3, vocab, args.prompt_len).tolist() for _ in range(args.num_prompts)]
+    elif args.num_prompts:
+        prompts = [w[: args.prompt_len].tolist() for w in wins[: args.num_prompts]]
+    return wins, prompts
+
+
 def run(args, argv, build_llms) -> dict:
     """Configurations one at a time (each LLM freed before the next loads: quality needs no
     alternation, its figures do not depend on the host's load)."""
     from jaxserve.llm import SamplingParams
 
-    option_sets = args.engine_opts or [{}]
-    texts = [Path(f).read_text() for f in args.text] if args.text else heldout_texts()
     params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
-    configs, ref, wins = [], None, None
-    for opts in option_sets:
+    configs, ref, inputs = [], None, None
+    for opts in args.engine_opts or [{}]:
         with ExitStack() as stack:
             (llm,), (cfg,) = build_llms(args, stack, [opts])
-            if wins is None:
-                count = max(args.windows, args.num_prompts)
-                wins = windows(llm.tokenizer, texts, max(args.seq_len, args.prompt_len), count)
+            wins, prompts = inputs = inputs or _inputs(args, llm)
             row: dict = {}
             if args.windows:
                 row["heldout_loss"] = heldout_loss(llm, wins[: args.windows, : args.seq_len + 1])
-            if args.num_prompts:
-                prompts = [w[: args.prompt_len].tolist() for w in wins[: args.num_prompts]]
+            if prompts:
                 outs = [o.token_ids for o in llm.generate(prompts, params)]
                 ref = ref or outs
                 row.update(agreement(outs, ref))
@@ -115,8 +127,8 @@ def run(args, argv, build_llms) -> dict:
             row["loss_vs_first"] = row["heldout_loss"] / configs[0]["quality"]["heldout_loss"] - 1
         configs.append({"label": cfg.label, "spec": cfg.spec, "quality": row})
         print(_line(cfg.label, row, configs[0]["label"]), flush=True)
-    workload = {"windows": len(wins[: args.windows]), "seq_len": args.seq_len, "num_prompts": args.num_prompts,
-                "prompt_len": args.prompt_len, "output_len": args.output_len,
+    workload = {"windows": args.windows, "seq_len": args.seq_len, "num_prompts": args.num_prompts,
+                "prompt_len": args.prompt_len, "output_len": args.output_len, "random_prompts": args.random_prompts,
                 "text": args.text or "stdlib held-out split"}  # fmt: skip
     return result.document("quality", argv, workload=workload, configs=configs)
 
