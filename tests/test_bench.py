@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 import threading
 
 import numpy as np
@@ -402,3 +403,47 @@ def test_every_subcommand_has_help_and_lm_eval_checks_its_tasks(capsys, tmp_path
         assert code == 0 and f"usage: jaxserve bench {name}" in stdout
     code, _, err = run(["bench", "lm-eval", "--tasks", str(tmp_path)], capsys)
     assert code == 2 and "jaxserve bench lm-eval: error: tasks: no jaxserve_mc.yaml" in err
+
+
+@pytest.mark.skipif(
+    not os.environ.get("JAXSERVE_VLLM_PYTHON"),
+    reason="needs vLLM's venv: JAXSERVE_VLLM_PYTHON=/tmp/vllm-venv/bin/python",
+)
+def test_bench_throughput_beside_vllm(capsys, tmp_path, opts):
+    """`bench throughput --vllm-python`: vLLM's offline engine, in its own venv's process, runs the
+    same rounds alternating with jaxserve, and makes exactly the workload's tokens too."""
+    out = tmp_path / "v.json"
+    flags = ["--num-requests", "4", "--prompt-len", "4-20", "--output-len", "2-6", "--rounds", "2"]
+    argv = ["bench", "throughput", "--model", str(TEST_MODEL), "--engine-opts", json.dumps(opts), *flags]
+    vllm = [
+        "--vllm-python",
+        os.environ["JAXSERVE_VLLM_PYTHON"],
+        "--vllm-opts",
+        '{"dtype": "float32", "max_model_len": 128}',
+    ]
+    code, _, err = run(argv + vllm + ["--out", str(out)], capsys)
+    assert code == 0, err
+    ours, theirs = json.loads(out.read_text())["configs"]
+    want = sum(r.output_len for r in Workload.load(WorkloadSpec(num_requests=4, prompt_len=(4, 20),
+                                                                 output_len=(2, 6), token_range=(3, 4096))).round(0))  # fmt: skip
+    assert theirs["label"].startswith("vllm") and theirs["rounds"][0]["output_tokens"] == want
+    assert all(r["completed"] == 4 for r in theirs["rounds"]) and theirs["median"]["output_tok_s"] > 0
+
+
+def test_bench_throughput_beside_another_checkout(capsys, tmp_path, opts):
+    """`bench throughput --baseline-checkout`: jaxserve from a checkout (here this one) in a worker
+    process runs the same rounds, alternating with the in-process LLM, and makes exactly the
+    workload's tokens; a bad --vllm-python exits 2 before any model loads."""
+    from pathlib import Path
+
+    out = tmp_path / "b.json"
+    flags = ["--num-requests", "4", "--prompt-len", "4-20", "--output-len", "2-6", "--rounds", "2"]
+    argv = ["bench", "throughput", "--model", str(TEST_MODEL), "--engine-opts", json.dumps(opts), *flags]
+    code, _, err = run(argv + ["--baseline-checkout", str(Path(cli.__file__).parents[1]), "--out", str(out)], capsys)
+    assert code == 0, err
+    ours, theirs = json.loads(out.read_text())["configs"]
+    wl = Workload.load(WorkloadSpec(num_requests=4, prompt_len=(4, 20), output_len=(2, 6), token_range=(3, 4096)))
+    for k, rnd in enumerate(theirs["rounds"]):
+        assert (rnd["completed"], rnd["output_tokens"]) == (4, sum(r.output_len for r in wl.round(k)))
+        assert rnd["prompt_tokens"] == ours["rounds"][k]["prompt_tokens"] and rnd["extra"]["engine"] == "jaxserve"
+    assert theirs["label"].startswith("checkout ") and theirs["median"]["output_tok_s"] > 0

@@ -191,9 +191,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = mk("throughput")
     _engine_flags(p)
     _workload_flags(p, kind="random", n=64, plen="16-512", olen="16-256")
+    p.add_argument("--random", type=_shape, metavar="LAYERS,HIDDEN,VOCAB", help="a random Llama of that shape "
+                   "instead of --model (needs torch), e.g. 32,128,32000")  # fmt: skip
     p.add_argument("--rate", type=_rate, default=math.inf, help="requests/s, Poisson arrivals into the engine (bench "
                    "serve's schedule, without HTTP); inf (default): all at once")  # fmt: skip
-    g = p.add_argument_group("vLLM beside jaxserve (its offline engine, in a process of its own venv)")
+    g = p.add_argument_group("engines in processes of their own (offline generate: throughput, no TTFT/ITL)")
+    g.add_argument("--baseline-checkout", metavar="DIR", help="also jaxserve from this checkout (e.g. a git worktree "
+                   "of the commit before) with the first --engine-opts")  # fmt: skip
     g.add_argument("--vllm-python", metavar="PY", help="the python of a venv with vLLM: adds vLLM configurations")
     g.add_argument(
         "--vllm-opts",
@@ -438,21 +442,29 @@ def _offline_ab(args, llms, configs, rounds_of, *, max_concurrency=None, others=
     return ab.run_ab(configs, one, args.rounds)
 
 
-def _vllm_workers(args, stack: ExitStack, configs: list[ab.Config], text: bool) -> list:
-    """One vLLM worker per --vllm-opts, on the checkpoint the jaxserve configurations load."""
-    from jaxserve.tools.bench import vllm
+def _workers(args, stack: ExitStack, configs: list[ab.Config], text: bool) -> list:
+    """A worker per --vllm-opts (vLLM's venv) and one for --baseline-checkout, on the checkpoint
+    the jaxserve configurations load."""
+    import sys
 
-    if not args.vllm_python:
+    from jaxserve.tools.bench.workers import Worker
+
+    if not args.vllm_python and not args.baseline_checkout:
         return []
     model = configs[0].spec["model"]
-    if model is None or not Path(model).is_dir():
-        raise ValueError(f"vllm_python: vLLM needs a checkpoint directory as --model, got {model!r}")
-    runners = []
-    for opts in args.vllm_opts or [{}]:
-        print(f"starting vLLM on {model} with {_label(opts)}", flush=True)
-        worker = vllm.Worker(args.vllm_python, model, opts, text)
+    if model is None or not Path(model).exists():
+        raise ValueError(f"model: a worker process needs --model as a path, got {model!r}")
+    model, runners = str(Path(model).resolve()), []  # the worker runs in another directory
+    sides = [("vllm", args.vllm_python, o, None) for o in (args.vllm_opts or [{}])] if args.vllm_python else []
+    if args.baseline_checkout:
+        base = configs[0].spec["options"]
+        sides.append(("jaxserve", sys.executable, base, args.baseline_checkout))
+    for kind, python, opts, checkout in sides:
+        label = f"{kind} {_label(opts)}" if checkout is None else f"checkout {checkout} {_label(opts)}"
+        print(f"starting {label} on {model}", flush=True)
+        worker = Worker(python, kind, model, opts, text, checkout)
         stack.callback(worker.close)
-        configs.append(ab.Config(f"vllm {_label(opts)}", {"model": model, "vllm_options": opts}))
+        configs.append(ab.Config(label, {"model": model, "engine": kind, "options": opts, "checkout": checkout}))
         runners.append(worker.round)
     return runners
 
@@ -464,15 +476,26 @@ def cmd_throughput(args, argv) -> dict:
     Workload.load(_workload_spec(args, 2**31 - 1))  # a bad workload fails before any model loads
     if args.vllm_python and not Path(args.vllm_python).is_file():
         raise ValueError(f"vllm_python: {args.vllm_python} is not a file (the python of a venv with vLLM)")
-    if args.vllm_python and math.isfinite(args.rate):
-        raise ValueError("rate: vLLM's offline generate takes a round at once; compare arrivals with bench serve")
+    if (args.vllm_python or args.baseline_checkout) and math.isfinite(args.rate):
+        raise ValueError("rate: a worker's offline generate takes a round at once; compare arrivals with bench serve")
     with ExitStack() as stack:
+        _random_model(args, stack)
         llms, configs = _build_llms(args, stack, args.engine_opts or [{}])
         wl = Workload.load(_workload_spec(args, llms[0].model_cfg.vocab_size))
-        vllm = _vllm_workers(args, stack, configs, text=isinstance(wl.round(0)[0].prompt, str))
-        results = _offline_ab(args, llms, configs, wl.round, others=vllm)
+        others = _workers(args, stack, configs, text=isinstance(wl.round(0)[0].prompt, str))
+        results = _offline_ab(args, llms, configs, wl.round, others=others)
     ab.print_medians(results)
     return result.document("throughput", argv, workload=wl.describe(), configs=results)
+
+
+def _random_model(args, stack: ExitStack) -> None:
+    """--random LAYERS,HIDDEN,VOCAB: build that Llama (random weights) and make it --model."""
+    from jaxserve.tools.bench import host
+
+    if args.random:
+        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="jaxserve-bench-")))
+        print(f"building a random Llama {args.random} (layers, hidden, vocab) in {tmp}", flush=True)
+        args.model = str(host.random_model(*args.random, tmp))
 
 
 def cmd_host(args, argv) -> dict:
@@ -480,10 +503,7 @@ def cmd_host(args, argv) -> dict:
     from jaxserve.tools.bench import host
 
     with ExitStack() as stack:
-        if args.random:
-            tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="jaxserve-bench-")))
-            print(f"building a random Llama {args.random} (layers, hidden, vocab) in {tmp}", flush=True)
-            args.model = str(host.random_model(*args.random, tmp))
+        _random_model(args, stack)
         sized = {"max_slots": args.rows, "max_model_len": args.context + args.steps + 128}
         llms, configs = _build_llms(args, stack, [{**sized, **o} for o in args.engine_opts or [{}]])
         per: list[list[dict]] = [[] for _ in llms]
