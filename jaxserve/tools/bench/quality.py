@@ -5,8 +5,9 @@ weights, an int8 or fp8 KV cache, bfloat16 matmuls, or the Pallas attention agai
 GPU) is one `LLM`, loaded one after another, and gets:
 
 - held-out loss: the mean next-token cross-entropy (nats) over --windows windows of
-  --seq-len + 1 tokens, from the engine's own prompt logprobs (the prefill as it serves, so a
-  quantized KV cache's rounding is in every chunk after the first). The text is --text files, or
+  --seq-len + 1 tokens, from the engine's own prompt logprobs (the prefill as it serves: attention
+  reads every key and value as the page pool holds them, reference.write_kv, so an 8-bit KV
+  cache's rounding is in every position). The text is --text files, or
   by default the held-out split of Python's standard library that scripts/train_default_model.py
   keeps out of training (files whose sha256(relative path) % 50 == 0): documents between BOS and
   EOS, cut into non-overlapping windows, --windows of them evenly spaced;
