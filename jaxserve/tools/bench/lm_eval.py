@@ -14,6 +14,7 @@ transformers through a .pth file.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import site
@@ -24,7 +25,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from jaxserve.tools.bench import result
+from jaxserve.tools.bench import flags, result
 
 LM_EVAL = "lm_eval[api,hf]==0.4.13"
 CHECKS = [  # (task, metric, relative tolerance) against the hf backend
@@ -83,6 +84,16 @@ def _serve(model: Path, max_length: int) -> tuple[subprocess.Popen, str]:
             time.sleep(1)
     proc.terminate()
     raise ValueError("serve: jaxserve did not become healthy in 900 s")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """`jaxserve bench lm-eval`'s flags."""
+    p.add_argument("--model", default="assets/models/default/target", help="a checkpoint directory both load")
+    p.add_argument("--venv", default="/tmp/lmeval-venv", help="lm-eval's venv (created on first use)")
+    p.add_argument("--tasks", default="tests/data/lm_eval", help="the tasks' directory (run from the repository root)")
+    p.add_argument("--max-length", type=flags.positive, default=256, help="context of both backends (rolling windows)")
+    p.add_argument("--work", default="/tmp/lm_eval_check", help="lm-eval's output directory")
+    flags.out_flag(p)
 
 
 def run(args, argv) -> dict:

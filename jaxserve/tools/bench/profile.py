@@ -12,13 +12,14 @@ time per step under the trace also pays for tracing Python: time steps with kv-m
 
 from __future__ import annotations
 
+import argparse
 import collections
 import glob
 import os
 import re
 import tempfile
 
-from jaxserve.tools.bench import result
+from jaxserve.tools.bench import flags, result
 
 _SKIP = ("ThunkExecutor", "ThreadpoolListener")  # containers of the ops, not ops
 
@@ -55,6 +56,19 @@ def op_times(trace_dir: str) -> tuple[collections.Counter, collections.Counter]:
                     per_op[ev.name] += ev.duration_ns
                     calls[ev.name] += 1
     return per_op, calls
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """`jaxserve bench profile`'s flags."""
+    p.add_argument("--model", required=True, help="a checkpoint, config.json, workload JSON, GGUF or kv-math preset "
+                   "(its shape; random weights)")  # fmt: skip
+    p.add_argument("--batch", type=flags.positive, default=32, help="decode rows (default 32)")
+    p.add_argument("--context", type=flags.positive, default=512, help="tokens of context per row (default 512)")
+    p.add_argument("--steps", type=flags.positive, default=10, help="steps traced, after 3 untraced (default 10)")
+    p.add_argument("--top", type=flags.positive, default=25, help="ops listed (default 25)")
+    p.add_argument("--matmul-dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--kv-cache-dtype", default="auto", help="auto, int8, fp8 or bfloat16 pages")
+    flags.out_flag(p)
 
 
 def run(args, argv) -> dict:

@@ -19,6 +19,7 @@ GPU) is one `LLM`, loaded one after another, and gets:
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import sysconfig
 from contextlib import ExitStack
@@ -26,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxserve.tools.bench import result
+from jaxserve.tools.bench import flags, result
 
 # directories of the standard library that scripts/train_default_model.py leaves out
 EXCLUDE_DIRS = {"site-packages", "test", "tests", "idlelib", "lib2to3", "turtledemo", "encodings", "pydoc_data",
@@ -102,6 +103,21 @@ def _inputs(args, llm) -> tuple[np.ndarray | None, list[list[int]]]:
     elif args.num_prompts:
         prompts = [w[: args.prompt_len].tolist() for w in wins[: args.num_prompts]]
     return wins, prompts
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """`jaxserve bench quality`'s flags."""
+    flags.engine_flags(p)
+    p.add_argument("--workload-file", metavar="FILE.json", help="a JSON workload whose `model` --model workload builds")
+    p.add_argument("--text", action="append", default=[], metavar="FILE", help="held-out text (default: the stdlib's "
+                   "held-out split of scripts/train_default_model.py); repeatable")  # fmt: skip
+    p.add_argument("--windows", type=int, default=64, help="held-out windows scored (default 64; 0: no loss)")
+    p.add_argument("--seq-len", type=flags.positive, default=256, help="predicted tokens per window (default 256)")
+    p.add_argument("--num-prompts", type=int, default=64, help="greedy prompts (default 64; 0: no agreement)")
+    p.add_argument("--random-prompts", action="store_true", help="greedy prompts of seeded random ids, not text")
+    p.add_argument("--prompt-len", type=flags.positive, default=32)
+    p.add_argument("--output-len", type=flags.positive, default=128)
+    flags.out_flag(p)
 
 
 def run(args, argv, build_llms) -> dict:

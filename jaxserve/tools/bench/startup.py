@@ -12,6 +12,7 @@ seconds and how many executables were loaded and compiled.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -24,7 +25,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from jaxserve.tools.bench import ab, result
+from jaxserve.tools.bench import ab, flags, result
 
 LABELS = ("cold", "warm")
 
@@ -111,6 +112,16 @@ def _line(label: str, k: int, r: dict) -> str:
         f"[{label}] round {k}: first token after {r['first_token_s']:.2f} s ({warmup}, "
         f"{r['loaded']} executables loaded, {r['compiled']} compiled)"
     )
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """`jaxserve bench startup`'s flags."""
+    p.add_argument("--model", default=None, help="checkpoint directory or GGUF file (default: the default model)")
+    flags.gin_flags(p)
+    p.add_argument("--prompt", default="def f():")
+    p.add_argument("--serve", action="store_true", help="start `jaxserve serve`: first token of an HTTP completion")
+    p.add_argument("--rounds", type=flags.positive, default=3, help="cold and warm starts each (default 3)")
+    flags.out_flag(p)
 
 
 def run(args, argv) -> dict:

@@ -14,12 +14,13 @@ output (jsonschema / re.fullmatch). tests/test_structured.py runs the same reque
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 import time
 from contextlib import ExitStack
 
-from jaxserve.tools.bench import ab, result
+from jaxserve.tools.bench import ab, flags, result
 
 SCHEMAS = {
     "person": {
@@ -282,6 +283,19 @@ def _throughput_requests(n: int, output_len: int):
         for i, (b, p) in enumerate(zip(base, plain))
     ]
     return requests, [plain, half]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """`jaxserve bench structured`'s flags."""
+    flags.engine_flags(p, compare=False)
+    p.add_argument("--validate", type=flags.positive, metavar="N", help="check the outputs of N mixed requests instead")
+    p.add_argument("--num-requests", type=flags.positive, default=64)
+    p.add_argument("--output-len", type=flags.positive, default=48)
+    p.add_argument(
+        "--batch", type=flags.positive, default=16, help="requests in flight at once (max_slots; default 16)"
+    )
+    p.add_argument("--rounds", type=flags.positive, default=3)
+    flags.out_flag(p)
 
 
 def run(args, argv, build_llms) -> dict:
