@@ -13,7 +13,6 @@ seconds and how many executables were loaded and compiled.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import socket
@@ -25,7 +24,9 @@ import time
 import urllib.request
 from pathlib import Path
 
-from jaxserve.tools.bench import ab, flags, result
+from jaxserve.tools.bench import ab, flags, result, serve
+from jaxserve.tools.bench.stats import RequestTimer
+from jaxserve.tools.bench.workload import Request
 
 LABELS = ("cold", "warm")
 
@@ -58,7 +59,8 @@ def _generate(cmd: list[str], env: dict, prompt: str) -> dict:
 
 
 def _serve(cmd: list[str], env: dict, prompt: str, port: int) -> dict:
-    """`serve` polled on /health every 50 ms, then one 1-token completion; stopped with SIGTERM."""
+    """`serve` polled on /health every 50 ms, then one streamed 1-token completion (bench serve's
+    client); stopped with SIGTERM."""
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
     base = f"http://127.0.0.1:{port}"
@@ -72,11 +74,12 @@ def _serve(cmd: list[str], env: dict, prompt: str, port: int) -> dict:
             except OSError:
                 time.sleep(0.05)
         serving = time.perf_counter() - t0
-        body = json.dumps({"prompt": prompt, "max_tokens": 1, "temperature": 0}).encode()
-        req = urllib.request.Request(base + "/v1/completions", body, {"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=600) as r:
-            json.loads(r.read())
-        first = time.perf_counter() - t0
+        timer = RequestTimer()
+        timer.sent()
+        rec = serve.stream_completion(serve.discover(base), Request(prompt, 1), timer)
+        if rec.error:
+            raise ValueError(f"serve: the completion failed: {rec.error}")
+        first = timer.t_sent - t0 + rec.ttft_s
     finally:
         proc.terminate()  # SIGTERM: drain and exit
         err = proc.stderr.read().decode(errors="replace")
