@@ -4,6 +4,7 @@ SIGTERM (it drains)."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import signal
@@ -16,6 +17,7 @@ QUESTIONS = ["What is the capital of France?", "Write a Python function that ret
 
 
 def main() -> int:
+    argparse.ArgumentParser(description=__doc__).parse_args()
     env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"), PYTHONUNBUFFERED="1")
     cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--port", "0", "--max-slots", "4"]
     print("$ " + " ".join(["jaxserve"] + cmd[3:]), flush=True)

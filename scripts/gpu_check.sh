@@ -1,11 +1,17 @@
 #!/usr/bin/env bash
 # One prepared run on a lent GPU machine (the device tool; see docs/kernels.md "H200 results"):
 # the ragged Pallas kernel compiled by Triton against the jnp oracle, the kernels' timings beside
-# their bounds, the engine on it against the XLA path, and `jaxserve bench throughput` on
+# their bounds, the engine on it against the XLA path (bench quality), and `jaxserve bench throughput` on
 # mixed-64 with the Pallas and the XLA attention alternating. Logs and JSON go to $OUT (or ./gpu-out).
 #   bash scripts/gpu_check.sh [STEP ...]   (default: every step; wheels for packages the machine lacks in
 #                                          .whl/, never flax: the image's matches its jax; mixed-64 in .devdata/)
 set -u
+if [[ "${1:-}" == -h || "${1:-}" == --help ]]; then
+  echo "usage: bash scripts/gpu_check.sh [-h|--help] [kernel-tests] [bench-kernels] [throughput] [engine-check]"
+  echo "  on a GPU: the ragged Pallas kernel's tests, bench kernels, bench throughput (Pallas against XLA"
+  echo "  attention on .devdata/mixed-64.json) and the engine on both (bench quality); logs and JSON in \$OUT"
+  exit 0
+fi
 STEPS=" ${*:-kernel-tests bench-kernels throughput engine-check} "
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda
@@ -34,5 +40,13 @@ step throughput 170 python3 -m jaxserve.cli bench throughput --model workload --
   --engine-opts '{"attention_impl": "pallas", "max_slots": 64, "kv_cache_memory_bytes": 4294967296}' \
   --engine-opts '{"attention_impl": "xla", "max_slots": 64, "kv_cache_memory_bytes": 4294967296}' \
   --rounds 2 --out "$OUT/throughput.json"
-step engine-check 150 python3 scripts/gpu_engine_check.py .devdata/mixed-64.json
+# the engine on the Pallas kernel against the XLA path, greedy, float32 at the highest matmul precision (so
+# the two differ only by summation order): how many tokens agree. No warm-up: each compiles only the steps run.
+engine='"dtype": "float32", "max_slots": 16, "max_model_len": 1024, "token_buckets": [16, 256], "kv_cache_memory_bytes": 2147483648, "warmup": false'
+export JAX_DEFAULT_MATMUL_PRECISION=highest
+step engine-check 150 python3 -m jaxserve.cli bench quality \
+  --model .devdata/mixed-64.json --windows 0 --random-prompts --num-prompts 8 --prompt-len 256 --output-len 16 \
+  --engine-opts "{\"attention_impl\": \"xla\", $engine}" --engine-opts "{\"attention_impl\": \"pallas\", $engine}" \
+  --out "$OUT/engine-check.json"
+unset JAX_DEFAULT_MATMUL_PRECISION
 echo "done in $(( $(date +%s) - start )) s"

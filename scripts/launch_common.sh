@@ -7,6 +7,12 @@
 #
 # The caller defines die MESSAGE (exit 2 with the message) and DRY_RUN (1: print, 0: run).
 
+if [[ "${BASH_SOURCE[0]}" == "$0" ]]; then  # run, not sourced: only a usage line
+  echo "usage: source scripts/launch_common.sh (from launch_gpu_vm.sh and launch_tpu_vm.sh; see their --help)"
+  [[ "${1:-}" == -h || "${1:-}" == --help ]] && exit 0
+  exit 2
+fi
+
 # Print (dry run) or run one command. Printed commands are exact and shell-quoted, one per line.
 run() {
   if (( DRY_RUN )); then

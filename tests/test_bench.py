@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 import threading
 
 import numpy as np
@@ -286,3 +287,163 @@ def test_bench_kernels_matmul(capsys, tmp_path):
         assert m["bytes"] == 40 * 70 * 4 + rows * (40 + 70) * 4 and m["flops"] == 2 * rows * 40 * 70
     code, _, err = run(["bench", "kernels", "--matmul", "40by70"], capsys)
     assert code == 2 and "matmul" in err
+
+
+def test_bench_structured_validate_and_throughput(capsys, tmp_path, opts):
+    """`bench structured`: --validate checks a mixed batch with the constraints' own oracle
+    (jsonschema, re.fullmatch) and the unconstrained rows against their runs alone; the
+    throughput run alternates unconstrained and half-constrained rounds on the same prompts, the
+    unconstrained rounds making exactly their budget (EOS ignored) and the constrained rows
+    stopping when their JSON is whole."""
+    eng = json.dumps({**opts, "max_model_len": 256, "token_buckets": [16, 32, 64]})
+    base = ["bench", "structured", "--model", str(TEST_MODEL), "--engine-opts", eng, "--batch", "4"]
+    code, stdout, err = run(base + ["--validate", "12"], capsys)
+    assert code == 0, err
+    assert ", 0 invalid;" in stdout and ", 0 differ from their run alone" in stdout
+    out = tmp_path / "s.json"
+    code, stdout, err = run(
+        base + ["--num-requests", "4", "--output-len", "40", "--rounds", "2", "--out", str(out)], capsys
+    )
+    assert code == 0, err
+    doc = json.loads(out.read_text())
+    plain, half = doc["configs"]
+    assert [c["label"] for c in doc["configs"]] == ["unconstrained", "half-constrained"]
+    assert all(r["output_tokens"] == 4 * 40 and r["completed"] == 4 for r in plain["rounds"])
+    assert all(r["completed"] == 4 and r["output_tokens"] < 4 * 40 for r in half["rounds"])
+    assert doc["summary"]["grammar_mask_ms_per_step"] > 0 and doc["summary"]["throughput_ratio"] > 0
+
+
+def test_bench_quality_loss_is_transformers_and_agreement_is_against_the_first(capsys, tmp_path, opts):
+    """`bench quality`: the float32 engine's held-out loss (from its prompt logprobs) is the
+    cross-entropy transformers computes on the same windows; an int8 KV cache moves it by a
+    fraction of a percent; greedy agreement is counted against the first configuration (itself:
+    every token)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from jaxserve.tools.bench import quality
+
+    text = tmp_path / "held.txt"
+    text.write_text((TEST_MODEL.parents[3] / "jaxserve" / "tools" / "bench" / "ab.py").read_text())
+    f32 = {**opts, "dtype": "float32", "matmul_dtype": "float32"}
+    argv = ["bench", "quality", "--model", str(TEST_MODEL), "--engine-opts", json.dumps(f32)]
+    argv += ["--engine-opts", json.dumps({**f32, "kv_cache_dtype": "int8"}), "--text", str(text)]
+    argv += ["--windows", "3", "--seq-len", "40", "--num-prompts", "3", "--prompt-len", "12", "--output-len", "6"]
+    out = tmp_path / "q.json"
+    code, stdout, err = run(argv + ["--out", str(out)], capsys)
+    assert code == 0, err
+    first, int8 = (c["quality"] for c in json.loads(out.read_text())["configs"])
+    wins = quality.windows(AutoTokenizer.from_pretrained(TEST_MODEL), [text.read_text()], 40, 3)
+    hf = AutoModelForCausalLM.from_pretrained(TEST_MODEL, torch_dtype=torch.float32)
+    with torch.no_grad():
+        ids = torch.tensor(wins)
+        logits = hf(ids[:, :-1]).logits
+        want = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+    assert abs(first["heldout_loss"] - float(want)) < 1e-4
+    assert first["identical_completions"] == "3/3" and first["token_agreement"] == 1.0
+    assert abs(int8["loss_vs_first"]) < 0.01 and 0 <= int8["token_agreement"] <= 1
+    assert first["compiles_since_warmup"] == int8["compiles_since_warmup"] == 0
+
+
+def test_bench_startup_cold_compiles_and_warm_loads(capsys, tmp_path):
+    """`bench startup`: the cold start (empty caches) compiles every step it warms up and loads
+    none; the warm start loads exactly those and compiles none, and both print a first token."""
+    gin = ["ServeConfig.max_slots = 2", "ServeConfig.max_model_len = 64", "ServeConfig.token_buckets = (16,)"]
+    argv = ["bench", "startup", "--model", str(TEST_MODEL), "--rounds", "1", "--out", str(tmp_path / "s.json")]
+    code, stdout, err = run(argv + [a for g in gin for a in ("--gin_param", g)], capsys)
+    assert code == 0, err
+    cold, warm = (c["rounds"][0] for c in json.loads((tmp_path / "s.json").read_text())["configs"])
+    assert cold["compiled"] > 0 and cold["loaded"] == 0
+    assert (warm["loaded"], warm["compiled"]) == (cold["compiled"], 0)
+    assert 0 < cold["first_token_s"] < cold["process_s"] and 0 < warm["first_token_s"] < warm["process_s"]
+
+
+def test_bench_throughput_poisson_arrivals(capsys, tmp_path, opts):
+    """`bench throughput --rate`: requests enter the engine at bench serve's Poisson schedule (so a
+    round lasts past its last arrival) and are timed from their arrival; each still makes
+    exactly its workload's tokens."""
+    from jaxserve.tools.bench.serve import arrival_gaps
+
+    out = tmp_path / "tp.json"
+    flags = ["--num-requests", "4", "--prompt-len", "4-20", "--output-len", "2-6", "--rounds", "1", "--rate", "8"]
+    argv = ["bench", "throughput", "--model", str(TEST_MODEL), "--engine-opts", json.dumps(opts), *flags]
+    code, _, err = run(argv + ["--seed", "5", "--out", str(out)], capsys)
+    assert code == 0, err
+    doc = json.loads(out.read_text())
+    spec = WorkloadSpec(num_requests=4, prompt_len=(4, 20), output_len=(2, 6), seed=5, token_range=(3, 4096))
+    _check_runs(doc, Workload.load(spec), rounds=1)
+    assert doc["configs"][0]["rounds"][0]["wall_s"] > arrival_gaps(4, 8.0, 5).sum()
+    code, _, err = run(argv + ["--vllm-python", "/nonexistent/python"], capsys)
+    assert code == 2 and "vllm_python: /nonexistent/python is not a file" in err
+
+
+def test_bench_profile_accounts_the_step_by_op(capsys, tmp_path):
+    """`bench profile`: the traced decode step's op kinds add up to all of its op time, the native
+    matmul shows under its custom-call target, and each listed op's kind is one of the kinds."""
+    from pallas_kernels import native
+
+    out = tmp_path / "p.json"
+    argv = ["bench", "profile", "--model", str(TEST_MODEL), "--batch", "2", "--context", "16", "--steps", "2"]
+    code, stdout, err = run(argv + ["--top", "5", "--out", str(out)], capsys)
+    assert code == 0, err
+    rows = json.loads(out.read_text())["measurements"]
+    kinds = {r["config"]["kind"]: r for r in rows if r["name"] == "op kind"}
+    ops = [r for r in rows if r["name"] == "op"]
+    assert abs(sum(r["share"] for r in kinds.values()) - 1) < 1e-9 and all(r["ms"] > 0 for r in rows)
+    assert len(ops) == 5 and {r["config"]["kind"] for r in ops} <= set(kinds)
+    if native.available():
+        assert any(k.startswith("jaxserve_matmul") for k in kinds), sorted(kinds)
+
+
+def test_every_subcommand_has_help_and_lm_eval_checks_its_tasks(capsys, tmp_path):
+    from jaxserve.tools.bench.commands import SUBCOMMANDS
+
+    for name in SUBCOMMANDS:
+        code, stdout, _ = run(["bench", name, "--help"], capsys)
+        assert code == 0 and f"usage: jaxserve bench {name}" in stdout
+    code, _, err = run(["bench", "lm-eval", "--tasks", str(tmp_path)], capsys)
+    assert code == 2 and "jaxserve bench lm-eval: error: tasks: no jaxserve_mc.yaml" in err
+
+
+@pytest.mark.skipif(
+    not os.environ.get("JAXSERVE_VLLM_PYTHON"),
+    reason="needs vLLM's venv: JAXSERVE_VLLM_PYTHON=/tmp/vllm-venv/bin/python",
+)
+def test_bench_throughput_beside_vllm(capsys, tmp_path, opts):
+    """`bench throughput --vllm-python`: vLLM's offline engine, in its own venv's process, runs the
+    same rounds alternating with jaxserve, and makes exactly the workload's tokens too."""
+    out = tmp_path / "v.json"
+    flags = ["--num-requests", "4", "--prompt-len", "4-20", "--output-len", "2-6", "--rounds", "2"]
+    argv = ["bench", "throughput", "--model", str(TEST_MODEL), "--engine-opts", json.dumps(opts), *flags]
+    vllm = [
+        "--vllm-python",
+        os.environ["JAXSERVE_VLLM_PYTHON"],
+        "--vllm-opts",
+        '{"dtype": "float32", "max_model_len": 128}',
+    ]
+    code, _, err = run(argv + vllm + ["--out", str(out)], capsys)
+    assert code == 0, err
+    ours, theirs = json.loads(out.read_text())["configs"]
+    want = sum(r.output_len for r in Workload.load(WorkloadSpec(num_requests=4, prompt_len=(4, 20),
+                                                                 output_len=(2, 6), token_range=(3, 4096))).round(0))  # fmt: skip
+    assert theirs["label"].startswith("vllm") and theirs["rounds"][0]["output_tokens"] == want
+    assert all(r["completed"] == 4 for r in theirs["rounds"]) and theirs["median"]["output_tok_s"] > 0
+
+
+def test_bench_throughput_beside_another_checkout(capsys, tmp_path, opts):
+    """`bench throughput --baseline-checkout`: jaxserve from a checkout (here this one) in a worker
+    process runs the same rounds, alternating with the in-process LLM, and makes exactly the
+    workload's tokens; a bad --vllm-python exits 2 before any model loads."""
+    from pathlib import Path
+
+    out = tmp_path / "b.json"
+    flags = ["--num-requests", "4", "--prompt-len", "4-20", "--output-len", "2-6", "--rounds", "2"]
+    argv = ["bench", "throughput", "--model", str(TEST_MODEL), "--engine-opts", json.dumps(opts), *flags]
+    code, _, err = run(argv + ["--baseline-checkout", str(Path(cli.__file__).parents[1]), "--out", str(out)], capsys)
+    assert code == 0, err
+    ours, theirs = json.loads(out.read_text())["configs"]
+    wl = Workload.load(WorkloadSpec(num_requests=4, prompt_len=(4, 20), output_len=(2, 6), token_range=(3, 4096)))
+    for k, rnd in enumerate(theirs["rounds"]):
+        assert (rnd["completed"], rnd["output_tokens"]) == (4, sum(r.output_len for r in wl.round(k)))
+        assert rnd["prompt_tokens"] == ours["rounds"][k]["prompt_tokens"] and rnd["extra"]["engine"] == "jaxserve"
+    assert theirs["label"].startswith("checkout ") and theirs["median"]["output_tok_s"] > 0

@@ -324,3 +324,24 @@ def test_help(script):
     for flag in ("--name", "--zone", "--project", "--gin-file", "--checkpoint", "--port", "--dry-run", "--help"):
         assert flag in p.stdout
     assert ("--accelerator-type" if script == TPU else "--gpu-type") in p.stdout
+
+
+def test_every_script_answers_help():
+    """scripts/ holds what a checkout needs beyond `jaxserve` (training, launching, the GPU run, the
+    demo, packaging), at most 10 files, and each prints its usage on --help (shell scripts: -h too)
+    and exits 0. check_wheel.sh is packaging's own (its arguments are checked by its owner)."""
+    files = sorted(p for p in (REPO / "scripts").iterdir() if p.is_file())
+    assert len(files) <= 10, [p.name for p in files]
+    for script in files:
+        if script.name == "check_wheel.sh":
+            continue
+        runs = (
+            [["bash", str(script), "--help"], ["bash", str(script), "-h"]]
+            if script.suffix == ".sh"
+            else [[sys.executable, str(script), "--help"]]
+        )
+        for argv in runs:
+            p = subprocess.run(
+                argv, capture_output=True, text=True, timeout=120, cwd=REPO, env={**os.environ, "JAX_PLATFORMS": "cpu"}
+            )
+            assert p.returncode == 0 and "usage" in p.stdout.lower(), (argv, p.stdout[-500:], p.stderr[-500:])

@@ -3,15 +3,13 @@ never trained on JSON: the constraint alone makes the output valid): constrained
 validate while unconstrained requests in the same batch are unchanged, penalties equal
 transformers, min_tokens, logit_bias, n completions sharing the prompt's pages, exact
 logprobs counts, zero compiles after warm-up over a mixed run, and the gRPC mapping.
-The 200-request version of the validity check is `scripts/bench_structured.py --validate`."""
+The 200-request version of the validity check is `jaxserve bench structured --validate 200`."""
 
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import threading
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,11 +18,7 @@ from conftest import TEST_MODEL
 from jaxserve import LLM, SamplingParams
 from jaxserve.engine.client import split_logprobs
 from jaxserve.runner.executable_cache import compile_count
-
-REPO = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("bench_structured", REPO / "scripts" / "bench_structured.py")
-bench = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bench)
+from jaxserve.tools.bench import structured as bench
 
 PROMPT = "def parse(data):\n    return "
 

@@ -181,7 +181,7 @@ def decode_step_runner(
     weights in float32, or int8 with `quantization`, or bfloat16 (AMX / AVX512-BF16) with
     matmul_dtype="bfloat16") and its decode rows: `batch` slots, each at
     `context_len` tokens on its own pages. Returns (runner, rows); `runner.decode(rows, 0)` is
-    one step. The step kv-math predicts, also timed by scripts/bench_quant.py."""
+    one step. The step kv-math predicts."""
     from flax import nnx
 
     from jaxserve.engine.engine_config import EngineConfig

@@ -20,7 +20,16 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from jaxserve.tools.bench import ab, result
-from jaxserve.tools.bench.workload import KINDS, Workload, WorkloadSpec
+from jaxserve.tools.bench.flags import (
+    engine_flags,
+    json_object,
+    out_flag,
+    positive,
+    rate,
+    shape,
+    workload_flags,
+)
+from jaxserve.tools.bench.workload import Workload, WorkloadSpec
 
 SUBCOMMANDS = {
     "throughput": "offline LLM.generate-style throughput over a workload; A/B with --engine-opts",
@@ -29,89 +38,19 @@ SUBCOMMANDS = {
     "prefix": "prefix caching on against off, on prompts sharing a long prefix",
     "speculative": "speculative decoding (n-gram, a draft model) against plain decoding",
     "kernels": "attention kernels and projections timed beside their memory bound (a streaming read in the same run)",
+    "structured": "structured output: a constrained batch's validity, or its throughput against unconstrained",
+    "quality": "held-out loss and greedy agreement of engine options (quantization, KV dtype, attention) against the first",
+    "startup": "a fresh process's time to its first token, with empty caches (cold) and filled ones (warm)",
+    "profile": "one decode step under the JAX profiler: time per op and op kind (fusions, the native kernels)",
+    "lm-eval": "lm-evaluation-harness against `jaxserve serve`, beside lm-eval's hf backend on the same checkpoint",
 }
 
 
-# -- argument types --------------------------------------------------------------------------------
-
-
-def _range(text: str) -> tuple[int, int]:
-    """'N' or 'LOW-HIGH' (inclusive)."""
-    try:
-        lo, _, hi = text.partition("-")
-        return (int(lo), int(hi or lo))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected N or LOW-HIGH, got {text!r}") from None
-
-
-def _shape(text: str) -> tuple[int, int, int]:
-    """'LAYERS,HIDDEN,VOCAB'."""
-    try:
-        layers, hidden, vocab = (int(x) for x in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected LAYERS,HIDDEN,VOCAB, got {text!r}") from None
-    if min(layers, hidden, vocab) < 1 or hidden % 4:
-        raise argparse.ArgumentTypeError(f"expected positive sizes, HIDDEN a multiple of 4, got {text!r}")
-    return layers, hidden, vocab
+# -- the parser -----------------------------------------------------------------------------------
 
 
 def _span(r: tuple[int, int]) -> str:
     return str(r[0]) if r[0] == r[1] else f"{r[0]}-{r[1]}"
-
-
-def _json_object(text: str) -> dict:
-    try:
-        v = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"not JSON ({e}): {text!r}") from None
-    if not isinstance(v, dict):
-        raise argparse.ArgumentTypeError(f"expected a JSON object of LLM options, got {text!r}")
-    return v
-
-
-def _rate(text: str) -> float:
-    try:
-        r = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected requests/s or inf, got {text!r}") from None
-    if not r > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
-    return r
-
-
-def _positive(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {text!r}")
-    return n
-
-
-# -- shared flags ----------------------------------------------------------------------------------
-
-
-def _workload_flags(p: argparse.ArgumentParser, *, kind: str, n: int, plen: str, olen: str, rounds: int = 3) -> None:
-    """Lengths left out take the subcommand's defaults, or long-short's (short prompts 48-256,
-    outputs 64-160)."""
-    g = p.add_argument_group("workload")
-    g.add_argument("--workload", choices=KINDS, default=kind, help=f"the kind of requests (default {kind})")
-    g.add_argument("--workload-file", metavar="FILE.json", help="a JSON workload (implies --workload json)")
-    g.add_argument("--num-requests", type=_positive, default=n, help=f"requests per round (default {n})")
-    g.add_argument("--prompt-len", type=_range, metavar="N|LO-HI", help=f"default {plen} (long-short: 48-256)")
-    g.add_argument("--output-len", type=_range, metavar="N|LO-HI", help=f"default {olen} (long-short: 64-160)")
-    g.add_argument(
-        "--prefix-len", type=int, default=1024, help="shared-prefix, prefix-groups: shared tokens (default 1024)"
-    )
-    g.add_argument("--num-groups", type=_positive, default=8, help="prefix-groups: distinct prefixes (default 8)")
-    g.add_argument("--long-fraction", type=float, default=0.25, help="long-short: share of long prompts (0.25)")
-    g.add_argument("--long-len", type=_range, default=(1200, 1800), metavar="LO-HI", help="long-short: 1200-1800")
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy; OpenAI clients send 1.0")
-    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0: off)")
-    g.add_argument("--rounds", type=_positive, default=rounds, help=f"each configuration once per round ({rounds})")
-    p.set_defaults(default_lengths=(_range(plen), _range(olen)))
 
 
 def _workload_spec(args, vocab: int, **over) -> WorkloadSpec:
@@ -136,41 +75,6 @@ def _workload_spec(args, vocab: int, **over) -> WorkloadSpec:
     return WorkloadSpec(**fields)
 
 
-def _gin_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("gin configuration (the base engine options; --engine-opts override them)")
-    g.add_argument("--gin_file", "--gin-file", dest="gin_file", action="append", default=[], metavar="FILE")
-    g.add_argument("--gin_param", "--gin-param", dest="gin_param", action="append", default=[], metavar="BINDING")
-
-
-def _engine_flags(p: argparse.ArgumentParser, *, compare: bool = True) -> None:
-    g = p.add_argument_group("engine")
-    g.add_argument(
-        "--model",
-        default=None,
-        help="checkpoint directory or GGUF file (default: the default model); 'workload' builds the random "
-        "Llama a JSON workload's `model` field describes (needs torch)",
-    )
-    if compare:
-        g.add_argument(
-            "--engine-opts",
-            action="append",
-            type=_json_object,
-            default=[],
-            metavar="JSON",
-            help="LLM(...) options as a JSON object, e.g. '{\"max_slots\": 64}'; repeat it to compare "
-            "configurations (rounds alternate between them)",
-        )
-    else:
-        g.add_argument(
-            "--engine-opts", type=_json_object, default={}, metavar="JSON", help="LLM(...) options of every side"
-        )
-    _gin_flags(p)
-
-
-def _out_flag(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", metavar="FILE.json", help="write the result JSON here (schema: docs/benchmarks.md)")
-
-
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="jaxserve bench",
@@ -181,32 +85,72 @@ def build_parser() -> argparse.ArgumentParser:
         "every configuration. Docs: docs/benchmarks.md.",
     )
     sub = ap.add_subparsers(dest="name", metavar="SUBCOMMAND", required=True)
-    mk = lambda name: sub.add_parser(name, help=SUBCOMMANDS[name], description=SUBCOMMANDS[name])  # noqa: E731
+    for name, (add, run) in _parsers().items():
+        p = sub.add_parser(name, help=SUBCOMMANDS[name], description=SUBCOMMANDS[name])
+        add(p)
+        p.set_defaults(run=run)
+    return ap
 
-    p = mk("throughput")
-    _engine_flags(p)
-    _workload_flags(p, kind="random", n=64, plen="16-512", olen="16-256")
-    _out_flag(p)
-    p.set_defaults(run=cmd_throughput)
 
-    p = mk("latency")
-    _engine_flags(p)
-    _workload_flags(p, kind="random", n=4, plen="512", olen="128")
+def _parsers() -> dict:
+    """{subcommand: (its flags, its command)}."""
+    from jaxserve.tools.bench import lm_eval, profile, quality, startup, structured
+
+    return {
+        "throughput": (_add_throughput, cmd_throughput),
+        "latency": (_add_latency, cmd_latency),
+        "serve": (_add_serve, cmd_serve),
+        "prefix": (_add_prefix, cmd_prefix),
+        "speculative": (_add_speculative, cmd_speculative),
+        "kernels": (_add_kernels, cmd_kernels),
+        "structured": (structured.add_arguments, cmd_structured),
+        "quality": (quality.add_arguments, cmd_quality),
+        "startup": (startup.add_arguments, cmd_startup),
+        "profile": (profile.add_arguments, cmd_profile),
+        "lm-eval": (lm_eval.add_arguments, cmd_lm_eval),
+    }
+
+
+def _add_throughput(p: argparse.ArgumentParser) -> None:
+    engine_flags(p)
+    workload_flags(p, kind="random", n=64, plen="16-512", olen="16-256")
+    p.add_argument("--random", type=shape, metavar="LAYERS,HIDDEN,VOCAB", help="a random Llama of that shape "
+                   "instead of --model (needs torch), e.g. 32,128,32000")  # fmt: skip
+    p.add_argument("--rate", type=rate, default=math.inf, help="requests/s, Poisson arrivals into the engine (bench "
+                   "serve's schedule, without HTTP); inf (default): all at once")  # fmt: skip
+    g = p.add_argument_group("engines in processes of their own (offline generate: throughput, no TTFT/ITL)")
+    g.add_argument("--baseline-checkout", metavar="DIR", help="also jaxserve from this checkout (e.g. a git worktree "
+                   "of the commit before) with the first --engine-opts")  # fmt: skip
+    g.add_argument("--vllm-python", metavar="PY", help="the python of a venv with vLLM: adds vLLM configurations")
+    g.add_argument(
+        "--vllm-opts",
+        action="append",
+        type=json_object,
+        default=[],
+        metavar="JSON",
+        help='vllm.LLM(...) options, e.g. \'{"dtype": "bfloat16"}\'; repeat it for several (default {})',
+    )
+    out_flag(p)
+
+
+def _add_latency(p: argparse.ArgumentParser) -> None:
+    engine_flags(p)
+    workload_flags(p, kind="random", n=4, plen="512", olen="128")
     g = p.add_argument_group("host (--host: the engine thread's CPU time per decode step, by phase)")
     g.add_argument("--host", action="store_true", help="measure the host's work per decode step instead")
-    g.add_argument("--rows", type=_positive, default=64, help="--host: sequences decoding at once (64)")
-    g.add_argument("--context", type=_positive, default=64, help="--host: prompt tokens of each (64)")
-    g.add_argument("--steps", type=_positive, default=64, help="--host: decode steps timed a round (64)")
+    g.add_argument("--rows", type=positive, default=64, help="--host: sequences decoding at once (64)")
+    g.add_argument("--context", type=positive, default=64, help="--host: prompt tokens of each (64)")
+    g.add_argument("--steps", type=positive, default=64, help="--host: decode steps timed a round (64)")
     g.add_argument(
         "--random",
-        type=_shape,
+        type=shape,
         metavar="LAYERS,HIDDEN,VOCAB",
         help="--host: a random Llama of that shape instead of --model (needs torch), e.g. 32,128,128256",
     )
-    _out_flag(p)
-    p.set_defaults(run=cmd_latency)
+    out_flag(p)
 
-    p = mk("serve")
+
+def _add_serve(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--base-url",
         action="append",
@@ -215,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="an OpenAI-compatible server, e.g. http://127.0.0.1:8000; repeat it to compare servers",
     )
     p.add_argument(
-        "--rate", type=_rate, default=math.inf, help="requests/s, Poisson arrivals; inf (default): all at once"
+        "--rate", type=rate, default=math.inf, help="requests/s, Poisson arrivals; inf (default): all at once"
     )
     p.add_argument("--api-key", default=None, help="bearer token for the servers")
     p.add_argument("--prompt-format", choices=("ids", "text"), default="ids", help="token-id lists or text of words")
@@ -229,43 +173,43 @@ def build_parser() -> argparse.ArgumentParser:
         help="the replicas behind a --base-url (a router), comma-separated, once per --base-url in the same order: "
         "their /metrics give each round's prefix-cache hit rate and requests per replica",
     )
-    _workload_flags(p, kind="random", n=64, plen="16-512", olen="16-256", rounds=1)
-    _out_flag(p)
-    p.set_defaults(run=cmd_serve)
+    workload_flags(p, kind="random", n=64, plen="16-512", olen="16-256", rounds=1)
+    out_flag(p)
 
-    p = mk("prefix")
-    _engine_flags(p, compare=False)
-    p.add_argument("--num-requests", type=_positive, default=64)
-    p.add_argument("--prefix-len", type=_positive, default=1024, help="shared tokens (default 1024)")
-    p.add_argument("--suffix-len", type=_positive, default=32, help="unique tokens after the prefix (default 32)")
-    p.add_argument("--output-len", type=_positive, default=32)
-    p.add_argument("--rounds", type=_positive, default=2)
+
+def _add_prefix(p: argparse.ArgumentParser) -> None:
+    engine_flags(p, compare=False)
+    p.add_argument("--num-requests", type=positive, default=64)
+    p.add_argument("--prefix-len", type=positive, default=1024, help="shared tokens (default 1024)")
+    p.add_argument("--suffix-len", type=positive, default=32, help="unique tokens after the prefix (default 32)")
+    p.add_argument("--output-len", type=positive, default=32)
+    p.add_argument("--rounds", type=positive, default=2)
     p.add_argument("--seed", type=int, default=0)
-    _out_flag(p)
-    p.set_defaults(run=cmd_prefix)
+    out_flag(p)
 
-    p = mk("speculative")
-    _engine_flags(p, compare=False)
+
+def _add_speculative(p: argparse.ArgumentParser) -> None:
+    engine_flags(p, compare=False)
     p.add_argument("--draft", default=None, help="a draft checkpoint (same tokenizer); without it only n-gram runs")
-    p.add_argument("--k", type=_positive, default=4, help="draft tokens per step (default 4)")
+    p.add_argument("--k", type=positive, default=4, help="draft tokens per step (default 4)")
     p.add_argument("--prompts", choices=("code", "editing", "edit", "chat"), default="editing", help="code: Python "
                    "source; editing: a function then the start of its copy (prompt lookup's case); edit: chat requests "
                    "to edit a snippet and show the whole code; chat: questions to an instruct model (edit and chat "
                    "rendered with its chat template)")  # fmt: skip
-    p.add_argument("--fixed-k", type=_positive, default=None, help="also run n-gram with every row proposing up to "
+    p.add_argument("--fixed-k", type=positive, default=None, help="also run n-gram with every row proposing up to "
                    "this many drafts (speculative_adaptive=False)")  # fmt: skip
-    p.add_argument("--num-requests", type=_positive, default=8)
-    p.add_argument("--output-len", type=_positive, default=128)
-    p.add_argument("--batch", type=_positive, default=1, help="requests in flight at once (default 1)")
-    p.add_argument("--rounds", type=_positive, default=2)
-    _out_flag(p)
-    p.set_defaults(run=cmd_speculative)
+    p.add_argument("--num-requests", type=positive, default=8)
+    p.add_argument("--output-len", type=positive, default=128)
+    p.add_argument("--batch", type=positive, default=1, help="requests in flight at once (default 1)")
+    p.add_argument("--rounds", type=positive, default=2)
+    out_flag(p)
 
-    p = mk("kernels")
-    p.add_argument("--reps", type=_positive, default=7, help="timed calls per cell (median; default 7)")
+
+def _add_kernels(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--reps", type=positive, default=7, help="timed calls per cell (median; default 7)")
     p.add_argument("--rows", type=str, default="1,8,32", help="decode rows (comma list)")
     p.add_argument("--contexts", type=str, default="512,2048", help="context lengths (comma list)")
-    p.add_argument("--head-dim", type=_positive, default=None, help="default: 64 on the CPU, 128 elsewhere")
+    p.add_argument("--head-dim", type=positive, default=None, help="default: 64 on the CPU, 128 elsewhere")
     p.add_argument("--heads", type=str, default="8/4", metavar="Q/KV", help="query/KV heads (default 8/4)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None, help="default: float32 on CPU, else bf16")
     p.add_argument(
@@ -288,9 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--peak-tflops", type=float, default=None, help="the chip's peak TFLOP/s for --dtype: adds the FLOP bound"
     )
-    _out_flag(p)
-    p.set_defaults(run=cmd_kernels)
-    return ap
+    out_flag(p)
 
 
 # -- the LLMs of a run -----------------------------------------------------------------------------
@@ -307,13 +249,17 @@ def _base(args) -> tuple[str | None, dict]:
 
 
 def _resolve_model(model: str | None, args, stack: ExitStack) -> str | None:
-    if model != "workload":
+    if model is not None and model.endswith(".json"):  # a workload file: its `model`, any requests
+        source = model
+    elif model != "workload":
         return model
-    if not getattr(args, "workload_file", None):
+    elif not getattr(args, "workload_file", None):
         raise ValueError("model: 'workload' needs --workload-file with a `model` field")
-    spec = json.loads(Path(args.workload_file).read_text()).get("model")
+    else:
+        source = args.workload_file
+    spec = json.loads(Path(source).read_text()).get("model")
     if not isinstance(spec, dict):
-        raise ValueError(f"model: {args.workload_file} has no `model` field to build")
+        raise ValueError(f"model: {source} has no `model` field to build")
     from jaxserve.tools.bench.workload import model_from_spec
 
     tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="jaxserve-bench-")))
@@ -341,15 +287,53 @@ def _build_llms(args, stack: ExitStack, option_sets: list[dict]) -> tuple[list, 
     return llms, configs
 
 
-def _offline_ab(args, llms, configs, rounds_of, *, max_concurrency=None) -> list[dict]:
+def _offline_ab(args, llms, configs, rounds_of, *, max_concurrency=None, others=()) -> list[dict]:
+    """Rounds alternating over the LLMs, then `others` (callables requests -> RoundStats: vLLM).
+    With a finite --rate, round k's arrivals are bench serve's Poisson schedule of seed + k."""
     from jaxserve.tools.bench.offline import check_fits, run_offline
+    from jaxserve.tools.bench.serve import arrival_gaps
 
     for llm in llms:
         check_fits(rounds_of(0), llm.max_model_len)
     cache: dict[int, list] = {}
     get = lambda k: cache.setdefault(k, rounds_of(k))  # noqa: E731
+    rate = getattr(args, "rate", math.inf)
 
-    return ab.run_ab(configs, lambda c, k: run_offline(llms[c], get(k), max_concurrency=max_concurrency), args.rounds)
+    def one(c: int, k: int):
+        reqs = get(k)
+        if c >= len(llms):
+            return others[c - len(llms)](reqs)
+        arrivals = None if math.isinf(rate) else arrival_gaps(len(reqs), rate, args.seed + k).cumsum().tolist()
+        return run_offline(llms[c], reqs, max_concurrency=max_concurrency, arrivals=arrivals)
+
+    return ab.run_ab(configs, one, args.rounds)
+
+
+def _workers(args, stack: ExitStack, configs: list[ab.Config], text: bool) -> list:
+    """A worker per --vllm-opts (vLLM's venv) and one for --baseline-checkout, on the checkpoint
+    the jaxserve configurations load."""
+    import sys
+
+    from jaxserve.tools.bench.workers import Worker
+
+    if not args.vllm_python and not args.baseline_checkout:
+        return []
+    model = configs[0].spec["model"]
+    if model is None or not Path(model).exists():
+        raise ValueError(f"model: a worker process needs --model as a path, got {model!r}")
+    model, runners = str(Path(model).resolve()), []  # the worker runs in another directory
+    sides = [("vllm", args.vllm_python, o, None) for o in (args.vllm_opts or [{}])] if args.vllm_python else []
+    if args.baseline_checkout:
+        base = configs[0].spec["options"]
+        sides.append(("jaxserve", sys.executable, base, args.baseline_checkout))
+    for kind, python, opts, checkout in sides:
+        label = f"{kind} {_label(opts)}" if checkout is None else f"checkout {checkout} {_label(opts)}"
+        print(f"starting {label} on {model}", flush=True)
+        worker = Worker(python, kind, model, opts, text, checkout)
+        stack.callback(worker.close)
+        configs.append(ab.Config(label, {"model": model, "engine": kind, "options": opts, "checkout": checkout}))
+        runners.append(worker.round)
+    return runners
 
 
 # -- subcommands -----------------------------------------------------------------------------------
@@ -357,12 +341,28 @@ def _offline_ab(args, llms, configs, rounds_of, *, max_concurrency=None) -> list
 
 def cmd_throughput(args, argv) -> dict:
     Workload.load(_workload_spec(args, 2**31 - 1))  # a bad workload fails before any model loads
+    if args.vllm_python and not Path(args.vllm_python).is_file():
+        raise ValueError(f"vllm_python: {args.vllm_python} is not a file (the python of a venv with vLLM)")
+    if (args.vllm_python or args.baseline_checkout) and math.isfinite(args.rate):
+        raise ValueError("rate: a worker's offline generate takes a round at once; compare arrivals with bench serve")
     with ExitStack() as stack:
+        _random_model(args, stack)
         llms, configs = _build_llms(args, stack, args.engine_opts or [{}])
         wl = Workload.load(_workload_spec(args, llms[0].model_cfg.vocab_size))
-        results = _offline_ab(args, llms, configs, wl.round)
+        others = _workers(args, stack, configs, text=isinstance(wl.round(0)[0].prompt, str))
+        results = _offline_ab(args, llms, configs, wl.round, others=others)
     ab.print_medians(results)
     return result.document("throughput", argv, workload=wl.describe(), configs=results)
+
+
+def _random_model(args, stack: ExitStack) -> None:
+    """--random LAYERS,HIDDEN,VOCAB: build that Llama (random weights) and make it --model."""
+    from jaxserve.tools.bench import host
+
+    if args.random:
+        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="jaxserve-bench-")))
+        print(f"building a random Llama {args.random} (layers, hidden, vocab) in {tmp}", flush=True)
+        args.model = str(host.random_model(*args.random, tmp))
 
 
 def cmd_host(args, argv) -> dict:
@@ -370,10 +370,7 @@ def cmd_host(args, argv) -> dict:
     from jaxserve.tools.bench import host
 
     with ExitStack() as stack:
-        if args.random:
-            tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="jaxserve-bench-")))
-            print(f"building a random Llama {args.random} (layers, hidden, vocab) in {tmp}", flush=True)
-            args.model = str(host.random_model(*args.random, tmp))
+        _random_model(args, stack)
         sized = {"max_slots": args.rows, "max_model_len": args.context + args.steps + 128}
         llms, configs = _build_llms(args, stack, [{**sized, **o} for o in args.engine_opts or [{}]])
         per: list[list[dict]] = [[] for _ in llms]
@@ -576,6 +573,36 @@ def cmd_kernels(args, argv) -> dict:
     from jaxserve.tools.bench import kernels
 
     return kernels.run(args, argv)
+
+
+def cmd_structured(args, argv) -> dict:
+    from jaxserve.tools.bench import structured
+
+    return structured.run(args, argv, _build_llms)
+
+
+def cmd_quality(args, argv) -> dict:
+    from jaxserve.tools.bench import quality
+
+    return quality.run(args, argv, _build_llms)
+
+
+def cmd_startup(args, argv) -> dict:
+    from jaxserve.tools.bench import startup
+
+    return startup.run(args, argv)
+
+
+def cmd_profile(args, argv) -> dict:
+    from jaxserve.tools.bench import profile
+
+    return profile.run(args, argv)
+
+
+def cmd_lm_eval(args, argv) -> dict:
+    from jaxserve.tools.bench import lm_eval
+
+    return lm_eval.run(args, argv)
 
 
 # -- entry -----------------------------------------------------------------------------------------

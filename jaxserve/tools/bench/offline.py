@@ -29,9 +29,15 @@ def check_fits(requests: list[Request], max_model_len: int) -> None:
             )
 
 
-def run_offline(llm, requests: list[Request], *, max_concurrency: int | None = None) -> RoundStats:
+def run_offline(
+    llm, requests: list[Request], *, max_concurrency: int | None = None, params=None, arrivals=None
+) -> RoundStats:
     """One round on an LLM. RoundStats.extra gets the engine's counters that moved (prefix cache
-    hits, speculative acceptance, preemptions) and `outputs` (the token ids, for equality checks)."""
+    hits, speculative acceptance, preemptions, grammar masks) and `outputs` (the token ids, for
+    equality checks). `params`: each request's own SamplingParams (bench structured's
+    constraints) instead of greedy-or-sampled to exactly its output_len. `arrivals`: each request's
+    arrival, seconds after the start (`bench throughput --rate`): it is added at the first step
+    boundary after it and timed from its arrival, as a streaming client of the engine sees it."""
     from jaxserve.llm import SamplingParams
 
     llm.flush_prefix_cache()
@@ -46,20 +52,26 @@ def run_offline(llm, requests: list[Request], *, max_concurrency: int | None = N
 
     def submit() -> None:
         while queue and len(timers) < limit:
-            i, r = queue.popleft()
+            i, r = queue[0]
+            if arrivals is not None and start + arrivals[i] > time.perf_counter():
+                return
+            queue.popleft()
             timer = RequestTimer()
-            timer.sent()
-            rid = llm.add_request(
-                r.prompt,
-                SamplingParams(
+            timer.sent(None if arrivals is None else start + arrivals[i])
+            sp = params[i] if params is not None else None
+            if sp is None:
+                sp = SamplingParams(
                     max_tokens=r.output_len, temperature=r.temperature, top_p=r.top_p, ignore_eos=True, seed=i
-                ),
-            )
+                )
+            rid = llm.add_request(r.prompt, sp)
             timers[rid] = (i, timer)
 
     start = time.perf_counter()
     submit()
-    while timers:
+    while timers or queue:
+        if not timers:  # idle until the next arrival
+            time.sleep(max(0.0, start + arrivals[queue[0][0]] - time.perf_counter()))
+            submit()
         for out in llm.step():
             now = time.perf_counter()
             if out.request_id not in timers:
@@ -78,6 +90,11 @@ def run_offline(llm, requests: list[Request], *, max_concurrency: int | None = N
         "prefix_cache_hit_tokens": after["prefix_cache_hit_tokens"] - before["prefix_cache_hit_tokens"],
         "compiles_since_warmup": llm.compiles_since_warmup(),
     }
+    if after.get("grammar_mask_steps", 0) > before.get("grammar_mask_steps", 0):
+        steps = after["grammar_mask_steps"] - before["grammar_mask_steps"]
+        extra["grammar_mask_ms_per_step"] = (
+            1e3 * (after["grammar_mask_seconds"] - before["grammar_mask_seconds"]) / steps
+        )
     if "spec_mean_accepted" in after:
         extra["spec_tokens_per_target_step"] = after["spec_mean_accepted"]
         extra["spec_acceptance_by_position"] = after.get("spec_acceptance_by_position")

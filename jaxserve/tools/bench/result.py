@@ -3,7 +3,7 @@ describes it for readers)::
 
     {
       "schema": "jaxserve.bench/1",
-      "bench": "throughput" | "latency" | "serve" | "prefix" | "speculative" | "kernels",
+      "bench": "throughput" | "latency" | "serve" | "prefix" | "speculative" | "kernels" | "structured" | ...,
       "created": "2026-12-02T09:00:00Z",
       "argv": [...],                       # the command line after `jaxserve bench`
       "host": {"python", "machine", "cpu", "cores", "jax", "backend", "device"},
