@@ -17,16 +17,18 @@ OUT = Path(__file__).resolve().parent
 ZEN4 = "AMD EPYC Zen 4 (AVX512-BF16), 2 vCPU"
 ZEN3 = "AMD EPYC Zen 3 (AVX2 only), 2 vCPU"
 
-# scripts/bench_vllm.py --rounds 3 --vllm-dtypes bfloat16,float32 --jaxserve-opts '{}'
-#   --jaxserve-opts '{"dtype": "float32"}'   (mixed-64 on the 56.4M Llama; ZEN4, 2026-12-05)
-# scripts/bench_vllm.py --rounds 3 --vllm-dtypes float32   (ZEN3, 2026-12-05)
+# jaxserve bench throughput --model ../shared/workloads/mixed-64.json --num-requests 48 --prompt-len 32-640
+#   --output-len 8-200 --rounds 3 --engine-opts '{}' --engine-opts '{"dtype": "float32"}'
+#   --vllm-python VLLM_PYTHON --vllm-opts '{"dtype": "bfloat16"}' --vllm-opts '{"dtype": "float32"}'   (ZEN4)
+# the same with only --vllm-opts '{"dtype": "float32"}'   (ZEN3)
 OFFLINE = {  # host: {(engine, dtype): output tok/s}
     "Zen 4, bfloat16": {"jaxserve": 905, "vLLM 0.32 CPU": 490},
     "Zen 4, float32": {"jaxserve": 519, "vLLM 0.32 CPU": 248},
     "Zen 3 (AVX2), float32": {"jaxserve": 370, "vLLM 0.32 CPU": 186},
 }
-# scripts/bench_vllm.py --vllm-dtypes bfloat16 --random 32,128,32000 --decode 64,192 --rounds 3
-#   --jaxserve-opts '{}' --jaxserve-opts '{"num_scheduler_steps": 8}'   (ZEN4, 2026-12-07)
+# jaxserve bench throughput --random 32,128,32000 --num-requests 64 --prompt-len 16 --output-len 192 --rounds 3
+#   --engine-opts '{}' --engine-opts '{"num_scheduler_steps": 8}' --vllm-python VLLM_PYTHON
+#   --vllm-opts '{"dtype": "bfloat16"}'   (ZEN4): ms per step = a round's wall_s / 192
 THIN_MS_PER_STEP = {"jaxserve\n(defaults)": 18.1, "jaxserve\n(8 steps a call)": 16.0, "vLLM 0.32\nCPU, bf16": 27.4}
 
 # jaxserve kv-math --model ../shared/workloads/mixed-64.json --measure-host --kv-dtype bf16
@@ -45,8 +47,10 @@ SPEC_ADAPTIVE = {
 # jaxserve bench speculative --prompts code|chat --k 3 --rounds 3   (float32; ZEN3, 2026-12-05)
 SPEC_NGRAM_AVX2 = {"code, batch 1": 2.04, "chat, batch 1": 1.04, "code, batch 8": 1.02}
 
-# scripts/bench_serve_vllm.sh MODEL VLLM_PYTHON [--max-prefill-tokens-while-decoding 16]
-#   (the long-short mix at 2 req/s, 56.4M Llama; ZEN4; cap 64 2026-12-03, cap 16 2026-12-04), ms
+# jaxserve bench serve --base-url http://127.0.0.1:8123 --base-url http://127.0.0.1:8124 --rate 2
+#   --num-requests 48 --workload long-short --vocab-size 32000 --rounds 2, against jaxserve serve
+#   [--max-prefill-tokens-while-decoding 16] and vLLM's server (docs/benchmarks.md, "jaxserve beside vLLM")
+#   (the 56.4M Llama; ZEN4), ms
 SERVING = {  # metric: {config: ms}
     "TTFT p50": {"jaxserve cap 64": 49.4, "vLLM": 54.6, "jaxserve cap 16": 140.7, "vLLM ": 199.4},
     "ITL p50": {"jaxserve cap 64": 4.9, "vLLM": 10.8, "jaxserve cap 16": 8.1, "vLLM ": 15.1},
