@@ -76,7 +76,7 @@ class EngineCore:
         self, model: str | Path | None = None, *, warmup: bool = True, log_progress: bool = False, **engine_options
     ):
         from jaxserve.models.loader import load_model
-        from jaxserve.runner import model_runner, step_batch
+        from jaxserve.runner import model_runner, runner_config, step_batch
         from jaxserve.runner.executable_cache import compile_count
 
         assert step_batch.DUMMY_PAGE == allocator_mod.DUMMY_PAGE, "allocator and runner disagree on the dummy page"
@@ -95,7 +95,7 @@ class EngineCore:
         # by identity: an EAGLE head's embedding is the target's array
         arrays = {id(x): x for m in (module, draft) if m is not None for x in jax.tree.leaves(nnx.state(m))}
         weight_bytes = sum(x.size * x.dtype.itemsize for x in arrays.values())
-        rc = model_runner.resolve(self.model_cfg, draft_cfg, self.cfg, weight_bytes, MAX_LOGPROBS)
+        rc = runner_config.resolve(self.model_cfg, draft_cfg, self.cfg, weight_bytes, MAX_LOGPROBS)
         self.runner = model_runner.ModelRunner(module, self.model_cfg, rc, draft, draft_cfg)
         self.max_model_len = rc.max_model_len
         log.info(
@@ -104,7 +104,7 @@ class EngineCore:
             rc.page_size,
             rc.num_pages
             * rc.page_size
-            * model_runner.kv_bytes_per_token(rc.dtype, self.model_cfg, draft_cfg, kv_cache_dtype=rc.kv_cache_dtype)
+            * runner_config.kv_bytes_per_token(rc.dtype, self.model_cfg, draft_cfg, kv_cache_dtype=rc.kv_cache_dtype)
             / 2**20,
             rc.dtype if rc.kv_cache_dtype == "auto" else rc.kv_cache_dtype,
             rc.max_slots,
