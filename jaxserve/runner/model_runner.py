@@ -416,7 +416,7 @@ def _empty_pool(cfg: ModelConfig, is_eagle: bool, num_pages: int, page_size: int
 def _mesh(cfg: RunnerConfig, model_cfg: ModelConfig, draft_cfg: ModelConfig | None):
     """The device mesh of a model split across chips (tensor or expert parallelism), or None;
     ValueError where the model's shapes do not divide."""
-    if cfg.tensor_parallel_size == 1 and cfg.expert_parallel_size == 1:
+    if cfg.tensor_parallel_size <= 1 and cfg.expert_parallel_size <= 1:
         return None
     from jaxserve.parallel import sharding as shd
 
