@@ -18,7 +18,8 @@ from typing import Sequence as Seq
 import numpy as np
 
 from jaxserve.engine.chat import Conversation, is_conversation
-from jaxserve.engine.core import EngineCore, completion_ids
+from jaxserve.engine.core import completion_ids
+from jaxserve.engine.loading import load_engine
 from jaxserve.engine.request import RequestOutput, SamplingParams, Sequence
 from jaxserve.engine.tool_calls import ToolCalling, ToolRequest
 
@@ -31,7 +32,7 @@ class LLM:
     def __init__(
         self, model: str | Path | None = None, *, warmup: bool = True, log_progress: bool = False, **engine_options
     ):
-        self.core = EngineCore(model, warmup=warmup, log_progress=log_progress, **engine_options)
+        self.core = load_engine(model, warmup=warmup, log_progress=log_progress, **engine_options)
         self._tool_calling: ToolCalling | None = None
 
     # What a user (and the tests) inspect: the core's parts, read-only.

@@ -8,6 +8,7 @@ import pytest
 from conftest import TEST_MODEL
 
 from jaxserve.engine.core import EngineCore
+from jaxserve.engine.loading import load_engine
 from jaxserve.engine.request import SamplingParams
 
 GREEDY = dict(temperature=0, ignore_eos=True)
@@ -15,7 +16,7 @@ GREEDY = dict(temperature=0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def core():
-    return EngineCore(
+    return load_engine(
         TEST_MODEL, warmup=False, max_slots=4, page_size=8, max_model_len=128, num_pages=64, token_buckets=(16, 32)
     )
 

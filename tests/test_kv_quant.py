@@ -24,7 +24,7 @@ from paged_pools import close, page_pool, randn
 from jaxserve import kv_math
 from jaxserve.engine.engine_config import EngineConfig
 from jaxserve.models.model_config import ModelConfig
-from jaxserve.runner import attention, model_runner
+from jaxserve.runner import attention, model_runner, runner_config
 from pallas_kernels import native, reference
 from pallas_kernels import paged_attention as pk
 from pallas_kernels import ragged_paged_attention as rpa
@@ -385,7 +385,7 @@ def _model_cfg(head_dim: int, layers: int = 2, kv_heads: int = 2) -> ModelConfig
 
 def _pages(cfg: ModelConfig, dtype: str, kind: str, budget: int = 64 << 20) -> int:
     e = EngineConfig(dtype=dtype, kv_cache_dtype=kind, kv_cache_memory_bytes=budget, max_model_len=256)
-    return model_runner.resolve(cfg, None, e, weight_bytes=0, max_logprobs=0).num_pages
+    return runner_config.resolve(cfg, None, e, weight_bytes=0, max_logprobs=0).num_pages
 
 
 @pytest.mark.parametrize("head_dim", [16, 32, 64, 128])
@@ -408,7 +408,7 @@ def test_int8_pool_holds_more_pages_at_a_fixed_budget(head_dim):
     assert kv_math.kv_bytes_per_token(shape, "bf16") / kv_math.kv_bytes_per_token(shape, "int8") == pytest.approx(
         2 * head_dim / (head_dim + 2)
     )
-    assert model_runner.kv_bytes_per_token("float32", cfg, kv_cache_dtype="int8") == kv_math.kv_bytes_per_token(
+    assert runner_config.kv_bytes_per_token("float32", cfg, kv_cache_dtype="int8") == kv_math.kv_bytes_per_token(
         shape, "int8"
     )
 
@@ -431,11 +431,13 @@ def test_resolve_kv_cache_dtype_choices():
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         EngineConfig(kv_cache_dtype="int4")
     e = EngineConfig(kv_cache_dtype="fp8", num_pages=64, max_model_len=128)
-    assert model_runner.resolve(cfg, None, e, 0, 0).attention_impl in ("xla", "pallas")  # never native
+    assert runner_config.resolve(cfg, None, e, 0, 0).attention_impl in ("xla", "pallas")  # never native
     if native.available():
         with pytest.raises(ValueError, match="kv_cache_dtype='fp8'.*native"):
-            model_runner.resolve(cfg, None, EngineConfig(**{**e.__dict__, "attention_impl": "native"}), 0, 0)
-        rc = model_runner.resolve(cfg, None, EngineConfig(kv_cache_dtype="int8", num_pages=64, max_model_len=128), 0, 0)
+            runner_config.resolve(cfg, None, EngineConfig(**{**e.__dict__, "attention_impl": "native"}), 0, 0)
+        rc = runner_config.resolve(
+            cfg, None, EngineConfig(kv_cache_dtype="int8", num_pages=64, max_model_len=128), 0, 0
+        )
         assert rc.attention_impl == "native" and rc.kv_cache_dtype == "int8"
 
 
@@ -486,7 +488,7 @@ def test_int8_engine_alone_equals_batched_and_returns_every_page(qllm):
     assert len(kv[0]) == 4 and kv[0][0].dtype == jnp.int8 and kv[0][2].dtype == jnp.bfloat16
     pool_bytes = sum(x.nbytes for layer in kv for x in layer)
     rc = qllm.runner.cfg
-    assert pool_bytes == rc.num_pages * rc.page_size * model_runner.kv_bytes_per_token(
+    assert pool_bytes == rc.num_pages * rc.page_size * runner_config.kv_bytes_per_token(
         rc.dtype, qllm.runner.model_cfg, kv_cache_dtype="int8"
     )
     rng = np.random.default_rng(0)

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jaxserve.runner import model_runner, sampling
+from jaxserve.runner import model_runner, runner_config, sampling
 from pallas_kernels import native, native_argmax
 
 _native = jax.jit(native_argmax.argmax)
@@ -109,7 +109,7 @@ def test_runner_uses_it_on_the_cpu_without_a_mesh():
         max_position_embeddings=64,
         tie_word_embeddings=False,
     )
-    rc = model_runner.resolve(cfg, None, EngineConfig(num_pages=16, max_model_len=64), 0, 0)
+    rc = runner_config.resolve(cfg, None, EngineConfig(num_pages=16, max_model_len=64), 0, 0)
     runner = model_runner.ModelRunner(LlamaForCausalLM(cfg, dtype="float32", rngs=nnx.Rngs(0)), cfg, rc)
     assert runner.target.argmax is native_argmax.argmax
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))

@@ -199,11 +199,11 @@ def test_engine_packs_on_the_cpu_and_not_when_told():
     from flax import nnx
 
     from jaxserve.engine.engine_config import EngineConfig
-    from jaxserve.runner import model_runner
+    from jaxserve.runner import model_runner, runner_config
 
     cfg = _model(None).cfg
     for impl, want in ((None, "native"), ("xla", "xla")):
-        rc = model_runner.resolve(cfg, None, EngineConfig(num_pages=16, max_model_len=64, matmul_impl=impl), 0, 0)
+        rc = runner_config.resolve(cfg, None, EngineConfig(num_pages=16, max_model_len=64, matmul_impl=impl), 0, 0)
         assert rc.matmul_impl == want
         runner = model_runner.ModelRunner(_model(None), cfg, rc)
         leaves = {str(p[-1]) for p, _ in nnx.to_flat_state(runner.target.state)}
@@ -211,7 +211,7 @@ def test_engine_packs_on_the_cpu_and_not_when_told():
     with pytest.raises(ValueError, match="matmul_impl"):
         EngineConfig(matmul_impl="blas")
     with pytest.raises(ValueError, match="matmul_impl"):
-        model_runner.resolve(cfg, None, EngineConfig(matmul_impl="native", tensor_parallel_size=2), 0, 0)
+        runner_config.resolve(cfg, None, EngineConfig(matmul_impl="native", tensor_parallel_size=2), 0, 0)
 
 
 # ---- bfloat16 weights: AMX tiles, AVX512-BF16 dot products, AVX2 / AVX-512 in float32 ----------
@@ -379,11 +379,11 @@ def test_engine_precision_follows_the_host():
     from flax import nnx
 
     from jaxserve.engine.engine_config import EngineConfig
-    from jaxserve.runner import model_runner
+    from jaxserve.runner import model_runner, runner_config
 
     cfg = _model(None).cfg
     opts = dict(num_pages=16, max_model_len=64)
-    resolve = lambda **o: model_runner.resolve(cfg, None, EngineConfig(**opts, **o), 0, 0)  # noqa: E731
+    resolve = lambda **o: runner_config.resolve(cfg, None, EngineConfig(**opts, **o), 0, 0)  # noqa: E731
     with cpu_isa("avx512"):
         rc = resolve()
         assert (rc.matmul_impl, rc.matmul_dtype) == ("native", "float32") and "AMX" in rc.matmul_reason
@@ -559,7 +559,7 @@ def test_int8_model_on_bf16_units_calls_the_w8a16_kernel(bf16_units):
 
     from jaxserve.engine.engine_config import EngineConfig
     from jaxserve.models.linear import pack_native
-    from jaxserve.runner import model_runner
+    from jaxserve.runner import runner_config
 
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 512, (2, 9)), jnp.int32)
     positions = jnp.broadcast_to(jnp.arange(9, dtype=jnp.int32), (2, 9))
@@ -575,7 +575,7 @@ def test_int8_model_on_bf16_units_calls_the_w8a16_kernel(bf16_units):
         got = np.asarray(fwd(state, tokens, positions))
         assert np.max(np.abs(got - want)) <= 0.02 * np.max(np.abs(want))
         cfg = _model(None).cfg
-        rc = model_runner.resolve(cfg, None, EngineConfig(num_pages=16, max_model_len=64, quantization="int8"), 0, 0)
+        rc = runner_config.resolve(cfg, None, EngineConfig(num_pages=16, max_model_len=64, quantization="int8"), 0, 0)
         assert rc.matmul_dtype == "bfloat16" and "W8A16" in rc.matmul_reason
     hlo = fwd.lower(state, tokens, positions).compile().as_text()
     assert hlo.count(f'custom_call_target="{native_matmul.TARGET_Q8_BF16}"') == 2 * 4 + 1

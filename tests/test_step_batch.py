@@ -85,7 +85,7 @@ def test_default_token_buckets_by_backend():
     decodes and a 256-token chunk pads to 384, not 512; the default 256 budget gets none, so
     no executable more at warm-up); elsewhere the powers of two."""
     from jaxserve.engine.engine_config import EngineConfig
-    from jaxserve.runner.model_runner import _token_buckets
+    from jaxserve.runner.runner_config import _token_buckets
 
     assert _token_buckets(EngineConfig(), "cpu") == (1, 8, 16, 32, 64, 128, 256)
     assert _token_buckets(EngineConfig(max_num_batched_tokens=1024), "cpu")[-4:] == (384, 512, 768, 1024)

@@ -24,7 +24,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxserve import kv_math
 from jaxserve.models import eagle
 from jaxserve.models.model_config import ModelConfig
 from jaxserve.parallel.multihost import to_host
@@ -32,6 +31,7 @@ from jaxserve.runner import attention, decode_loop, host_memory, sampling, step_
 from jaxserve.runner.attention import AttentionBackend
 from jaxserve.runner.executable_cache import Deferred, ExecutableStore, Step, compile_ahead
 from jaxserve.runner.host_times import HostTimes, phase
+from jaxserve.runner.runner_config import RunnerConfig, pow2_buckets
 from jaxserve.runner.sampling import sample
 from jaxserve.runner.step_batch import DUMMY_PAGE, GREEDY, Chunk, StepBatch
 from pallas_kernels import reference
@@ -39,29 +39,11 @@ from pallas_kernels import reference
 log = logging.getLogger("jaxserve.runner")
 
 
-def pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
-    out, b = [], lo
-    while b < hi:
-        out.append(b)
-        b *= 2
-    out.append(hi)
-    return tuple(out)
-
-
 def bucket_for(buckets: tuple[int, ...], n: int) -> int:
     i = bisect.bisect_left(buckets, n)
     if i == len(buckets):
         raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
     return buckets[i]
-
-
-def default_attention(backend: str) -> str:
-    """Pallas on TPU/GPU; on the CPU the native FFI kernel where it is built, else XLA."""
-    if backend != "cpu":
-        return "pallas"
-    from pallas_kernels import native
-
-    return "native" if native.available() else "xla"
 
 
 def default_argmax(mesh) -> Callable:
@@ -194,11 +176,17 @@ def _ragged_step(
     fed = jnp.zeros_like(prev_tokens).at[: batch.num_rows].set(out[0])
     if targets is None:
         return (kv, out, fed, *extra)
+    return (kv, out, fed, _score_tokens(logits, targets, num_top), *extra)
+
+
+def _score_tokens(logits, targets, num_top: int):
+    """Every token's score against its target [N]: the log-softmax of its logits [N, V] at the
+    target, the target's rank (1: the most likely) and the top `num_top` (ids, logprobs)."""
     logp = jax.nn.log_softmax(logits, axis=-1)  # float32, as the sampled rows' logprobs
     chosen = jnp.take_along_axis(logp, targets[:, None], axis=-1)[:, 0]
     rank = 1 + jnp.sum(logp > chosen[:, None], axis=-1, dtype=jnp.int32)
     top_lp, top_ids = jax.lax.top_k(logp, num_top)
-    return (kv, out, fed, (chosen, rank, top_ids.astype(jnp.int32), top_lp), *extra)
+    return chosen, rank, top_ids.astype(jnp.int32), top_lp
 
 
 def _copy_pages(kv, src, dst):
@@ -341,32 +329,16 @@ class _Weights:
         name: str,
         module: nnx.Module,
         cfg: ModelConfig,
-        num_pages: int,
-        page_size: int,
-        dtype,
-        attention_impl: str,
-        interpret: bool,
+        rc: RunnerConfig,
         mesh=None,
         store: ExecutableStore | None = None,
-        kv_cache_dtype: str = "auto",
-        matmul_impl: str = "xla",
-        matmul_dtype: str = "float32",
     ):
         self.cfg = cfg
-        if matmul_impl == "native":  # resolve() never picks it under tensor parallelism
-            from jaxserve.models.linear import pack_native
-
-            module.untie_lm_head()  # the model contract (models/contract.py); a no-op where nothing is tied
-            pack_native(module, matmul_dtype)
-        if mesh is not None:  # layers that shard_map themselves (expert parallelism) see the mesh
-            from jaxserve.parallel import sharding as shd
-
-            shd.bind_mesh(module, mesh)
+        kv_cache_dtype = rc.kv_cache_dtype
+        _prepare(module, mesh, rc.matmul_impl, rc.matmul_dtype)
         self.graphdef, self.state = nnx.split(module)
         self.kv_sharding = None
         if mesh is not None:
-            from jax.sharding import NamedSharding
-
             from jaxserve.parallel import sharding as shd
 
             self.state = shd.shard_params(self.state, cfg, mesh)
@@ -376,37 +348,27 @@ class _Weights:
         # On SmolLM2 (183 arrays) that was 0.7-0.9 ms of the host's time per step.
         leaves, self.params_tree = jax.tree.flatten(self.state)
         self.params = tuple(leaves)
-        layer = functools.partial(
-            reference.empty_kv_cache, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim, dtype, kv_cache_dtype
-        )
-        # An EAGLE head's pool: its one layer's KV, then the target's features in pages of the same ids.
         self.eagle = isinstance(module, eagle.EagleHead)
-        if self.eagle:
-            if mesh is not None:
-                raise ValueError("speculative_model: an EAGLE head is not supported with tensor_parallel_size > 1")
-
-            def pool():
-                return (layer(), (eagle.empty_features(num_pages, page_size, cfg.hidden_size, dtype),))
-
-        else:
-
-            def pool():
-                return tuple(layer() for _ in range(cfg.num_layers))
-
-        zeros = jax.jit(pool, out_shardings=self.kv_sharding)
-        self.kv = zeros()
+        if self.eagle and mesh is not None:
+            raise ValueError("speculative_model: an EAGLE head is not supported with tensor_parallel_size > 1")
+        pool = functools.partial(
+            _empty_pool, cfg, self.eagle, rc.num_pages, rc.page_size, jnp.dtype(rc.dtype), kv_cache_dtype
+        )
+        self.kv = jax.jit(pool, out_shardings=self.kv_sharding)()
         self.huge_pages = host_memory.advise_huge_pages_in_background((self.params, self.kv))  # CPU buffers only
-        self.backend = attention.make(attention_impl, interpret)
+        self.backend = attention.make(rc.attention_impl, rc.interpret)
         self.argmax = default_argmax(mesh)
-        replicate = None
-        if mesh is not None:
-            from jax.sharding import NamedSharding, PartitionSpec
-
+        if mesh is not None and rc.attention_impl in ("pallas", "native"):  # custom calls XLA cannot split
             from jaxserve.parallel import sharding as shd
 
-            replicate = NamedSharding(mesh, PartitionSpec())
-            if attention_impl in ("pallas", "native"):  # custom calls XLA cannot split
-                self.backend = self.backend.wrap(lambda fn: shd.shard_attention(fn, cfg, mesh))
+            self.backend = self.backend.wrap(lambda fn: shd.shard_attention(fn, cfg, mesh))
+        self._jit_steps(name, store, _replicated(mesh) if mesh is not None else None)
+
+    def _jit_steps(self, name: str, store: ExecutableStore | None, replicate) -> None:
+        """The model's jitted steps, its KV cache donated and kept on its sharding (`replicate`:
+        the sharding of the other outputs under a mesh): the one step serving runs, the same
+        program as the scoring step (prompt logprobs; kept apart so the executables of each are
+        counted and stored by name), and the page copy."""
 
         def jitted(fn, static=()):
             return jax.jit(
@@ -415,8 +377,6 @@ class _Weights:
                 static_argnames=static,
             )
 
-        # The one step serving runs; with targets, the form that also scores every token (prompt
-        # logprobs), kept apart so the executables of each are counted and stored by name.
         ragged = jitted(
             functools.partial(_ragged_step, self.graphdef, self.backend, argmax_fn=self.argmax),
             ("num_logprobs", "num_top", "with_hidden", "max_steps", "page_size"),
@@ -428,46 +388,108 @@ class _Weights:
         )
 
 
-@dataclasses.dataclass(frozen=True)
-class RunnerConfig:
-    """What the runner needs of the engine's options, resolved for this backend and model. Built
-    only by `resolve` from an EngineConfig, whose declaration holds every option's default and
-    help (docs/options.md): the fields here have neither, only what resolving changed."""
+def _prepare(module: nnx.Module, mesh, matmul_impl: str, matmul_dtype: str) -> None:
+    """Ready a module for its runner, in place: its weights packed for the native matmul, and
+    under a mesh, its layers that shard_map themselves (expert parallelism) bound to it."""
+    if matmul_impl == "native":  # resolve() never picks it under tensor parallelism
+        from jaxserve.models.linear import pack_native
 
-    max_slots: int
-    page_size: int
-    max_model_len: int
-    num_pages: int
-    # The ragged step's padded token counts (the last one is the step's token budget,
-    # max_num_batched_tokens); a step of T tokens has min(T, max_slots) rows.
-    token_buckets: tuple[int, ...]
-    dtype: str
-    attention_impl: str
-    interpret: bool
-    kv_cache_dtype: str  # "auto" resolved to bfloat16 where the CPU computes in bfloat16 by default
-    matmul_impl: str
-    matmul_dtype: str
-    matmul_reason: str  # why that matmul_impl / matmul_dtype (the start-up log, model info)
-    max_logprobs: int  # the top-n alternatives a decode step computes when any row asks for logprobs
-    prompt_logprobs: bool  # warm up the scoring prefill (enable_prompt_logprobs)
-    num_speculative_tokens: int  # k of a speculative step; 0 = no speculation
-    num_scheduler_steps: int
-    # on the CPU CPU_COMPUTE_BOUND_ROWS // (k + 1) by default; None: always speculate
-    speculative_disable_by_batch_size: int | None
-    tensor_parallel_size: int
-    expert_parallel_size: int
-    # Speculative batch buckets are powers of two from 8 rows (on TPU/GPU a sublane tile: fewer
-    # rows cost the same). On the CPU every padded row costs its share of the matmuls, so a lone
-    # request gets a bucket of one row.
-    single_row_bucket: bool
-    store_context: str | None  # with compilation_cache_dir: the key of the executable store
-    compilation_cache_dir: str | None
+        module.untie_lm_head()  # the model contract (models/contract.py); a no-op where nothing is tied
+        pack_native(module, matmul_dtype)
+    if mesh is not None:
+        from jaxserve.parallel import sharding as shd
 
-    @property
-    def weight_dtype(self) -> str:
-        """What the matmuls read the float weights as: the native kernel's packing, or under
-        XLA the model dtype (bfloat16 on a GPU or TPU), for the start-up log and model info."""
-        return self.matmul_dtype if self.matmul_impl == "native" else self.dtype
+        shd.bind_mesh(module, mesh)
+
+
+def _empty_pool(cfg: ModelConfig, is_eagle: bool, num_pages: int, page_size: int, dtype, kv_cache_dtype: str):
+    """A model's KV page pool, zeroed: a cache tuple per layer; an EAGLE head's is its one
+    layer's KV, then the target's features in pages of the same ids."""
+    layer = functools.partial(
+        reference.empty_kv_cache, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim, dtype, kv_cache_dtype
+    )
+    if is_eagle:
+        return (layer(), (eagle.empty_features(num_pages, page_size, cfg.hidden_size, dtype),))
+    return tuple(layer() for _ in range(cfg.num_layers))
+
+
+def _mesh(cfg: RunnerConfig, model_cfg: ModelConfig, draft_cfg: ModelConfig | None):
+    """The device mesh of a model split across chips (tensor or expert parallelism), or None;
+    ValueError where the model's shapes do not divide."""
+    if cfg.tensor_parallel_size <= 1 and cfg.expert_parallel_size <= 1:
+        return None
+    from jaxserve.parallel import sharding as shd
+
+    for c in (model_cfg, draft_cfg):
+        if c is not None:
+            shd.check_divisible(c, cfg.tensor_parallel_size)
+    shd.check_expert_parallel(model_cfg, cfg.expert_parallel_size)
+    return shd.make_mesh(cfg.tensor_parallel_size, ep=cfg.expert_parallel_size)
+
+
+def _executable_store(cfg: RunnerConfig, mesh) -> ExecutableStore | None:
+    """The store that keeps compiled steps across restarts (compilation_cache_dir), or None
+    (not asked for, or its directory cannot be used: a warning, not an error)."""
+    if not cfg.compilation_cache_dir:
+        return None
+    try:
+        devices = list(mesh.devices.flat) if mesh is not None else None  # None: the default device
+        return ExecutableStore(cfg.compilation_cache_dir, cfg.store_context or repr(cfg), devices)
+    except OSError as e:
+        log.warning("compiled steps are not kept across restarts: %s", e)
+        return None
+
+
+def _batch_buckets(cfg: RunnerConfig) -> tuple[int, ...]:
+    """A speculative step's row buckets. It runs over the live sequences only, padded to a
+    power-of-two batch of k + 1 tokens each: the slot a request holds is host bookkeeping, the
+    device addresses KV through pages."""
+    buckets = pow2_buckets(min(8, cfg.max_slots), cfg.max_slots)
+    if cfg.single_row_bucket and buckets[0] > 1:
+        buckets = (1, *buckets)
+    return buckets
+
+
+def _replicated(mesh):
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    return NamedSharding(mesh, PartitionSpec())
+
+
+def _speculative_step(name: str, fn: Callable, w: _Weights, store, static=("do_sample",), **kw) -> Step:
+    """fn(graphdef, backend, params, kv, batch, ..., do_sample, argmax_fn) of model w, jitted
+    with its KV cache donated (and kept on its sharding), do_sample static."""
+    jitted = on_flat_params(functools.partial(fn, w.graphdef, w.backend, argmax_fn=w.argmax, **kw), w.params_tree)
+    return Step(
+        name,
+        jax.jit(pin_kv(jitted, w.kv_sharding, 0), donate_argnums=(1,), static_argnames=static),
+        store,
+        fixed=2,
+    )
+
+
+def _speculative_steps(target: _Weights, draft: _Weights | None, store, page_size: int) -> tuple:
+    """A speculative engine's jitted steps (runner/speculative.py): (the target's verify step of
+    k + 1 tokens a row, its prompt-lookup twin inside the ragged step, a draft's propose step,
+    an EAGLE head's fill (features and KV over a target step), its write of the target's
+    features at the verified positions), None where the engine has no such step."""
+    from jaxserve.runner import speculative
+
+    verify = _speculative_step("verify", speculative.verify, target, store, ("do_sample", "with_hidden"))
+    # prompt lookup: verification rides in the ragged step with the prompt chunks
+    verify_ragged = _speculative_step("verify-ragged", speculative.verify_ragged, target, store)
+    propose = fill = write = None
+    if draft is not None and draft.eagle:
+        d = draft
+        propose = _speculative_step("propose", speculative.eagle_propose, d, store, page_size=page_size)
+        fill = on_flat_params(
+            functools.partial(speculative.eagle_fill, d.graphdef, d.backend, page_size=page_size), d.params_tree
+        )
+        fill = Step("draft-fill", jax.jit(fill, donate_argnums=(1,)), store, fixed=2)
+        write = Step("draft-write", jax.jit(speculative.eagle_write, donate_argnums=(0,)), store, fixed=1)
+    elif draft is not None:
+        propose = _speculative_step("propose", speculative.draft_propose, draft, store)
+    return verify, verify_ragged, propose, fill, write
 
 
 class ModelRunner:
@@ -493,57 +515,22 @@ class ModelRunner:
         self.table_width = -(-self.max_pages_per_seq // 2) * 2
         self.token_buckets = cfg.token_buckets
         self.num_pages = cfg.num_pages
-        self.mesh = None
-        if cfg.tensor_parallel_size > 1 or cfg.expert_parallel_size > 1:
-            from jaxserve.parallel import sharding as shd
-
-            for c in (model_cfg, draft_cfg):
-                if c is not None:
-                    shd.check_divisible(c, cfg.tensor_parallel_size)
-            shd.check_expert_parallel(model_cfg, cfg.expert_parallel_size)
-            self.mesh = shd.make_mesh(cfg.tensor_parallel_size, ep=cfg.expert_parallel_size)
+        self.mesh = _mesh(cfg, model_cfg, draft_cfg)
         from jaxserve.parallel import multihost
 
         self.broadcaster = multihost.StepBroadcaster() if multihost.is_multiprocess() else None
-        self.store = None  # compiled steps kept across restarts; with several processes JAX's cache does it
-        if cfg.compilation_cache_dir and self.broadcaster is None:
-            try:
-                devices = list(self.mesh.devices.flat) if self.mesh is not None else None  # None: the default device
-                self.store = ExecutableStore(cfg.compilation_cache_dir, cfg.store_context or repr(cfg), devices)
-            except OSError as e:
-                log.warning("compiled steps are not kept across restarts: %s", e)
-        build = lambda n, m, c: _Weights(
-            n,
-            m,
-            c,
-            self.num_pages,
-            ps,
-            self.dtype,
-            self.attention_impl,  # noqa: E731
-            cfg.interpret,
-            self.mesh,
-            self.store,
-            kv_cache_dtype=cfg.kv_cache_dtype,
-            matmul_impl=cfg.matmul_impl,
-            matmul_dtype=cfg.matmul_dtype,
-        )
-        self.target = build("target", model, model_cfg)
-        self.draft = build("draft", draft, draft_cfg) if draft is not None else None
+        # compiled steps kept across restarts; with several processes JAX's cache does it
+        self.store = _executable_store(cfg, self.mesh) if self.broadcaster is None else None
+        self.target = _Weights("target", model, model_cfg, cfg, self.mesh, self.store)
+        self.draft = _Weights("draft", draft, draft_cfg, cfg, self.mesh, self.store) if draft is not None else None
         self.models = [w for w in (self.target, self.draft) if w is not None]
         self.copy_batch = max(8, cfg.max_slots)
-        # Speculative steps run over the live sequences only, padded to a power-of-two batch of
-        # k + 1 tokens each: the slot a request holds is host bookkeeping, the device
-        # addresses KV through pages.
-        self.batch_buckets = pow2_buckets(min(8, cfg.max_slots), cfg.max_slots)
-        if cfg.single_row_bucket and self.batch_buckets[0] > 1:
-            self.batch_buckets = (1, *self.batch_buckets)
+        self.batch_buckets = _batch_buckets(cfg)
         # The previous step's sampled ids, on the device (row i at index i): the next step reads
         # its fed tokens from here (step_async's feed).
         self._prev_tokens = jnp.zeros((max(cfg.max_slots, self.rows_for(self.token_buckets[-1])),), jnp.int32)
-        if self.mesh is not None:
-            from jax.sharding import NamedSharding, PartitionSpec
-
-            self._prev_tokens = jax.device_put(self._prev_tokens, NamedSharding(self.mesh, PartitionSpec()))
+        if self.mesh is not None:  # replicated
+            self._prev_tokens = jax.device_put(self._prev_tokens, _replicated(self.mesh))
         self._bucket_defaults: dict[int, step_batch.Defaults] = {}
         self.spec_k = cfg.num_speculative_tokens
         # Decode steps one plain call may run (decode_loop.py); a speculative engine makes several
@@ -551,41 +538,13 @@ class ModelRunner:
         self.max_steps = cfg.num_scheduler_steps if not self.spec_k and draft is None else 1
         self.host_times: HostTimes | None = None  # the step's host CPU time by phase, when measured
         if self.spec_k:
-            from jaxserve.runner import speculative
-
-            t = self.target
-            static = ("do_sample", "with_hidden")
-            self._verify = self._speculative_step("verify", speculative.verify, t, static)
-            # prompt lookup: verification rides in the ragged step with the prompt chunks
-            self._verify_ragged = self._speculative_step("verify-ragged", speculative.verify_ragged, t)
-            if self.eagle:
-                d, ps = self.draft, cfg.page_size
-                self._propose = self._speculative_step("propose", speculative.eagle_propose, d, page_size=ps)
-                fill = on_flat_params(
-                    functools.partial(speculative.eagle_fill, d.graphdef, d.backend, page_size=ps), d.params_tree
-                )
-                self._eagle_fill = Step("draft-fill", jax.jit(fill, donate_argnums=(1,)), self.store, fixed=2)
-                self._eagle_write = Step(
-                    "draft-write", jax.jit(speculative.eagle_write, donate_argnums=(0,)), self.store, fixed=1
-                )
-            elif self.draft is not None:
-                self._propose = self._speculative_step("propose", speculative.draft_propose, self.draft)
+            steps = _speculative_steps(self.target, self.draft, self.store, ps)
+            self._verify, self._verify_ragged, self._propose, self._eagle_fill, self._eagle_write = steps
 
     @property
     def eagle(self) -> bool:
         """The draft is an EAGLE head (models/eagle.py), fed the target's features."""
         return self.draft is not None and self.draft.eagle
-
-    def _speculative_step(self, name: str, fn: Callable, w: _Weights, static=("do_sample",), **kw) -> Step:
-        """fn(graphdef, backend, params, kv, batch, ..., do_sample, argmax_fn) of model w, jitted
-        with its KV cache donated (and kept on its sharding), do_sample static."""
-        jitted = on_flat_params(functools.partial(fn, w.graphdef, w.backend, argmax_fn=w.argmax, **kw), w.params_tree)
-        return Step(
-            name,
-            jax.jit(pin_kv(jitted, w.kv_sharding, 0), donate_argnums=(1,), static_argnames=static),
-            self.store,
-            fixed=2,
-        )
 
     @property
     def kv(self):
@@ -894,211 +853,3 @@ def _compile_threads() -> int:
     if not value.isdigit() or int(value) < 1:
         raise ValueError(f"JAXSERVE_COMPILE_THREADS: expected a whole number of threads >= 1, got {value!r}")
     return int(value)
-
-
-def resolve(
-    model_cfg: ModelConfig, draft_cfg: ModelConfig | None, engine_cfg, weight_bytes: int, max_logprobs: int
-) -> RunnerConfig:
-    """The engine's options resolved for this backend and model: dtype, attention, the pool
-    size (from memory and kv-math), buckets. Raises ValueError when one max-length request
-    cannot fit."""
-    backend = jax.default_backend()
-    cfg = engine_cfg
-    dtype = jnp.dtype(cfg.dtype or ("float32" if backend == "cpu" else "bfloat16"))
-    max_model_len = min(cfg.max_model_len or min(model_cfg.max_context, 2048), model_cfg.max_context)
-    ps = cfg.page_size
-    max_pages_per_seq = -(-max_model_len // ps)
-    token_buckets = _token_buckets(cfg, backend)
-    matmul_impl = _resolve_matmul(cfg, backend)
-    matmul_dtype, matmul_reason = _resolve_matmul_dtype(cfg, matmul_impl)
-    if cfg.quantization == "int8" and matmul_dtype == "bfloat16":
-        from pallas_kernels import native_matmul
-
-        matmul_reason += (
-            "; int8 weights widened to bfloat16 in the kernel (W8A16)"
-            if native_matmul.bf16_units()
-            else "; int8 weights in float32 arithmetic (no bfloat16 units)"
-        )
-    kv_cache_dtype = cfg.kv_cache_dtype
-    if kv_cache_dtype == "auto" and cfg.dtype is None and matmul_dtype == "bfloat16":
-        # computing in bfloat16 (AMX / AVX512-BF16) by default: cache in bfloat16 too, as vLLM's CPU
-        # backend does (half the bytes every decode step reads); dtype="float32" keeps float32 pages
-        kv_cache_dtype = "bfloat16"
-    bytes_per_token = kv_bytes_per_token(dtype.name, model_cfg, draft_cfg, kv_cache_dtype=kv_cache_dtype)
-    num_pages = cfg.num_pages or _pool_pages(cfg, ps * bytes_per_token, max_pages_per_seq, weight_bytes)
-    if num_pages < max_pages_per_seq + 1:
-        raise ValueError(
-            f"KV cache too small: one request of max_model_len={max_model_len} needs "
-            f"{max_pages_per_seq} pages of {ps} tokens ({max_pages_per_seq * ps * bytes_per_token / 2**20:.1f} MiB "
-            f"at {bytes_per_token} bytes/token) plus the reserved page, but the pool has {num_pages} "
-            f"pages; raise num_pages / kv_cache_memory_bytes or lower max_model_len"
-        )
-    if cfg.attention_impl == "native":
-        from pallas_kernels import native
-
-        if backend != "cpu" or not native.available():
-            why = "it runs on the CPU only" if backend != "cpu" else native.unavailable_reason()
-            raise ValueError(f"attention_impl='native' is unavailable here: {why}")
-    attention_impl = cfg.attention_impl or default_attention(backend)
-    if kv_cache_dtype == "fp8" and attention_impl == "native":
-        if cfg.attention_impl == "native":
-            raise ValueError(
-                "kv_cache_dtype='fp8' is not supported by attention_impl='native' (the CPU kernel reads "
-                "int8 pages); use kv_cache_dtype='int8' or attention_impl='xla'"
-            )
-        attention_impl = "xla"  # the CPU default falls back to the XLA path, which reads fp8 pages
-    spec_k = cfg.num_speculative_tokens if cfg.speculative_model else 0
-    spec_max_batch = cfg.speculative_disable_by_batch_size
-    adaptive = cfg.speculative_model == "ngram" and cfg.speculative_adaptive
-    if spec_max_batch is None and spec_k and backend == "cpu" and not adaptive:  # compute-bound from ~16 rows
-        spec_max_batch = max(1, CPU_COMPUTE_BOUND_ROWS // (spec_k + 1))
-    return RunnerConfig(
-        max_slots=cfg.max_slots,
-        page_size=ps,
-        max_model_len=max_model_len,
-        num_pages=num_pages,
-        token_buckets=token_buckets,
-        dtype=dtype.name,
-        attention_impl=attention_impl,
-        interpret=cfg.interpret if cfg.interpret is not None else backend == "cpu",
-        kv_cache_dtype=kv_cache_dtype,
-        matmul_impl=matmul_impl,
-        matmul_dtype=matmul_dtype,
-        matmul_reason=matmul_reason,
-        max_logprobs=min(max_logprobs, model_cfg.vocab_size),
-        prompt_logprobs=cfg.enable_prompt_logprobs,
-        num_speculative_tokens=spec_k,
-        num_scheduler_steps=cfg.num_scheduler_steps,
-        speculative_disable_by_batch_size=spec_max_batch,
-        tensor_parallel_size=cfg.tensor_parallel_size,
-        expert_parallel_size=cfg.expert_parallel_size,
-        single_row_bucket=backend == "cpu",
-        compilation_cache_dir=cfg.compilation_cache_dir,
-        # what the executables were compiled for, as resolved here (packed weights or not)
-        store_context=f"{dataclasses.replace(cfg, compilation_cache_dir=None)!r} {model_cfg!r} {draft_cfg!r} "
-        f"matmul={matmul_impl}-{matmul_dtype}",
-    )
-
-
-# The step's token budget by backend when max_num_batched_tokens is not given. On the CPU a step
-# is compute-bound past a few dozen tokens, so its time grows with every prompt token it
-# carries: 256 keeps the decode rows riding with a prompt chunk within a few decode steps'
-# time, and a long prompt's first token within a few hundred ms (docs/benchmarks.md).
-DEFAULT_TOKEN_BUDGET = {"cpu": 256}
-# Rows from which a CPU decode step is compute-bound rather than memory-bound (kv-math's
-# crossover on the 2-core development hosts: docs/architecture.md). A speculative step verifying
-# more rows than this costs about what its rows cost, so it no longer pays: n-gram at batch 8,
-# k = 3 (32 rows) ran 0.76x plain on SmolLM2 (measured on the AVX512-BF16 host).
-CPU_COMPUTE_BOUND_ROWS = 16
-
-
-def _token_buckets(cfg, backend: str) -> tuple[int, ...]:
-    """The ragged step's token buckets: `token_buckets` as given, else powers of two from 16 to
-    the budget (`max_num_batched_tokens`), on the CPU with 1 and 8 below them and 1.5x each
-    power from 256 (384, 768, ...) between them (padded tokens cost real work there: 16 decode
-    rows beside a 256-token chunk padded to 512 cost 1.33x the chunk, to 384 1.12x; and a lone
-    decode is the latency case). The budget must hold a
-    decode row of every slot; ValueError naming the field otherwise."""
-    if cfg.token_buckets:
-        buckets = tuple(cfg.token_buckets)
-        if cfg.max_num_batched_tokens is not None and cfg.max_num_batched_tokens != buckets[-1]:
-            raise ValueError(
-                f"max_num_batched_tokens ({cfg.max_num_batched_tokens}) must equal the largest of token_buckets "
-                f"{buckets}"
-            )
-        name = "token_buckets"
-    else:
-        budget = cfg.max_num_batched_tokens or DEFAULT_TOKEN_BUDGET.get(backend, 512)
-        buckets = pow2_buckets(16, max(16, budget))
-        if backend == "cpu":  # padded tokens still cost XLA's elementwise work: past 256, midpoints
-            mids = [b * 3 // 2 for b in buckets if 256 <= b and b * 3 // 2 < buckets[-1]]
-            buckets = tuple(sorted({1, 8, *buckets, *mids}))
-        name = "max_num_batched_tokens"
-    if buckets[-1] < cfg.max_slots:
-        raise ValueError(
-            f"{name}: a step of {buckets[-1]} tokens cannot hold a decode row of each of {cfg.max_slots} slots"
-        )
-    return buckets
-
-
-def _resolve_matmul(cfg, backend: str) -> str:
-    """The native matmul on the CPU where it is built and the model is not split across chips
-    (XLA's partitioner cannot split a custom call); XLA's dot otherwise."""
-    from pallas_kernels import native_matmul
-
-    if cfg.matmul_impl == "native":
-        if backend != "cpu" or not native_matmul.available():
-            why = "it runs on the CPU only" if backend != "cpu" else native_matmul.unavailable_reason()
-            raise ValueError(f"matmul_impl='native' is unavailable here: {why}")
-        if cfg.tensor_parallel_size > 1 or cfg.expert_parallel_size > 1:
-            raise ValueError(
-                "matmul_impl='native' cannot be split across chips; use tensor_parallel_size=1 and "
-                "expert_parallel_size=1, or 'xla'"
-            )
-        return "native"
-    one_chip = cfg.tensor_parallel_size == 1 and cfg.expert_parallel_size == 1
-    if cfg.matmul_impl is None and backend == "cpu" and one_chip and native_matmul.available():
-        return "native"
-    return "xla"
-
-
-def _bf16_unit() -> str:
-    from pallas_kernels import native
-
-    return {
-        "amx": "AMX bf16 tiles",
-        "avx512bf16": "AVX512-BF16 dot products",
-    }.get(native.cpu_isa(), f"{native.cpu_isa().upper()}: bfloat16 weights widened to float32, float32 arithmetic")
-
-
-def _resolve_matmul_dtype(cfg, matmul_impl: str) -> tuple[str, str]:
-    """The native matmul's float weights and why: bfloat16 (AMX tiles or AVX512-BF16 dot products)
-    by default where the CPU has them and the user left ``dtype`` unset (an explicit dtype="float32" keeps today's
-    exact path); float32 otherwise. An explicit matmul_dtype="bfloat16" runs on any AVX2 host (half the
-    weight bytes; float32 arithmetic without the bfloat16 units) and is refused where the kernel cannot
-    run (ValueError naming the field)."""
-    from pallas_kernels import native_matmul
-
-    if matmul_impl != "native":
-        if cfg.matmul_dtype == "bfloat16":
-            raise ValueError("matmul_dtype='bfloat16' needs the native CPU matmul (matmul_impl='native')")
-        return "float32", f"matmul_impl={matmul_impl}"
-    if cfg.matmul_dtype == "bfloat16":
-        why_not = native_matmul.bf16_unavailable_reason()
-        if why_not:
-            raise ValueError(f"matmul_dtype='bfloat16' is unavailable here: {why_not}")
-        return "bfloat16", f"matmul_dtype='bfloat16' ({_bf16_unit()})"
-    if cfg.matmul_dtype == "float32":
-        return "float32", "matmul_dtype='float32'"
-    if cfg.dtype is not None:
-        return "float32", f"dtype={cfg.dtype!r} given (matmul_dtype='bfloat16' for the CPU's bfloat16 units)"
-    why_not = native_matmul.bf16_units_missing_reason()
-    if why_not:
-        hint = "; matmul_dtype='bfloat16' halves the weights' bytes" if native_matmul.bf16_available() else ""
-        return "float32", why_not + hint
-    return "bfloat16", f"default on a CPU with {_bf16_unit()} (matmul_dtype='float32' for the exact float32 path)"
-
-
-def kv_bytes_per_token(dtype: str, *cfgs: ModelConfig | None, kv_cache_dtype: str = "auto") -> int:
-    """KV bytes one token takes in the pool, the target's and a draft's together; an 8-bit
-    cache ("int8" / "fp8") counts its bfloat16 per-token-per-head scales too."""
-    kv = _KV_DTYPE[dtype] if kv_cache_dtype == "auto" else _KV_DTYPE.get(kv_cache_dtype, kv_cache_dtype)
-    total = sum(kv_math.kv_bytes_per_token(c.shape(), kv_dtype=kv) for c in cfgs if c is not None)
-    # an EAGLE head's pool also holds the target's feature at every token, in the model's dtype
-    return total + sum(
-        c.hidden_size * jnp.dtype(dtype).itemsize for c in cfgs if c and c.architecture == eagle.ARCHITECTURE
-    )
-
-
-def _pool_pages(cfg, bytes_per_page: int, max_pages_per_seq: int, weight_bytes: int) -> int:
-    budget = cfg.kv_cache_memory_bytes
-    if budget is None:
-        stats = jax.local_devices()[0].memory_stats() or {}  # every process: its own chips
-        if "bytes_limit" in stats:
-            budget = int(stats["bytes_limit"] * cfg.memory_fraction) - weight_bytes - stats.get("bytes_in_use", 0)
-        else:  # CPU: enough for every slot at full length, at most 2 GiB
-            budget = min(2 << 30, (cfg.max_slots * max_pages_per_seq + 1) * bytes_per_page)
-    return max(0, budget // bytes_per_page)
-
-
-_KV_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}

@@ -187,7 +187,7 @@ def decode_step_runner(
     from jaxserve.engine.engine_config import EngineConfig
     from jaxserve.models.llama import LlamaForCausalLM
     from jaxserve.models.model_config import ModelConfig
-    from jaxserve.runner import model_runner
+    from jaxserve.runner import model_runner, runner_config
     from jaxserve.runner.step_batch import GREEDY, Chunk
 
     cfg = ModelConfig(
@@ -218,7 +218,7 @@ def decode_step_runner(
         matmul_dtype=matmul_dtype if matmul_impl != "xla" else None,
         enable_prefix_caching=False,
     )
-    rc = model_runner.resolve(cfg, None, engine_cfg, weight_bytes=0, max_logprobs=0)
+    rc = runner_config.resolve(cfg, None, engine_cfg, weight_bytes=0, max_logprobs=0)
     module = LlamaForCausalLM(cfg, dtype="float32", rngs=nnx.Rngs(0))
     if quantization is not None:
         from jaxserve.models.linear import quantize_modules
