@@ -15,11 +15,15 @@ Arithmetic is float32; the result has q's dtype. The C++ kernel is
 for all the query heads sharing it, online softmax per page, the next page prefetched, work
 shared with XLA's own CPU thread pool.
 
-The shared library ``cpu/_jaxserve_cpu.so`` is built by ``pip install`` (setup.py calls
-``build_library``). In a source checkout without it (or with a source newer than it) the first
-use builds it with the system C++ compiler, into the package if writable, else into the user
-cache. Where it cannot be built or loaded, ``available()`` is False and one warning is logged
-to ``jaxserve.kernels``; importing this module never raises.
+The shared library ``cpu/_jaxserve_cpu.so`` is built at install time only: ``pip install`` and
+``pip install -e .`` (setup.py calls ``build_library``), or by hand after editing the C++
+(``python -m pallas_kernels.native build``, which ``make native`` runs). Run time never compiles:
+a library that is missing, or (where the sources sit beside it: a checkout) was built from
+other sources than these (the sha256 the build embeds), is not loaded; ``available()`` is then
+False, ``unavailable_reason()`` names the command that rebuilds it and one warning is logged to
+``jaxserve.kernels``. The automatic backend choice then takes the XLA path (an install without a
+compiler still serves); a backend asked for by name raises with that reason. Importing this
+module never raises.
 """
 
 from __future__ import annotations
@@ -149,28 +153,18 @@ def _built_from(lib: Path, digest: str) -> bool:
         return False
 
 
+REBUILD = "python -m pallas_kernels.native build (make native; or reinstall: pip install -e .)"
+
+
 def _locate() -> Path:
-    """The library to load; where the source is here too (a source checkout, or an install that
-    ships it) and the library is missing or was built from another version of it, build it
-    first: into the package if writable, else into the user cache."""
+    """The library to load. Raises RuntimeError, naming the command that rebuilds it, where it is
+    missing or (a checkout, whose sources sit beside it) was built from other sources."""
     lib = CPU_DIR / LIB_NAME
-    if not all(s.exists() for s in SOURCES):
-        if lib.exists():
-            return lib
-        raise RuntimeError(f"{lib} is missing (the C++ build failed or was skipped at install)")
-    digest = source_digest()
-    if _built_from(lib, digest):
-        return lib
-    why = "missing" if not lib.exists() else "built from another version of its source"
-    if os.access(CPU_DIR, os.W_OK):
-        target = lib
-    else:
-        base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "jaxserve"
-        target = base / f"_jaxserve_cpu-{digest[:16]}.so"
-        if _built_from(target, digest):
-            return target
-    log.info("native CPU kernels: %s is %s; building %s with the system C++ compiler", lib.name, why, target)
-    return build_library(target)
+    if not lib.exists():
+        raise RuntimeError(f"{lib} is missing (its C++ build failed or was skipped at install); build it: {REBUILD}")
+    if all(s.exists() for s in SOURCES) and not _built_from(lib, source_digest(SOURCES)):
+        raise RuntimeError(f"{lib} was built from other sources than {CPU_DIR}/*.cc; rebuild it: {REBUILD}")
+    return lib
 
 
 _lock = threading.Lock()
@@ -192,8 +186,7 @@ def _load():
             lib.jaxserve_cpu_abi_version.restype = ctypes.c_int
             if lib.jaxserve_cpu_abi_version() != ABI_VERSION:
                 raise RuntimeError(
-                    f"{path} has ABI {lib.jaxserve_cpu_abi_version()}, expected {ABI_VERSION}; "
-                    "rebuild it (pip install -e .)"
+                    f"{path} has ABI {lib.jaxserve_cpu_abi_version()}, expected {ABI_VERSION}; rebuild it: {REBUILD}"
                 )
             for name in ("jaxserve_cpu_isa", "jaxserve_cpu_best_isa", "jaxserve_cpu_set_isa"):
                 getattr(lib, name).restype = ctypes.c_int
@@ -440,6 +433,27 @@ def _call(targets, q, k_pages, v_pages, k_scales, v_scales, scale, kv_heads_per_
     return out.astype(out_dtype)
 
 
-if __name__ == "__main__":  # python -m pallas_kernels.native [OUT.so]: build the library
-    logging.basicConfig(level=logging.INFO)
-    print(build_library(Path(sys.argv[1]) if len(sys.argv) > 1 else CPU_DIR / LIB_NAME))
+def main(argv: list[str] | None = None) -> int:
+    """``python -m pallas_kernels.native build [OUT.so]``: compile the library (default: into the
+    package, where the loader looks); ``check``: say whether the library here is loadable and
+    current (exit status 1 where it is not)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m pallas_kernels.native", description=main.__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    build = sub.add_parser("build", help="compile the native CPU kernels")
+    build.add_argument("out", nargs="?", type=Path, default=CPU_DIR / LIB_NAME)
+    sub.add_parser("check", help="is the library built from these sources and loadable?")
+    args = parser.parse_args(argv)
+    if args.command == "build":
+        print(build_library(args.out))
+        return 0
+    if available():
+        print(f"{_state['path']}: current, {cpu_isa()}")
+        return 0
+    print(unavailable_reason(), file=sys.stderr)
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -15,8 +15,8 @@ The ragged entry point (``native.ragged_paged_attention``: one flat token array,
 float32, bfloat16 and int8 pages) against ``reference.ragged_paged_attention``, equal bit for
 bit to the dense entry point and to each row alone, and the serving wrapper inside ``jax.jit``.
 
-The library is built by the install (setup.py) or on first use in a source checkout: if it is
-unavailable these tests fail, they do not skip.
+The library is built by the install (setup.py) or by ``python -m pallas_kernels.native build``
+(``make native``), never at run time: if it is unavailable these tests fail, they do not skip.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def _check(rng, lens, t, ratio, kvh, d, ps, dtype, extra_cols, q_dtype=None):
 
 
 def test_library_is_available():
-    """The install builds the library (a source checkout builds it on first use)."""
+    """The install builds the library (`make native` rebuilds it after an edit of the C++)."""
     assert native.available(), native.unavailable_reason()
     assert native.cpu_isa() in native.ISAS
     if native.SOURCE.exists():  # the loaded library was built from this source
@@ -252,6 +252,57 @@ def test_unavailable_library_warns_once(monkeypatch, caplog):
                 jnp.zeros((1, 1), jnp.int32),
                 1.0,
             )
+    finally:
+        native._state.clear()
+        native._state.update(saved)
+    assert native.available()
+
+
+def _library_beside(tmp_path, monkeypatch, edit: bool):
+    """native's paths pointed at a copy of the library and its sources in tmp_path (one source
+    edited if `edit`); returns the copied library."""
+    cpu = tmp_path / "cpu"
+    cpu.mkdir(parents=True)
+    for s in (*native.SOURCES, *native.CPU_DIR.glob("*.h")):
+        (cpu / s.name).write_bytes(s.read_bytes() + (b"// edited\n" if edit and s.name == native.SOURCE.name else b""))
+    lib = cpu / native.LIB_NAME
+    lib.write_bytes(native._state["path"].read_bytes())
+    monkeypatch.setattr(native, "CPU_DIR", cpu)
+    monkeypatch.setattr(native, "SOURCES", tuple(cpu / s.name for s in native.SOURCES))
+    return lib
+
+
+def test_run_time_never_builds_the_library(tmp_path, monkeypatch):
+    """A library built from other sources than the checkout's, or none at all, is refused with
+    the command that rebuilds it, and nothing is compiled; the library from these sources loads."""
+    assert native.available()
+    lib = _library_beside(tmp_path, monkeypatch, edit=False)
+    assert native._locate() == lib  # the same sources: current
+    lib = _library_beside(tmp_path / "edited", monkeypatch, edit=True)
+    with pytest.raises(RuntimeError, match="built from other sources.*python -m pallas_kernels.native build"):
+        native._locate()
+    lib.unlink()
+    with pytest.raises(RuntimeError, match="missing.*python -m pallas_kernels.native build"):
+        native._locate()
+    sources = (*native.SOURCES, *native.CPU_DIR.glob("*.h"))
+    assert sorted(p.name for p in lib.parent.iterdir()) == sorted(s.name for s in sources)  # nothing built
+
+
+def test_unavailable_library_falls_back_only_when_not_asked_for(monkeypatch):
+    """Without the library the CPU's automatic attention is XLA; attention_impl='native' is an
+    error that says how to build it."""
+    from jaxserve.runner import model_runner
+
+    saved = dict(native._state)
+    try:
+        native._state.clear()
+
+        def stale():
+            raise RuntimeError(f"built from other sources; rebuild it: {native.REBUILD}")
+
+        monkeypatch.setattr(native, "_locate", stale)
+        assert model_runner.default_attention("cpu") == "xla"
+        assert "python -m pallas_kernels.native build" in native.unavailable_reason()
     finally:
         native._state.clear()
         native._state.update(saved)
