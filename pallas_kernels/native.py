@@ -1,15 +1,13 @@
 """Native CPU kernels called from jitted JAX through XLA FFI.
 
-``paged_attention`` is a drop-in for ``reference.paged_attention`` on the CPU, inside or
-outside ``jax.jit``: q [B, T, H, D] (float32 or bfloat16), pages [num_pages, page_size, KVH, D]
-(float32 or bfloat16; or int8 with bfloat16 scales [num_pages, page_size, KVH], the
-kv_cache_dtype="int8" pool), block_tables [B, P], context_lens [B], positions [B, T]; key j of row b
-is visible to query t iff j < context_lens[b] and j <= positions[b, t] (and, with a sliding window W,
-j > positions[b, t] - W); a query that sees
-nothing gets zeros (the reference would average every key there; no live query is like that).
-``ragged_paged_attention`` is the same kernel over one flat token array (q [N, H, D], rows of any
-query length delimited by query_start_loc [R+1]; ``reference.ragged_paged_attention``'s
-contract; the engine's `native` attention backend calls it).
+``ragged_paged_attention`` is a drop-in for ``reference.ragged_paged_attention`` on the CPU,
+inside or outside ``jax.jit`` (the engine's `native` attention backend): q [N, H, D] (float32 or
+bfloat16) one flat array of query tokens in rows of any length (query_start_loc [R+1]), pages
+[num_pages, page_size, KVH, D] (float32 or bfloat16; or int8 with bfloat16 scales [num_pages,
+page_size, KVH], the kv_cache_dtype="int8" pool), block_tables [R, P], seq_lens [R], positions
+[N]; key j of row r is visible to token n iff j < seq_lens[r] and j <= positions[n] (and, with a
+sliding window W, j > positions[n] - W); a token that sees nothing gets zeros (the reference
+would average every key there; no live query is like that).
 Arithmetic is float32; the result has q's dtype. The C++ kernel is
 ``cpu/paged_attention.cc``: one work item per (row, KV head block), each K/V vector read once
 for all the query heads sharing it, online softmax per page, the next page prefetched, work
@@ -50,10 +48,8 @@ CPU_DIR = Path(__file__).resolve().parent / "cpu"
 SOURCE = CPU_DIR / "paged_attention.cc"
 SOURCES = (SOURCE, CPU_DIR / "matmul.cc", CPU_DIR / "argmax.cc")  # compiled together into one library
 LIB_NAME = "_jaxserve_cpu.so"
-TARGET = "jaxserve_paged_attention"
-TARGET_Q8 = "jaxserve_paged_attention_q8"  # int8 pages + bfloat16 scales (kv_cache_dtype="int8")
 RAGGED_TARGET = "jaxserve_ragged_paged_attention"  # one flat token array, rows of any length
-RAGGED_TARGET_Q8 = "jaxserve_ragged_paged_attention_q8"
+RAGGED_TARGET_Q8 = "jaxserve_ragged_paged_attention_q8"  # int8 pages + bfloat16 scales (kv_cache_dtype="int8")
 ABI_VERSION = (
     6  # must match jaxserve_cpu_abi_version() in the .cc (3: bf16 scales; 4: ragged; 5: avx512bf16; 6: window)
 )
@@ -191,8 +187,6 @@ def _load():
             for name in ("jaxserve_cpu_isa", "jaxserve_cpu_best_isa", "jaxserve_cpu_set_isa"):
                 getattr(lib, name).restype = ctypes.c_int
             lib.jaxserve_cpu_set_isa.argtypes = [ctypes.c_int]
-            jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxservePagedAttention), platform="cpu")
-            jax.ffi.register_ffi_target(TARGET_Q8, jax.ffi.pycapsule(lib.JaxservePagedAttentionQ8), platform="cpu")
             jax.ffi.register_ffi_target(
                 RAGGED_TARGET, jax.ffi.pycapsule(lib.JaxserveRaggedPagedAttention), platform="cpu"
             )
@@ -287,45 +281,6 @@ def set_cpu_isa(name: str) -> str:
 _FLOATS = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 
-def paged_attention(
-    q,
-    k_pages,
-    v_pages,
-    block_tables,
-    context_lens,
-    positions,
-    scale,
-    k_scales=None,
-    v_scales=None,
-    *,
-    kv_heads_per_item: int = 0,
-    sliding_window: int | None = None,
-):
-    """Same arguments and result as ``reference.paged_attention``; runs the native CPU kernel.
-
-    With k_scales/v_scales (bfloat16 [num_pages, page_size, KVH], as the pool stores them;
-    other float types are rounded to bfloat16) the pages are int8 (kv_cache_dtype="int8",
-    reference.quantize_kv) and are dequantized while read; float8
-    pages are not supported here (ValueError). ``kv_heads_per_item`` (0 = automatic) sets how
-    many KV heads one work item covers. ``sliding_window`` W (None or 0: none): each query sees
-    only its last W positions. Raises RuntimeError where ``available()`` is False.
-    """
-    return _call(
-        (TARGET, TARGET_Q8),
-        q,
-        k_pages,
-        v_pages,
-        k_scales,
-        v_scales,
-        scale,
-        kv_heads_per_item,
-        sliding_window,
-        block_tables,
-        context_lens,
-        positions,
-    )
-
-
 def ragged_paged_attention(
     q,
     k_pages,
@@ -348,9 +303,13 @@ def ragged_paged_attention(
     from 0) and reads its keys through block_tables[r]; token n of row r sees key j iff
     j < seq_lens[r] and j <= positions[n]. A token that sees nothing, and every padding token
     (n >= query_start_loc[R]), gets zeros. Decode rows (1 token), prefill chunks and speculative
-    verification (k + 1 tokens) go in one call. Pages, scales, ``kv_heads_per_item``,
-    ``sliding_window`` (key j also hidden when j <= positions[n] - W) and errors as ``paged_attention``; index arrays whose shapes do not fit q and each other raise
-    ValueError naming the field.
+    verification (k + 1 tokens) go in one call. With k_scales/v_scales (bfloat16 [num_pages,
+    page_size, KVH], as the pool stores them; other float types are rounded to bfloat16) the
+    pages are int8 (kv_cache_dtype="int8", reference.quantize_kv) and are dequantized while read;
+    float8 pages are not supported here (ValueError). ``kv_heads_per_item`` (0 = automatic) sets
+    how many KV heads one work item covers; ``sliding_window`` W (None or 0: none) also hides key
+    j when j <= positions[n] - W. Index arrays whose shapes do not fit q and each other raise
+    ValueError naming the field; RuntimeError where ``available()`` is False.
     """
     _check_ragged_shapes(q, query_start_loc, seq_lens, block_tables, positions)
     return _call(

@@ -1,15 +1,12 @@
 // Paged attention on the CPU, called from jitted JAX through XLA FFI.
 //
-// Two layouts of the queries, one kernel:
-// - ragged (JaxserveRaggedPagedAttention[Q8]), the semantics of
-//   pallas_kernels/reference.py::ragged_paged_attention: q [N, H, D] one flat array of tokens;
-//   row r owns tokens [query_start_loc[r], query_start_loc[r + 1]) (query_start_loc [R+1] int32,
-//   nondecreasing from 0) and reads its keys through block_tables[r] [P]; seq_lens [R];
-//   positions [N].  Token n of row r sees key j iff j < seq_lens[r] and j <= positions[n], and
-//   with a sliding window W > 0 (the `window` attribute; 0: none) also j > positions[n] - W.
-//   Decode rows have one token, prefill chunks many, speculative verification k + 1.
-// - dense (JaxservePagedAttention[Q8]), reference.py::paged_attention: q [B, T, H, D],
-//   context_lens [B], positions [B, T]: the ragged case with query_start_loc[b] = b * T.
+// JaxserveRaggedPagedAttention[Q8], the semantics of
+// pallas_kernels/reference.py::ragged_paged_attention: q [N, H, D] one flat array of tokens;
+// row r owns tokens [query_start_loc[r], query_start_loc[r + 1]) (query_start_loc [R+1] int32,
+// nondecreasing from 0) and reads its keys through block_tables[r] [P]; seq_lens [R];
+// positions [N].  Token n of row r sees key j iff j < seq_lens[r] and j <= positions[n], and
+// with a sliding window W > 0 (the `window` attribute; 0: none) also j > positions[n] - W.
+// Decode rows have one token, prefill chunks many, speculative verification k + 1.
 // A token that sees nothing, and every token outside all rows (padding past
 // query_start_loc[R]), gets zeros.  Pages are [num_pages, page_size, KVH, D]; grouped-query
 // attention: H = KVH * G; query head h uses KV head h / G.
@@ -1289,50 +1286,6 @@ ffi::Error run(const char* what, ffi::ThreadPool pool, Problem& pr, ItemFn fn, s
   return ffi::Error::Success();
 }
 
-// The dense handlers: q [B, T, H, D], block_tables [B, P], context_lens [B], positions [B, T];
-// row b owns tokens [b * T, (b + 1) * T) of the flat [B * T, H, D].  Scales null: float pages.
-ffi::Error PagedAttentionCore(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                              const ffi::AnyBuffer* k_scales, const ffi::AnyBuffer* v_scales,
-                              ffi::BufferR2<ffi::S32> bt, ffi::BufferR1<ffi::S32> lens,
-                              ffi::BufferR2<ffi::S32> pos, ffi::Result<ffi::AnyBuffer> out, float scale,
-                              int64_t kv_heads_per_item, int64_t window) {
-  Problem pr{};
-  ItemFn fn = nullptr;
-  if (auto e = setup("paged_attention", 4, q, k, v, k_scales, v_scales, out, pr, fn); e.failure()) return e;
-  auto qd = q.dimensions(), btd = bt.dimensions(), ld = lens.dimensions(), pd = pos.dimensions();
-  const int64_t B = qd[0], T = qd[1];
-  if (btd[0] != B || ld[0] != B || pd[0] != B || pd[1] != T)
-    return ffi::Error::InvalidArgument("paged_attention: block_tables [B,P], context_lens [B], positions [B,T]");
-  pr.R = B;
-  pr.N = B * T;
-  pr.P = btd[1];
-  pr.scale = scale;
-  pr.window = window;
-  pr.bt = bt.typed_data();
-  pr.lens = lens.typed_data();
-  pr.pos = pos.typed_data();
-  std::vector<int64_t> starts(size_t(B + 1));
-  for (int64_t b = 0; b <= B; ++b) starts[b] = b * T;
-  return run("paged_attention", pool, pr, fn, starts, kv_heads_per_item);
-}
-
-ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k,
-                              ffi::AnyBuffer v, ffi::BufferR2<ffi::S32> bt,
-                              ffi::BufferR1<ffi::S32> lens, ffi::BufferR2<ffi::S32> pos,
-                              ffi::Result<ffi::AnyBuffer> out, float scale,
-                              int64_t kv_heads_per_item, int64_t window) {
-  return PagedAttentionCore(pool, q, k, v, nullptr, nullptr, bt, lens, pos, out, scale, kv_heads_per_item, window);
-}
-
-ffi::Error PagedAttentionQ8Impl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k,
-                                ffi::AnyBuffer v, ffi::AnyBuffer k_scales, ffi::AnyBuffer v_scales,
-                                ffi::BufferR2<ffi::S32> bt, ffi::BufferR1<ffi::S32> lens,
-                                ffi::BufferR2<ffi::S32> pos, ffi::Result<ffi::AnyBuffer> out, float scale,
-                                int64_t kv_heads_per_item, int64_t window) {
-  return PagedAttentionCore(pool, q, k, v, &k_scales, &v_scales, bt, lens, pos, out, scale, kv_heads_per_item,
-                            window);
-}
-
 // The ragged handlers: q [N, H, D], query_start_loc [R + 1], seq_lens [R], block_tables [R, P],
 // positions [N].
 ffi::Error RaggedCore(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
@@ -1379,41 +1332,6 @@ ffi::Error RaggedQ8Impl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k
 }
 
 }  // namespace
-
-JS_EXPORT XLA_FFI_Error* JaxservePagedAttention(XLA_FFI_CallFrame* call_frame);
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedAttention, PagedAttentionImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()               // q [B, T, H, D]
-                                  .Arg<ffi::AnyBuffer>()               // k pages
-                                  .Arg<ffi::AnyBuffer>()               // v pages
-                                  .Arg<ffi::BufferR2<ffi::S32>>()      // block_tables [B, P]
-                                  .Arg<ffi::BufferR1<ffi::S32>>()      // context_lens [B]
-                                  .Arg<ffi::BufferR2<ffi::S32>>()      // positions [B, T]
-                                  .Ret<ffi::AnyBuffer>()               // out [B, T, H, D]
-                                  .Attr<float>("scale")
-                                  .Attr<int64_t>("kv_heads_per_item")
-                                  .Attr<int64_t>("window"));
-
-// int8 pages with bfloat16 scales [num_pages, page_size, KVH] (kv_cache_dtype="int8").
-JS_EXPORT XLA_FFI_Error* JaxservePagedAttentionQ8(XLA_FFI_CallFrame* call_frame);
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedAttentionQ8, PagedAttentionQ8Impl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()               // q [B, T, H, D]
-                                  .Arg<ffi::AnyBuffer>()               // k pages (int8)
-                                  .Arg<ffi::AnyBuffer>()               // v pages (int8)
-                                  .Arg<ffi::AnyBuffer>()               // k scales [num_pages, ps, KVH] bf16
-                                  .Arg<ffi::AnyBuffer>()               // v scales
-                                  .Arg<ffi::BufferR2<ffi::S32>>()      // block_tables [B, P]
-                                  .Arg<ffi::BufferR1<ffi::S32>>()      // context_lens [B]
-                                  .Arg<ffi::BufferR2<ffi::S32>>()      // positions [B, T]
-                                  .Ret<ffi::AnyBuffer>()               // out [B, T, H, D]
-                                  .Attr<float>("scale")
-                                  .Attr<int64_t>("kv_heads_per_item")
-                                  .Attr<int64_t>("window"));
 
 // The ragged layout: one flat array of query tokens, rows of any length (decode, prefill chunks,
 // speculative verification in one call).
