@@ -6,7 +6,9 @@
 (``-O3 -std=c++17 -fPIC -shared``, portable: the kernel picks its AVX2/AVX-512 code at run time;
 ``JAXSERVE_CPU_MARCH_NATIVE=1`` adds ``-march=native``). The XLA FFI headers come from jaxlib,
 a build requirement. If the build fails the install still succeeds, with a warning:
-``pallas_kernels.native.available()`` is then False and the XLA path is used.
+``pallas_kernels.native.available()`` is then False and the XLA path is used. This and
+``python -m pallas_kernels.native build`` (``make native``, after editing the C++) are the only
+builds: run time refuses a missing library, or one built from other sources, naming that command.
 """
 
 from __future__ import annotations

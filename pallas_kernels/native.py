@@ -1,25 +1,27 @@
 """Native CPU kernels called from jitted JAX through XLA FFI.
 
-``paged_attention`` is a drop-in for ``reference.paged_attention`` on the CPU, inside or
-outside ``jax.jit``: q [B, T, H, D] (float32 or bfloat16), pages [num_pages, page_size, KVH, D]
-(float32 or bfloat16; or int8 with bfloat16 scales [num_pages, page_size, KVH], the
-kv_cache_dtype="int8" pool), block_tables [B, P], context_lens [B], positions [B, T]; key j of row b
-is visible to query t iff j < context_lens[b] and j <= positions[b, t] (and, with a sliding window W,
-j > positions[b, t] - W); a query that sees
-nothing gets zeros (the reference would average every key there; no live query is like that).
-``ragged_paged_attention`` is the same kernel over one flat token array (q [N, H, D], rows of any
-query length delimited by query_start_loc [R+1]; ``reference.ragged_paged_attention``'s
-contract; the engine's `native` attention backend calls it).
+``ragged_paged_attention`` is a drop-in for ``reference.ragged_paged_attention`` on the CPU,
+inside or outside ``jax.jit`` (the engine's `native` attention backend): q [N, H, D] (float32 or
+bfloat16) one flat array of query tokens in rows of any length (query_start_loc [R+1]), pages
+[num_pages, page_size, KVH, D] (float32 or bfloat16; or int8 with bfloat16 scales [num_pages,
+page_size, KVH], the kv_cache_dtype="int8" pool), block_tables [R, P], seq_lens [R], positions
+[N]; key j of row r is visible to token n iff j < seq_lens[r] and j <= positions[n] (and, with a
+sliding window W, j > positions[n] - W); a token that sees nothing gets zeros (the reference
+would average every key there; no live query is like that).
 Arithmetic is float32; the result has q's dtype. The C++ kernel is
 ``cpu/paged_attention.cc``: one work item per (row, KV head block), each K/V vector read once
 for all the query heads sharing it, online softmax per page, the next page prefetched, work
 shared with XLA's own CPU thread pool.
 
-The shared library ``cpu/_jaxserve_cpu.so`` is built by ``pip install`` (setup.py calls
-``build_library``). In a source checkout without it (or with a source newer than it) the first
-use builds it with the system C++ compiler, into the package if writable, else into the user
-cache. Where it cannot be built or loaded, ``available()`` is False and one warning is logged
-to ``jaxserve.kernels``; importing this module never raises.
+The shared library ``cpu/_jaxserve_cpu.so`` is built at install time only: ``pip install`` and
+``pip install -e .`` (setup.py calls ``build_library``), or by hand after editing the C++
+(``python -m pallas_kernels.native build``, which ``make native`` runs). Run time never compiles:
+a library that is missing, or (where the sources sit beside it: a checkout) was built from
+other sources than these (the sha256 the build embeds), is not loaded; ``available()`` is then
+False, ``unavailable_reason()`` names the command that rebuilds it and one warning is logged to
+``jaxserve.kernels``. The automatic backend choice then takes the XLA path (an install without a
+compiler still serves); a backend asked for by name raises with that reason. Importing this
+module never raises.
 """
 
 from __future__ import annotations
@@ -46,10 +48,8 @@ CPU_DIR = Path(__file__).resolve().parent / "cpu"
 SOURCE = CPU_DIR / "paged_attention.cc"
 SOURCES = (SOURCE, CPU_DIR / "matmul.cc", CPU_DIR / "argmax.cc")  # compiled together into one library
 LIB_NAME = "_jaxserve_cpu.so"
-TARGET = "jaxserve_paged_attention"
-TARGET_Q8 = "jaxserve_paged_attention_q8"  # int8 pages + bfloat16 scales (kv_cache_dtype="int8")
 RAGGED_TARGET = "jaxserve_ragged_paged_attention"  # one flat token array, rows of any length
-RAGGED_TARGET_Q8 = "jaxserve_ragged_paged_attention_q8"
+RAGGED_TARGET_Q8 = "jaxserve_ragged_paged_attention_q8"  # int8 pages + bfloat16 scales (kv_cache_dtype="int8")
 ABI_VERSION = (
     6  # must match jaxserve_cpu_abi_version() in the .cc (3: bf16 scales; 4: ragged; 5: avx512bf16; 6: window)
 )
@@ -149,28 +149,18 @@ def _built_from(lib: Path, digest: str) -> bool:
         return False
 
 
+REBUILD = "python -m pallas_kernels.native build (make native; or reinstall: pip install -e .)"
+
+
 def _locate() -> Path:
-    """The library to load; where the source is here too (a source checkout, or an install that
-    ships it) and the library is missing or was built from another version of it, build it
-    first: into the package if writable, else into the user cache."""
+    """The library to load. Raises RuntimeError, naming the command that rebuilds it, where it is
+    missing or (a checkout, whose sources sit beside it) was built from other sources."""
     lib = CPU_DIR / LIB_NAME
-    if not all(s.exists() for s in SOURCES):
-        if lib.exists():
-            return lib
-        raise RuntimeError(f"{lib} is missing (the C++ build failed or was skipped at install)")
-    digest = source_digest()
-    if _built_from(lib, digest):
-        return lib
-    why = "missing" if not lib.exists() else "built from another version of its source"
-    if os.access(CPU_DIR, os.W_OK):
-        target = lib
-    else:
-        base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "jaxserve"
-        target = base / f"_jaxserve_cpu-{digest[:16]}.so"
-        if _built_from(target, digest):
-            return target
-    log.info("native CPU kernels: %s is %s; building %s with the system C++ compiler", lib.name, why, target)
-    return build_library(target)
+    if not lib.exists():
+        raise RuntimeError(f"{lib} is missing (its C++ build failed or was skipped at install); build it: {REBUILD}")
+    if all(s.exists() for s in SOURCES) and not _built_from(lib, source_digest(SOURCES)):
+        raise RuntimeError(f"{lib} was built from other sources than {CPU_DIR}/*.cc; rebuild it: {REBUILD}")
+    return lib
 
 
 _lock = threading.Lock()
@@ -192,14 +182,11 @@ def _load():
             lib.jaxserve_cpu_abi_version.restype = ctypes.c_int
             if lib.jaxserve_cpu_abi_version() != ABI_VERSION:
                 raise RuntimeError(
-                    f"{path} has ABI {lib.jaxserve_cpu_abi_version()}, expected {ABI_VERSION}; "
-                    "rebuild it (pip install -e .)"
+                    f"{path} has ABI {lib.jaxserve_cpu_abi_version()}, expected {ABI_VERSION}; rebuild it: {REBUILD}"
                 )
             for name in ("jaxserve_cpu_isa", "jaxserve_cpu_best_isa", "jaxserve_cpu_set_isa"):
                 getattr(lib, name).restype = ctypes.c_int
             lib.jaxserve_cpu_set_isa.argtypes = [ctypes.c_int]
-            jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxservePagedAttention), platform="cpu")
-            jax.ffi.register_ffi_target(TARGET_Q8, jax.ffi.pycapsule(lib.JaxservePagedAttentionQ8), platform="cpu")
             jax.ffi.register_ffi_target(
                 RAGGED_TARGET, jax.ffi.pycapsule(lib.JaxserveRaggedPagedAttention), platform="cpu"
             )
@@ -294,45 +281,6 @@ def set_cpu_isa(name: str) -> str:
 _FLOATS = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 
-def paged_attention(
-    q,
-    k_pages,
-    v_pages,
-    block_tables,
-    context_lens,
-    positions,
-    scale,
-    k_scales=None,
-    v_scales=None,
-    *,
-    kv_heads_per_item: int = 0,
-    sliding_window: int | None = None,
-):
-    """Same arguments and result as ``reference.paged_attention``; runs the native CPU kernel.
-
-    With k_scales/v_scales (bfloat16 [num_pages, page_size, KVH], as the pool stores them;
-    other float types are rounded to bfloat16) the pages are int8 (kv_cache_dtype="int8",
-    reference.quantize_kv) and are dequantized while read; float8
-    pages are not supported here (ValueError). ``kv_heads_per_item`` (0 = automatic) sets how
-    many KV heads one work item covers. ``sliding_window`` W (None or 0: none): each query sees
-    only its last W positions. Raises RuntimeError where ``available()`` is False.
-    """
-    return _call(
-        (TARGET, TARGET_Q8),
-        q,
-        k_pages,
-        v_pages,
-        k_scales,
-        v_scales,
-        scale,
-        kv_heads_per_item,
-        sliding_window,
-        block_tables,
-        context_lens,
-        positions,
-    )
-
-
 def ragged_paged_attention(
     q,
     k_pages,
@@ -355,9 +303,13 @@ def ragged_paged_attention(
     from 0) and reads its keys through block_tables[r]; token n of row r sees key j iff
     j < seq_lens[r] and j <= positions[n]. A token that sees nothing, and every padding token
     (n >= query_start_loc[R]), gets zeros. Decode rows (1 token), prefill chunks and speculative
-    verification (k + 1 tokens) go in one call. Pages, scales, ``kv_heads_per_item``,
-    ``sliding_window`` (key j also hidden when j <= positions[n] - W) and errors as ``paged_attention``; index arrays whose shapes do not fit q and each other raise
-    ValueError naming the field.
+    verification (k + 1 tokens) go in one call. With k_scales/v_scales (bfloat16 [num_pages,
+    page_size, KVH], as the pool stores them; other float types are rounded to bfloat16) the
+    pages are int8 (kv_cache_dtype="int8", reference.quantize_kv) and are dequantized while read;
+    float8 pages are not supported here (ValueError). ``kv_heads_per_item`` (0 = automatic) sets
+    how many KV heads one work item covers; ``sliding_window`` W (None or 0: none) also hides key
+    j when j <= positions[n] - W. Index arrays whose shapes do not fit q and each other raise
+    ValueError naming the field; RuntimeError where ``available()`` is False.
     """
     _check_ragged_shapes(q, query_start_loc, seq_lens, block_tables, positions)
     return _call(
@@ -440,6 +392,27 @@ def _call(targets, q, k_pages, v_pages, k_scales, v_scales, scale, kv_heads_per_
     return out.astype(out_dtype)
 
 
-if __name__ == "__main__":  # python -m pallas_kernels.native [OUT.so]: build the library
-    logging.basicConfig(level=logging.INFO)
-    print(build_library(Path(sys.argv[1]) if len(sys.argv) > 1 else CPU_DIR / LIB_NAME))
+def main(argv: list[str] | None = None) -> int:
+    """``python -m pallas_kernels.native build [OUT.so]``: compile the library (default: into the
+    package, where the loader looks); ``check``: say whether the library here is loadable and
+    current (exit status 1 where it is not)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m pallas_kernels.native", description=main.__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    build = sub.add_parser("build", help="compile the native CPU kernels")
+    build.add_argument("out", nargs="?", type=Path, default=CPU_DIR / LIB_NAME)
+    sub.add_parser("check", help="is the library built from these sources and loadable?")
+    args = parser.parse_args(argv)
+    if args.command == "build":
+        print(build_library(args.out))
+        return 0
+    if available():
+        print(f"{_state['path']}: current, {cpu_isa()}")
+        return 0
+    print(unavailable_reason(), file=sys.stderr)
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -21,8 +21,7 @@ bound (causal early stop and no reads past the context) and masks per token by t
 * ``backend="tpu"`` (Mosaic style): grid (items, kv-head blocks, page blocks), the page axis
   sequential with the online softmax state in VMEM scratch. The per-item bound, the item's
   row and the flat block tables are scalar-prefetched into SMEM, and the K/V BlockSpecs' index
-  maps pick each page from them, exactly as the paged decode kernel does
-  (``paged_attention.py``): Pallas pipelines (double-buffers) the page DMAs, across items too,
+  maps pick each page from them: Pallas pipelines (double-buffers) the page DMAs, across items too,
   and past an item's last page the index is clamped (no DMA) and ``pl.when`` skips compute.
 * ``backend="gpu"`` (Triton style): grid (items, kv heads); each program walks its item's
   pages with ``lax.fori_loop`` up to the bound, gathering ``pages_per_block`` pages per
@@ -56,17 +55,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import reference
-from pallas_kernels.flash_attention import (
-    MASK_VALUE,
-    dot_nt,
+from pallas_kernels.lowering import (
+    GPU_TARGET_PROGRAMS,
     gpu_compiler_params,
-    normalise,
-    online_softmax_step,
     resolve,
     tpu_compiler_params,
     tpu_kv_heads_per_block,
 )
-from pallas_kernels.paged_attention import GPU_TARGET_PROGRAMS, combine_splits
+from pallas_kernels.online_softmax import MASK_VALUE, combine_splits, dot_nt, normalise, online_softmax_step
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -508,7 +504,7 @@ def _ragged_gpu(
 
 
 # Split-K fills the GPU when few programs walk long contexts (a small decode batch): enough
-# splits for GPU_TARGET_PROGRAMS programs, as the paged decode kernel does, while the float32
+# splits for GPU_TARGET_PROGRAMS programs, while the float32
 # partials stay small (they are written and read back once).
 _MAX_PARTIAL_BYTES = 16 << 20
 
@@ -589,7 +585,7 @@ def ragged_paged_attention(
     large ones re-read K/V less for long chunks; TPU default 32, any size; GPU default 16, a
     power of two with G * block_q >= 16), pages_per_block (TPU: pages per grid step, default 128 tokens'
     worth; GPU: pages per loop iteration, default 64 tokens' worth), kv_heads_per_block (TPU;
-    default as the flash kernel), num_warps / num_stages (GPU), num_splits (GPU: split-K, each
+    default lowering.tpu_kv_heads_per_block), num_warps / num_stages (GPU), num_splits (GPU: split-K, each
     item's pages cut across that many programs and merged after; default from gpu_splits: several
     for a small decode batch, 1 for a mixed step). None are tuned on hardware.
     sliding_window W (None or 0: full attention): token n sees only keys j > positions[n] - W.

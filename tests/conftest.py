@@ -99,7 +99,6 @@ LONGEST_FILES = (
     "test_native_attention.py",
     "test_llm.py",
     "test_pallas_engine.py",
-    "test_flash_attention.py",
     "test_quantization.py",
 )
 

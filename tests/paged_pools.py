@@ -1,16 +1,38 @@
 """Test data shared by the paged-attention kernel tests (Pallas and native): random arrays,
-the tolerance check, and scattered page pools poisoned with NaN wherever no live context
-reaches, so a kernel that reads a dead slot fails."""
+the tolerance check, scattered page pools poisoned with NaN wherever no live context
+reaches, so a kernel that reads a dead slot fails, and the native kernel called in the dense
+layout of ``reference.paged_attention``."""
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import reference
+from pallas_kernels import native, reference
 
 TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}
 DUMMY = 0  # like the engine: padding entries of block tables point at page 0
+
+
+def native_dense(q, k_pages, v_pages, block_tables, context_lens, positions, scale, k_scales=None, v_scales=None, **kw):
+    """``native.ragged_paged_attention`` with ``reference.paged_attention``'s arguments (q [B, T,
+    H, D], positions [B, T]): row b owns the flat tokens [b * T, (b + 1) * T), so the dense
+    oracle and its tests (decode T = 1, chunks T > 1) check the one native kernel."""
+    b, t = q.shape[:2]
+    out = native.ragged_paged_attention(
+        q.reshape(b * t, *q.shape[2:]),
+        k_pages,
+        v_pages,
+        jnp.arange(b + 1, dtype=jnp.int32) * t,
+        context_lens,
+        block_tables,
+        positions.reshape(b * t),
+        scale,
+        k_scales,
+        v_scales,
+        **kw,
+    )
+    return out.reshape(q.shape)
 
 
 def randn(rng, shape, dtype=jnp.float32):

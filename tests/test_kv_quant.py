@@ -19,14 +19,13 @@ import pytest
 from conftest import cpu_isa, suite_xla_flags
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from paged_pools import close, page_pool, randn
+from paged_pools import close, native_dense, page_pool, randn
 
 from jaxserve import kv_math
 from jaxserve.engine.engine_config import EngineConfig
 from jaxserve.models.model_config import ModelConfig
 from jaxserve.runner import attention, model_runner, runner_config
 from pallas_kernels import native, reference
-from pallas_kernels import paged_attention as pk
 from pallas_kernels import ragged_paged_attention as rpa
 
 DTYPES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
@@ -193,7 +192,7 @@ def _quantized_pool(rng, lens, ps, kvh, d, kind, even_width=False, poison=np.nan
 
 
 _oracle = jax.jit(reference.paged_attention, static_argnums=6)
-_native = jax.jit(native.paged_attention, static_argnums=6)
+_native = jax.jit(native_dense, static_argnums=6)
 _chunked = jax.jit(reference.paged_attention_chunked, static_argnums=(6, 7))
 
 
@@ -241,7 +240,7 @@ def test_native_refuses_fp8_pages():
     clean, _, _, _, bt = _quantized_pool(rng, [20], 8, 2, 32, "fp8")
     cl = jnp.asarray([20], jnp.int32)
     with pytest.raises(ValueError, match="int8"):
-        native.paged_attention(randn(rng, (1, 1, 4, 32)), *clean[:2], bt, cl, cl[:, None] - 1, 0.2, *clean[2:])
+        native_dense(randn(rng, (1, 1, 4, 32)), *clean[:2], bt, cl, cl[:, None] - 1, 0.2, *clean[2:])
 
 
 def test_native_kernel_takes_bfloat16_scales():
@@ -251,13 +250,13 @@ def test_native_kernel_takes_bfloat16_scales():
     rng = np.random.default_rng(5)
     clean, _, _, _, bt = _quantized_pool(rng, [20], 8, 2, 32, "int8")
     assert native.ABI_VERSION >= 3 and clean[2].dtype == jnp.bfloat16  # 3: bfloat16 scales
-    q, cl = randn(rng, (1, 1, 4, 32)), jnp.asarray([20], jnp.int32)
-    call = jax.ffi.ffi_call(native.TARGET_Q8, jax.ShapeDtypeStruct(q.shape, q.dtype))
-    args = (bt, cl, cl[:, None] - 1)
+    q, cl = randn(rng, (1, 4, 32)), jnp.asarray([20], jnp.int32)
+    call = jax.ffi.ffi_call(native.RAGGED_TARGET_Q8, jax.ShapeDtypeStruct(q.shape, q.dtype))
+    args = (jnp.asarray([0, 1], jnp.int32), cl, bt, cl - 1)
     kw = {"scale": np.float32(0.2), "kv_heads_per_item": np.int64(0), "window": np.int64(0)}  # ABI 6: window
     np.testing.assert_array_equal(
         np.asarray(call(q, *clean, *args, **kw)),
-        np.asarray(native.paged_attention(q, *clean[:2], *args, 0.2, *clean[2:])),
+        np.asarray(native.ragged_paged_attention(q, *clean[:2], *args, 0.2, *clean[2:])),
     )
     with pytest.raises(Exception, match="scales must be bfloat16"):
         np.asarray(call(q, *clean[:2], *(s.astype(jnp.float32) for s in clean[2:]), *args, **kw))
@@ -283,28 +282,6 @@ def _check_chunked(rng, kind, b, t, ratio, ps):
     close(got, want, jnp.float32)
     # the oracle itself reads quantized pages the same way
     close(_oracle(q, *bad[:2], bt, cl, pos, 0.25, *bad[2:]), want, jnp.float32)
-
-
-@pytest.mark.parametrize(
-    "backend,kind,ratio,ps,lens",
-    [
-        ("tpu", "fp8", 1, 16, [17, 48]),
-        ("gpu", "fp8", 4, 8, [5, 61]),
-    ],
-)
-def test_pallas_decode_quantized_matches_oracle(backend, kind, ratio, ps, lens):
-    """Both Pallas lowerings (interpreted) dequantize fp8 pages per token in the kernel, with
-    the page-block / split knobs (int8: test_attention_dispatchers_read_quantized_pages)."""
-    rng = np.random.default_rng(sum(lens))
-    _, bad, kd, vd, bt = _quantized_pool(rng, lens, ps, 2, 64, kind, even_width=True)
-    q = randn(rng, (2, 2 * ratio, 64))
-    cl = jnp.asarray(lens, jnp.int32)
-    want = _oracle(q[:, None], kd, vd, bt, cl, cl[:, None] - 1, 0.125)[:, 0]
-    knobs = {"pages_per_block": 2} if backend == "tpu" else {"num_splits": 2, "pages_per_iter": 2}
-    got = pk.paged_decode_attention(
-        q, *bad[:2], bt, cl, scale=0.125, backend=backend, interpret=True, k_scales=bad[2], v_scales=bad[3], **knobs
-    )
-    close(got, want, jnp.float32)
 
 
 @pytest.mark.parametrize("impl", ["xla", "native", "pallas-tpu", "pallas-gpu"])

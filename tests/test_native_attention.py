@@ -1,5 +1,6 @@
 """The native CPU paged-attention kernel (pallas_kernels/native.py over cpu/paged_attention.cc,
-called through XLA FFI) against the jnp oracle ``reference.paged_attention``.
+called through XLA FFI) against the jnp oracle ``reference.paged_attention``, in its dense layout
+(paged_pools.native_dense: rows of T tokens each).
 
 Context lengths 1..2048 that end anywhere in a page, grouped-query ratios 1/2/4/8, head dims
 32/64/128 (and odd ones on the scalar path), page sizes 8/16/32, decode (T = 1) and chunks of
@@ -12,11 +13,11 @@ the result.
 
 The ragged entry point (``native.ragged_paged_attention``: one flat token array, rows of
 1..256 query tokens mixed in one batch, empty rows, padding tokens past query_start_loc[R];
-float32, bfloat16 and int8 pages) against ``reference.ragged_paged_attention``, equal bit for
-bit to the dense entry point and to each row alone, and the serving wrapper inside ``jax.jit``.
+float32, bfloat16 and int8 pages) against ``reference.ragged_paged_attention``, each row alone
+equal bit for bit to the row in a batch, and the serving wrapper inside ``jax.jit``.
 
-The library is built by the install (setup.py) or on first use in a source checkout: if it is
-unavailable these tests fail, they do not skip.
+The library is built by the install (setup.py) or by ``python -m pallas_kernels.native build``
+(``make native``), never at run time: if it is unavailable these tests fail, they do not skip.
 """
 
 from __future__ import annotations
@@ -32,14 +33,14 @@ import pytest
 from conftest import cpu_isa
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from paged_pools import close, page_pool, quantize_pool, randn
+from paged_pools import close, native_dense, page_pool, quantize_pool, randn
 
 from pallas_kernels import native, reference
 
 MAX_LEN = 2048
 
 
-_native = jax.jit(native.paged_attention, static_argnums=6)
+_native = jax.jit(native_dense, static_argnums=6)
 _oracle = jax.jit(reference.paged_attention, static_argnums=6)
 
 
@@ -66,7 +67,7 @@ def _check(rng, lens, t, ratio, kvh, d, ps, dtype, extra_cols, q_dtype=None):
 
 
 def test_library_is_available():
-    """The install builds the library (a source checkout builds it on first use)."""
+    """The install builds the library (`make native` rebuilds it after an edit of the C++)."""
     assert native.available(), native.unavailable_reason()
     assert native.cpu_isa() in native.ISAS
     if native.SOURCE.exists():  # the loaded library was built from this source
@@ -166,7 +167,7 @@ def test_many_rows_every_split():
     live = np.asarray(lens) > 0
     want = np.asarray(_oracle(q, k, v, bt, cl, pos, 0.17))[live]
     for khi in (0, 1, 2, 4):
-        f = jax.jit(lambda *a, khi=khi: native.paged_attention(*a, 0.17, kv_heads_per_item=khi))
+        f = jax.jit(lambda *a, khi=khi: native_dense(*a, 0.17, kv_heads_per_item=khi))
         got = np.asarray(f(q, k_bad, v_bad, bt, cl, pos))
         assert (got[~live] == 0).all()
         close(got[live], want, jnp.float32)
@@ -200,10 +201,10 @@ def test_vmap_and_traced_scale():
     q = randn(rng, (3, 2, 1, 4, 32))
     cl = jnp.asarray([90, 40], jnp.int32)
     pos = cl[:, None] - 1
-    got = jax.jit(jax.vmap(lambda q: native.paged_attention(q, k_bad, v_bad, bt, cl, pos, 0.3)))(q)
+    got = jax.jit(jax.vmap(lambda q: native_dense(q, k_bad, v_bad, bt, cl, pos, 0.3)))(q)
     want = jax.vmap(lambda q: reference.paged_attention(q, k, v, bt, cl, pos, 0.3))(q)
     close(got, want, jnp.float32)
-    got = jax.jit(lambda q, s: native.paged_attention(q, k_bad, v_bad, bt, cl, pos, s))(q[0], jnp.float32(0.3))
+    got = jax.jit(lambda q, s: native_dense(q, k_bad, v_bad, bt, cl, pos, s))(q[0], jnp.float32(0.3))
     close(got, want[0], jnp.float32)
 
 
@@ -243,15 +244,67 @@ def test_unavailable_library_warns_once(monkeypatch, caplog):
         warnings = [r for r in caplog.records if r.name == "jaxserve.kernels"]
         assert len(warnings) == 1 and "no compiler here" in warnings[0].getMessage()
         with pytest.raises(RuntimeError, match="unavailable"):
-            native.paged_attention(
-                jnp.zeros((1, 1, 2, 8)),
+            native.ragged_paged_attention(
+                jnp.zeros((1, 2, 8)),
                 jnp.zeros((2, 4, 1, 8)),
                 jnp.zeros((2, 4, 1, 8)),
-                jnp.zeros((1, 1), jnp.int32),
+                jnp.asarray([0, 1], jnp.int32),
                 jnp.ones((1,), jnp.int32),
                 jnp.zeros((1, 1), jnp.int32),
+                jnp.zeros((1,), jnp.int32),
                 1.0,
             )
+    finally:
+        native._state.clear()
+        native._state.update(saved)
+    assert native.available()
+
+
+def _library_beside(tmp_path, monkeypatch, edit: bool):
+    """native's paths pointed at a copy of the library and its sources in tmp_path (one source
+    edited if `edit`); returns the copied library."""
+    cpu = tmp_path / "cpu"
+    cpu.mkdir(parents=True)
+    for s in (*native.SOURCES, *native.CPU_DIR.glob("*.h")):
+        (cpu / s.name).write_bytes(s.read_bytes() + (b"// edited\n" if edit and s.name == native.SOURCE.name else b""))
+    lib = cpu / native.LIB_NAME
+    lib.write_bytes(native._state["path"].read_bytes())
+    monkeypatch.setattr(native, "CPU_DIR", cpu)
+    monkeypatch.setattr(native, "SOURCES", tuple(cpu / s.name for s in native.SOURCES))
+    return lib
+
+
+def test_run_time_never_builds_the_library(tmp_path, monkeypatch):
+    """A library built from other sources than the checkout's, or none at all, is refused with
+    the command that rebuilds it, and nothing is compiled; the library from these sources loads."""
+    assert native.available()
+    lib = _library_beside(tmp_path, monkeypatch, edit=False)
+    assert native._locate() == lib  # the same sources: current
+    lib = _library_beside(tmp_path / "edited", monkeypatch, edit=True)
+    with pytest.raises(RuntimeError, match="built from other sources.*python -m pallas_kernels.native build"):
+        native._locate()
+    lib.unlink()
+    with pytest.raises(RuntimeError, match="missing.*python -m pallas_kernels.native build"):
+        native._locate()
+    sources = (*native.SOURCES, *native.CPU_DIR.glob("*.h"))
+    assert sorted(p.name for p in lib.parent.iterdir()) == sorted(s.name for s in sources)  # nothing built
+
+
+def test_unavailable_library_falls_back_only_when_not_asked_for(monkeypatch):
+    """Without the library the CPU's automatic attention is XLA; attention_impl='native' is an
+    error that says how to build it."""
+    from jaxserve.runner import model_runner
+
+    saved = dict(native._state)
+    try:
+        native._state.clear()
+
+        def stale():
+            raise RuntimeError(f"built from other sources; rebuild it: {native.REBUILD}")
+
+        monkeypatch.setattr(native, "_locate", stale)
+        assert model_runner.default_attention("cpu") == "xla"
+        assert "python -m pallas_kernels.native build" in native.unavailable_reason()
     finally:
         native._state.clear()
         native._state.update(saved)
@@ -441,23 +494,21 @@ def test_long_rows_split_into_partitions(variant):
     assert got.shape == (3, t, 9, 64)
 
 
-def test_ragged_equals_dense_and_rows_alone_bit_for_bit():
-    """The dense entry point is the ragged one with query_start_loc[b] = b * T, and a row's
-    result does not depend on the other rows of the call (nor on how its queries were cut into
-    items): one batch, the same rows as a dense [B, T] call, and each row alone agree bit for bit."""
+def test_ragged_rows_alone_equal_the_batch_bit_for_bit():
+    """A row's result does not depend on the other rows of the call (nor on how its queries were
+    cut into items): one batch and each row alone agree bit for bit."""
     rng = np.random.default_rng(6)
     lens, t = [300, 1000, 45], 9
     k, v, k_bad, v_bad, bt = page_pool(rng, lens, 16, 2, 64, jnp.float32)
     q = randn(rng, (3, t, 8, 64))
     cl = jnp.asarray(lens, jnp.int32)
     pos = cl[:, None] - t + jnp.arange(t, dtype=jnp.int32)[None, :]
-    dense = np.asarray(_native(q, k_bad, v_bad, bt, cl, pos, 0.125))
     qsl = jnp.arange(4, dtype=jnp.int32) * t
-    ragged = np.asarray(_ragged(q.reshape(3 * t, 8, 64), k_bad, v_bad, qsl, cl, bt, pos.reshape(-1), 0.125))
-    np.testing.assert_array_equal(ragged.reshape(dense.shape), dense)
+    batch = np.asarray(_ragged(q.reshape(3 * t, 8, 64), k_bad, v_bad, qsl, cl, bt, pos.reshape(-1), 0.125))
+    batch = batch.reshape(q.shape)
     for b in range(3):
         alone = _ragged(q[b], k_bad, v_bad, jnp.asarray([0, t], jnp.int32), cl[b : b + 1], bt[b : b + 1], pos[b], 0.125)
-        np.testing.assert_array_equal(np.asarray(alone), dense[b])
+        np.testing.assert_array_equal(np.asarray(alone), batch[b])
 
 
 def test_ragged_attention_serving_path_in_jit():

@@ -1,8 +1,7 @@
-"""The engine on the Pallas kernels (interpret mode on the CPU) gives the same greedy tokens
-as on the XLA attention, through every step kind: packed fresh prefill (flash kernel with
-segments), chunked prefill and prefix-cache hits ("context": flash kernel with query
-positions over gathered pages) and decode (paged kernel). head_dim is 16 here, so this also
-covers head dims far below a TPU lane width."""
+"""The engine on the Pallas ragged paged attention kernel (interpret mode on the CPU) gives the
+same greedy tokens as on the XLA attention, through every step kind (fresh prompts, chunked
+prefill, prefix-cache hits and decode: rows of one ragged step). head_dim is 16 here, so this
+also covers head dims far below a TPU lane width."""
 
 from __future__ import annotations
 
@@ -30,11 +29,11 @@ def _prompts() -> list[list[int]]:
 
 @pytest.mark.parametrize("backend", ["tpu", "gpu"])
 def test_pallas_engine_matches_xla_greedy(tok_model, backend, monkeypatch):
-    import pallas_kernels.flash_attention as fa
+    import pallas_kernels.lowering as lowering
     import pallas_kernels.ragged_paged_attention as rpa
 
     # The kernels pick their lowering from jax.default_backend(); force each in turn.
-    monkeypatch.setattr(fa, "default_backend", lambda: backend)
+    monkeypatch.setattr(lowering, "default_backend", lambda: backend)
     traced = []
     real = rpa.ragged_paged_attention
 

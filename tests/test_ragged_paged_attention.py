@@ -25,7 +25,7 @@ from paged_pools import close, page_pool, randn
 
 from jaxserve.runner.attention import paged_forward
 from pallas_kernels import reference
-from pallas_kernels.flash_attention import default_backend
+from pallas_kernels.lowering import default_backend
 from pallas_kernels.ragged_paged_attention import plan_work_items, ragged_paged_attention
 
 # interpret=None: each lowering compiles where its platform runs it natively (Triton under

@@ -1,15 +1,12 @@
 // Paged attention on the CPU, called from jitted JAX through XLA FFI.
 //
-// Two layouts of the queries, one kernel:
-// - ragged (JaxserveRaggedPagedAttention[Q8]), the semantics of
-//   pallas_kernels/reference.py::ragged_paged_attention: q [N, H, D] one flat array of tokens;
-//   row r owns tokens [query_start_loc[r], query_start_loc[r + 1]) (query_start_loc [R+1] int32,
-//   nondecreasing from 0) and reads its keys through block_tables[r] [P]; seq_lens [R];
-//   positions [N].  Token n of row r sees key j iff j < seq_lens[r] and j <= positions[n], and
-//   with a sliding window W > 0 (the `window` attribute; 0: none) also j > positions[n] - W.
-//   Decode rows have one token, prefill chunks many, speculative verification k + 1.
-// - dense (JaxservePagedAttention[Q8]), reference.py::paged_attention: q [B, T, H, D],
-//   context_lens [B], positions [B, T]: the ragged case with query_start_loc[b] = b * T.
+// JaxserveRaggedPagedAttention[Q8], the semantics of
+// pallas_kernels/reference.py::ragged_paged_attention: q [N, H, D] one flat array of tokens;
+// row r owns tokens [query_start_loc[r], query_start_loc[r + 1]) (query_start_loc [R+1] int32,
+// nondecreasing from 0) and reads its keys through block_tables[r] [P]; seq_lens [R];
+// positions [N].  Token n of row r sees key j iff j < seq_lens[r] and j <= positions[n], and
+// with a sliding window W > 0 (the `window` attribute; 0: none) also j > positions[n] - W.
+// Decode rows have one token, prefill chunks many, speculative verification k + 1.
 // A token that sees nothing, and every token outside all rows (padding past
 // query_start_loc[R]), gets zeros.  Pages are [num_pages, page_size, KVH, D]; grouped-query
 // attention: H = KVH * G; query head h uses KV head h / G.
@@ -733,48 +730,35 @@ constexpr int weigh_cols(int dv, bool two_sets, int fit) {
   return cb;
 }
 
-// One work item.  KT: page element type (float, uint16_t holding bfloat16, or int8_t with a
-// bfloat16 scale per token per KV head, multiplied in while a chunk is widened).  N: vector lanes.
-// HD: the head dim (a multiple of N), or 0 for the scalar path (any head dim).
-// `next_item`: the item this thread takes after this one (-1: none); while it reads its last
-// chunk it prefetches that item's first, when both read the same KV heads.
-// DP: the bfloat16 dot-product variant (bfloat16 pages, HD a multiple of 32, compiled for
-// AVX512-BF16; see dp_scores): K and V are packed into pairs instead of widened to float32.
-template <class KT, int N, int HD, bool DP = false>
-JS_INLINE void run_item(const Problem& pr, int64_t item, int64_t next_item, Scratch& sc) {
-  using V = Vf<N>;
-  constexpr bool kF32 = std::is_same_v<KT, float>;
-  static_assert(!DP || (std::is_same_v<KT, uint16_t> && N == 16 && HD % 32 == 0 && HD > 0));
-  constexpr int DV = HD / N;  // vectors per head
-  // Query rows in pairs (scores and P.V below) while a pair's queries and accumulators fit in the
-  // registers (up to 4 vectors per head: head dim 64 on AVX-512, 32 on AVX2); one at a time past
-  // that.  Either way each row's arithmetic is the same, in the same order.
-  constexpr bool kPairs = DV <= 4;
-  // P.V accumulators: two sets (even and odd keys) where both fit in the registers beside the
-  // loaded V vectors (AVX-512's 32: 24 of them; 16 elsewhere: 12); otherwise one set, over
-  // kWeighCols of the head's vectors at a time, so that nothing spills (AVX2 at head dim 64
-  // kept 16 accumulators in 16 registers and spilled each key).  The choice depends on the head
-  // dim and the vector width alone, so a query's sums run in one order whether its row is
-  // paired or not.
+// How a work item blocks its query rows for an instruction set of N lanes and head dim HD (0: the
+// scalar path).  Query rows go in pairs (scores and P.V) while a pair's queries and accumulators
+// fit in the registers (up to 4 vectors per head: head dim 64 on AVX-512, 32 on AVX2); one at a
+// time past that.  Either way each row's arithmetic is the same, in the same order.  P.V
+// accumulators: two sets (even and odd keys) where both fit in the registers beside the loaded V
+// vectors (AVX-512's 32: 24 of them; 16 elsewhere: 12); otherwise one set, over kWeighCols of the
+// head's vectors at a time, so that nothing spills (AVX2 at head dim 64 kept 16 accumulators in
+// 16 registers and spilled each key).  The choice depends on the head dim and the vector width
+// alone, so a query's sums run in one order whether its row is paired or not.
+template <int N, int HD>
+struct RowBlocking {
+  static_assert(HD % N == 0, "head dim must be a multiple of the vector width");
+  static constexpr int DV = HD / N;  // vectors per head
+  static constexpr bool kPairs = DV <= 4;
   static constexpr int kAccRegs = N >= 16 ? 24 : 12, kRowsMax = kPairs ? 2 : 1;
   static constexpr bool kTwoSets = DV > 0 && 2 * kRowsMax * DV <= kAccRegs;
   static constexpr int kWeighCols = weigh_cols(DV, kTwoSets, kAccRegs / kRowsMax);
-  static_assert(HD % N == 0, "head dim must be a multiple of the vector width");
-  const WorkItem& ip = pr.items[item];
-  const int64_t b = ip.b, n0 = ip.n0, nt = ip.nt, kh0 = ip.kh0;
-  const int64_t H = pr.H, G = pr.G, D = HD > 0 ? HD : pr.D, ps = pr.ps, KVH = pr.KVH;
-  const int64_t nkh = std::min(pr.khi, KVH - kh0);
-  const int64_t R = nt * G;  // query rows per KV head
+};
 
-  const int64_t maxlim = item_limits(pr, ip, sc.lim);
-  const int64_t minlo = item_starts(pr, ip, sc.lo);
-
-  // Scaled queries (float32), zeroed accumulators.
+// Step 1 of a work item: its queries, scaled, in sc.q as rows [KV head][query][G] (DP: also in
+// bfloat16, sc.qb); accumulators zeroed, running max at kNeg, sum at 0.
+template <bool DP>
+JS_INLINE void load_queries(const Problem& pr, const WorkItem& ip, int64_t nkh, int64_t D, Scratch& sc) {
+  const int64_t H = pr.H, G = pr.G, R = ip.nt * G;
   for (int64_t kh = 0; kh < nkh; ++kh)
-    for (int64_t t = 0; t < nt; ++t)
+    for (int64_t t = 0; t < ip.nt; ++t)
       for (int64_t g = 0; g < G; ++g) {
         const int64_t row = kh * R + t * G + g;
-        const int64_t src = ((n0 + t) * H + (kh0 + kh) * G + g) * D;
+        const int64_t src = ((ip.n0 + t) * H + (ip.kh0 + kh) * G + g) * D;
         float* dst = sc.q + row * D;
         if (pr.q_bf16) {
           const uint16_t* qs = static_cast<const uint16_t*>(pr.q) + src;
@@ -789,266 +773,304 @@ JS_INLINE void run_item(const Problem& pr, int64_t item, int64_t next_item, Scra
         sc.m[row] = kNeg;
         sc.l[row] = 0.0f;
       }
+}
 
+// Element offsets (KV head 0) of the tokens of chunk c of a row (block table `row_bt`, keys
+// below `lim`) into dst; returns how many there are.
+JS_INLINE int64_t chunk_offsets(const Problem& pr, int64_t D, const int32_t* row_bt, int64_t lim, int64_t c,
+                                int64_t* dst) {
+  const int64_t ps = pr.ps, cl = pr.cl;
+  const int64_t tstride = pr.KVH * D;  // elements between consecutive tokens of a page
+  const int64_t pstride = ps * tstride;
+  const int64_t n = std::min(cl, lim - c * cl);
+  for (int64_t pg = 0; pg * ps < n; ++pg) {
+    const int64_t base = std::clamp<int64_t>(row_bt[c * pr.cps + pg], 0, pr.num_pages - 1) * pstride;
+    const int64_t m = std::min(ps, n - pg * ps);
+    for (int64_t i = 0; i < m; ++i) dst[pg * ps + i] = base + i * tstride;
+  }
+  return n;
+}
+
+// After an item's last chunk: the offsets of the first chunk of the item this thread takes next
+// (-1: none), if it reads the same KV heads (kh0, nkh); else none.
+JS_INLINE int64_t next_item_offsets(const Problem& pr, int64_t D, int64_t next_item, int64_t kh0, int64_t nkh,
+                                    int64_t* dst) {
+  if (next_item < 0) return 0;
+  const WorkItem& np = pr.items[next_item];
+  if (np.kh0 != kh0 || std::min(pr.khi, pr.KVH - np.kh0) != nkh) return 0;
+  const int64_t c0 = std::max(np.c0, item_starts(pr, np, nullptr) / pr.cl);
+  return std::max<int64_t>(0, chunk_offsets(pr, D, pr.bt + np.b * pr.P, item_limits(pr, np, nullptr), c0, dst));
+}
+
+// One KV head's K (or V) rows of a chunk as float32: read in place from a float32 pool, else the
+// rows widened into `widened` [nvalid][D].  off / off_next: the element offsets of this chunk's
+// tokens and of the next chunk's (n_next of them), whose rows are prefetched while these are read.
+template <class KT>
+struct ChunkRows {
+  const KT* pool;
+  const int64_t* off;
+  const int64_t* off_next;
+  int64_t nvalid, n_next, hoff, D;
+  const float* widened;
+
+  JS_INLINE const float* row(int64_t j) const {
+    if constexpr (std::is_same_v<KT, float>) return pool + off[j] + hoff;
+    else return widened + j * D;
+  }
+  // Token j's row of the next chunk into L2 (float32 pools: the others prefetch while widening).
+  JS_INLINE void prefetch_next(int64_t j) const {
+    if (j < n_next) prefetch_row(pool + off_next[j] + hoff, D);
+  }
+};
+
+// Step 2, per chunk and KV head: scores S[r][j] = q_r . k_j (sc.s, stride clp) for the R query
+// rows from qk (DP: qbk, bfloat16) and the chunk's live tokens, N tokens at a time, query rows in
+// pairs (kPairs: the G query heads of a KV head, or consecutive queries), so that each K row
+// loaded serves both rows of a pair.  Tokens jj and jj + N/2 meet at the reduction tree's first
+// level (reduce_pair), so only N/2 partial vectors per row stay live.
+template <class KT, int N, int HD, bool DP>
+JS_INLINE void chunk_scores(const ChunkRows<KT>& k, const float* qk, const uint16_t* qbk, int64_t R, int64_t clp,
+                            Scratch& sc) {
+  using V = Vf<N>;
+  using B = RowBlocking<N, HD>;
+  constexpr int DV = B::DV;
+  constexpr bool kF32 = std::is_same_v<KT, float>;
+  const int64_t D = k.D, nvalid = k.nvalid;
+  if constexpr (DP) {
+#if JS_X86 && JAXSERVE_CAN_AMX
+#define JS_SCORES(RB) dp_scores<HD, RB>(qbk + r0 * D, sc.kp, sc.kw, nvalid, clp, sc.s + r0 * clp)
+    JS_ROW_BLOCKS(6, R, JS_SCORES);
+#undef JS_SCORES
+#endif
+  } else if constexpr (DV > 0) {
+    auto scores = [&](auto rows, int64_t r0) JS_LAMBDA {
+      constexpr int RB = decltype(rows)::value;
+      const bool pf = kF32 && r0 == 0;
+      V qv[RB][DV];
+      for (int i = 0; i < RB; ++i)
+        for (int c = 0; c < DV; ++c) qv[i][c] = vload<N>(qk + (r0 + i) * D + c * N);
+      auto dot = [&](int64_t j, V (&a)[RB]) JS_LAMBDA {
+        if (j >= nvalid) {
+          for (int i = 0; i < RB; ++i) a[i] = splat<N>(0.0f);
+          return;
+        }
+        if (pf) k.prefetch_next(j);
+        const float* kr = k.row(j);
+        V kv[DV];
+        for (int c = 0; c < DV; ++c) kv[c] = vload<N>(kr + c * N);
+        for (int i = 0; i < RB; ++i) {
+          V s = qv[i][0] * kv[0];
+          for (int c = 1; c < DV; ++c) s += qv[i][c] * kv[c];
+          a[i] = s;
+        }
+      };
+      for (int64_t j0 = 0; j0 < nvalid; j0 += N) {
+        V half[RB][N / 2];
+#pragma GCC unroll 16
+        for (int jj = 0; jj < N / 2; ++jj) {
+          V lo[RB], hi[RB];
+          dot(j0 + jj, lo);
+          dot(j0 + jj + N / 2, hi);
+          for (int i = 0; i < RB; ++i)
+            half[i][bitrev<N / 2>(jj)] = reduce_pair<N, N / 2>(lo[i], hi[i], std::make_integer_sequence<int, N>{});
+        }
+        for (int i = 0; i < RB; ++i) {
+          if constexpr (N / 4 >= 1) reduce_levels<N, N / 4>(half[i]);
+          vstore<N>(sc.s + (r0 + i) * clp + j0, half[i][0]);
+        }
+      }
+    };
+    by_row_pairs<B::kPairs>(R, scores);
+  } else {
+    for (int64_t r = 0; r < R; ++r) {
+      const float* qr = qk + r * D;
+      float* srow = sc.s + r * clp;
+      const bool pf = kF32 && r == 0;
+      for (int64_t j = 0; j < nvalid; ++j) {
+        if (pf) k.prefetch_next(j);
+        const float* kr = k.row(j);
+        float a = 0.0f;
+        for (int64_t d = 0; d < D; ++d) a += qr[d] * kr[d];
+        srow[j] = a;
+      }
+    }
+  }
+}
+
+// Step 3, per chunk and KV head: the online softmax of each query row over this chunk (keys
+// [start, start + nvalid)): probabilities in sc.p, the running max mk and sum lk updated, the
+// accumulators ak rescaled.  Query t sees keys in [sc.lo[t], sc.lim[t]).
+template <int N, int HD>
+JS_INLINE void chunk_softmax(const Problem& pr, const WorkItem& ip, int64_t start, int64_t nvalid, int64_t D,
+                             float* mk, float* lk, float* ak, Scratch& sc) {
+  using V = Vf<N>;
+  constexpr int DV = RowBlocking<N, HD>::DV;
+  const int64_t G = pr.G, clp = pr.clp;
+  for (int64_t t = 0; t < ip.nt; ++t) {
+    const int64_t nq = std::clamp<int64_t>(sc.lim[t] - start, 0, nvalid);
+    const int64_t nlo = std::clamp<int64_t>(sc.lo[t] - start, 0, nvalid);  // before its window
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t r = t * G + g;
+      float* srow = sc.s + r * clp;
+      float* prow = sc.p + r * clp;
+      if (nq <= nlo) {  // this query sees none of the chunk
+        for (int64_t c0 = 0; c0 < nvalid; c0 += N) vstore<N>(prow + c0, splat<N>(0.0f));
+        continue;
+      }
+      // Keys this query does not see (and the padding up to whole vectors) score kNeg,
+      // whose exp below is exactly 0.
+      for (int64_t j = nq; j < clp; ++j) srow[j] = kNeg;
+      for (int64_t j = 0; j < nlo; ++j) srow[j] = kNeg;
+      V mv = splat<N>(kNeg);
+      for (int64_t c0 = 0; c0 < nq; c0 += N) mv = vmax<N>(mv, vload<N>(srow + c0));
+      const float m_old = mk[r];
+      const float m_new = std::max(m_old, hmax<N>(mv));
+      V sv = splat<N>(0.0f);
+      for (int64_t c0 = 0; c0 < nvalid; c0 += N) {
+        V e = vexp<N>(vload<N>(srow + c0) - m_new);
+        vstore<N>(prow + c0, e);
+        sv += e;
+      }
+      const float corr = vexp<N>(splat<N>(m_old - m_new))[0];
+      lk[r] = lk[r] * corr + hsum<N>(sv);
+      mk[r] = m_new;
+      float* ar = ak + r * D;
+      if constexpr (DV > 0) {
+        for (int c = 0; c < DV; ++c) vstore<N>(ar + c * N, vload<N>(ar + c * N) * corr);
+      } else {
+        for (int64_t d = 0; d < D; ++d) ar[d] *= corr;
+      }
+    }
+  }
+}
+
+// Step 4, per chunk and KV head: acc[r] += sum_j P[r][j] v_j, the accumulators in registers (two
+// sets: even and odd j), query rows in pairs as for the scores: each V row loaded serves both.
+template <class KT, int N, int HD, bool DP>
+JS_INLINE void chunk_weigh(const ChunkRows<KT>& v, int64_t R, int64_t clp, float* ak, Scratch& sc) {
+  using V = Vf<N>;
+  using B = RowBlocking<N, HD>;
+  // static: the lambda below uses them as array bounds without capturing them (as run_item's did)
+  static constexpr int DV = B::DV, kWeighCols = B::kWeighCols;
+  static constexpr bool kF32 = std::is_same_v<KT, float>, kTwoSets = B::kTwoSets;
+  const int64_t D = v.D, nvalid = v.nvalid;
+  if constexpr (DP) {
+#if JS_X86 && JAXSERVE_CAN_AMX
+    constexpr int kRows = HD <= 64 ? 6 : HD == 128 ? 3 : 1;  // kRows x HD / 16 accumulators <= 24
+    const int64_t npairs = (nvalid + 1) / 2;
+#define JS_WEIGH(RB) dp_weigh<HD, RB>(sc.pb + r0 * clp, clp, sc.vp, npairs, ak + r0 * D)
+    JS_ROW_BLOCKS(kRows, R, JS_WEIGH);
+#undef JS_WEIGH
+#endif
+  } else if constexpr (DV > 0) {
+    auto weigh = [&](auto rows, int64_t r0) JS_LAMBDA {
+      constexpr int RB = decltype(rows)::value;
+      const float* pr0 = sc.p + r0 * clp;
+      for (int c0 = 0; c0 < DV; c0 += kWeighCols) {  // kWeighCols of the head's vectors at a time
+        const bool pf = kF32 && r0 == 0 && c0 == 0;
+        V a0[RB][kWeighCols], a1[RB][kTwoSets ? kWeighCols : 1];
+        for (int i = 0; i < RB; ++i)
+          for (int c = 0; c < kWeighCols; ++c) {
+            a0[i][c] = vload<N>(ak + (r0 + i) * D + (c0 + c) * N);
+            if constexpr (kTwoSets) a1[i][c] = splat<N>(0.0f);
+          }
+        int64_t j = 0;
+        if constexpr (kTwoSets) {
+          for (; j + 1 < nvalid; j += 2) {
+            if (pf) v.prefetch_next(j);
+            if (pf) v.prefetch_next(j + 1);
+            const float* v0 = v.row(j) + c0 * N;
+            const float* v1 = v.row(j + 1) + c0 * N;
+            for (int c = 0; c < kWeighCols; ++c) {
+              const V x0 = vload<N>(v0 + c * N), x1 = vload<N>(v1 + c * N);
+              for (int i = 0; i < RB; ++i) {
+                a0[i][c] += pr0[i * clp + j] * x0;
+                a1[i][c] += pr0[i * clp + j + 1] * x1;
+              }
+            }
+          }
+        }
+        for (; j < nvalid; ++j) {
+          if (pf) v.prefetch_next(j);
+          const float* v0 = v.row(j) + c0 * N;
+          for (int c = 0; c < kWeighCols; ++c) {
+            const V x0 = vload<N>(v0 + c * N);
+            for (int i = 0; i < RB; ++i) a0[i][c] += pr0[i * clp + j] * x0;
+          }
+        }
+        for (int i = 0; i < RB; ++i)
+          for (int c = 0; c < kWeighCols; ++c) {
+            V a = a0[i][c];
+            if constexpr (kTwoSets) a += a1[i][c];
+            vstore<N>(ak + (r0 + i) * D + (c0 + c) * N, a);
+          }
+      }
+    };
+    by_row_pairs<B::kPairs>(R, weigh);
+  } else {
+    for (int64_t r = 0; r < R; ++r) {
+      const float* prow = sc.p + r * clp;
+      float* ar = ak + r * D;
+      const bool pf = kF32 && r == 0;
+      for (int64_t j = 0; j < nvalid; ++j) {
+        if (pf) v.prefetch_next(j);
+        const float pj = prow[j];
+        const float* vr = v.row(j);
+        for (int64_t d = 0; d < D; ++d) ar[d] += pj * vr[d];
+      }
+    }
+  }
+}
+
+// One chunk of keys (tokens at offsets off, nvalid of them, from key `start`) for KV head kh of
+// the item: steps 2 to 4, with K and V widened (or, DP, packed into pairs) first.  The next
+// chunk's rows (off_next, n_next) are prefetched meanwhile.
+template <class KT, int N, int HD, bool DP>
+JS_INLINE void chunk_head(const Problem& pr, const WorkItem& ip, int64_t kh, int64_t nkh, int64_t D, int64_t start,
+                          const int64_t* off, const int64_t* off_next, int64_t nvalid, int64_t n_next, Scratch& sc) {
+  constexpr bool kF32 = std::is_same_v<KT, float>;
   const KT* kpool = static_cast<const KT*>(pr.k);
   const KT* vpool = static_cast<const KT*>(pr.v);
   const KT* kend = kpool + pr.num_pages * pr.ps * pr.KVH * D;
   const KT* vend = vpool + pr.num_pages * pr.ps * pr.KVH * D;
-  const int64_t tstride = KVH * D;  // elements between consecutive tokens of a page
-  const int64_t pstride = ps * tstride;
-  const int32_t* bt = pr.bt + b * pr.P;
-  const int64_t cl = pr.cl, clp = pr.clp;
-  // This item's chunks: all of the keys it sees, or its partition's share of them.
-  const int64_t nchunks = std::min(ip.c1, (maxlim + cl - 1) / cl);
-  // From the first chunk any query sees: a chunk wholly before a query's window leaves its state
-  // untouched, so skipping it changes no bits.
-  const int64_t cfirst = std::min(std::max(ip.c0, minlo / cl), nchunks);
+  const int64_t R = ip.nt * pr.G, clp = pr.clp;
+  const int64_t hoff = (ip.kh0 + kh) * D;
+  // An item over several KV heads reads each token's row one head at a time; on the first
+  // head's pass, the rest of the item's row goes to L2 (prefetch_rest).
+  const bool rest = kh == 0 && nkh > 1;
+  if (rest) prefetch_rest(kpool, off, nvalid, hoff + D, (nkh - 1) * D);
+  float* ak = sc.acc + kh * R * D;
 
-  // Element offsets (KV head 0) of the tokens of chunk c of a row (block table `row_bt`, keys
-  // below `lim`); returns how many there are.
-  auto fill_row = [&](const int32_t* row_bt, int64_t lim, int64_t c, int64_t* dst) {
-    const int64_t n = std::min(cl, lim - c * cl);
-    for (int64_t pg = 0; pg * ps < n; ++pg) {
-      const int64_t base = std::clamp<int64_t>(row_bt[c * pr.cps + pg], 0, pr.num_pages - 1) * pstride;
-      const int64_t m = std::min(ps, n - pg * ps);
-      for (int64_t i = 0; i < m; ++i) dst[pg * ps + i] = base + i * tstride;
-    }
-    return n;
-  };
-  auto fill = [&](int64_t c, int64_t* dst) { return fill_row(bt, maxlim, c, dst); };
-  // After the last chunk: the next item's first, if it reads the same KV heads.
-  auto fill_after = [&](int64_t* dst) -> int64_t {
-    if (next_item < 0) return 0;
-    const WorkItem& np = pr.items[next_item];
-    if (np.kh0 != kh0 || std::min(pr.khi, KVH - np.kh0) != nkh) return 0;
-    const int64_t c0 = std::max(np.c0, item_starts(pr, np, nullptr) / cl);
-    return std::max<int64_t>(0, fill_row(pr.bt + np.b * pr.P, item_limits(pr, np, nullptr), c0, dst));
-  };
-  int64_t* off = sc.off;
-  int64_t* off_next = sc.off + clp;
-  int64_t nvalid = cfirst < nchunks ? fill(cfirst, off) : 0;
-
-  for (int64_t ci = cfirst; ci < nchunks; ++ci) {
-    // While reading token j of this chunk, prefetch token j of the next one.
-    const int64_t n_next = ci + 1 < nchunks ? fill(ci + 1, off_next) : fill_after(off_next);
-    const int64_t start = ci * cl;
-
-    for (int64_t kh = 0; kh < nkh; ++kh) {
-      const int64_t hoff = (kh0 + kh) * D;
-      // An item over several KV heads reads each token's row one head at a time; on the first
-      // head's pass, the rest of the item's row goes to L2 (prefetch_rest).
-      const bool rest = kh == 0 && nkh > 1;
-      if (rest) prefetch_rest(kpool, off, nvalid, hoff + D, (nkh - 1) * D);
-      const float* qk = sc.q + kh * R * D;
-      float* ak = sc.acc + kh * R * D;
-      float* mk = sc.m + kh * R;
-      float* lk = sc.l + kh * R;
-
-      // bfloat16: widen the chunk's K rows to float32 once (float32 rows are read in place), or
-      // (DP) transpose them into k pairs.
+  // bfloat16: widen the chunk's K rows to float32 once (float32 rows are read in place), or
+  // (DP) transpose them into k pairs.
 #if JS_X86 && JAXSERVE_CAN_AMX
-      if constexpr (DP) pack_k_pairs<HD>(kpool, off, off_next, nvalid, n_next, hoff, sc.kp, sc.kw);
+  if constexpr (DP) pack_k_pairs<HD>(kpool, off, off_next, nvalid, n_next, hoff, sc.kp, sc.kw);
 #endif
-      if constexpr (!kF32 && !DP)
-        widen_rows<KT, N, HD>(kpool, kend, pr.ks, off, off_next, nvalid, n_next, hoff, D, sc.kf);
-      auto krow = [&](int64_t j) JS_LAMBDA -> const float* {
-        if constexpr (kF32) return kpool + off[j] + hoff;
-        else return sc.kf + j * D;
-      };
-      auto vrow = [&](int64_t j) JS_LAMBDA -> const float* {
-        if constexpr (kF32) return vpool + off[j] + hoff;
-        else return sc.vf + j * D;
-      };
+  if constexpr (!kF32 && !DP) widen_rows<KT, N, HD>(kpool, kend, pr.ks, off, off_next, nvalid, n_next, hoff, D, sc.kf);
+  const ChunkRows<KT> krows{kpool, off, off_next, nvalid, n_next, hoff, D, sc.kf};
+  const uint16_t* qbk = nullptr;
+  if constexpr (DP) qbk = sc.qb + kh * R * D;
+  chunk_scores<KT, N, HD, DP>(krows, sc.q + kh * R * D, qbk, R, clp, sc);
+  chunk_softmax<N, HD>(pr, ip, start, nvalid, D, sc.m + kh * R, sc.l + kh * R, ak, sc);
 
-      // Scores S[r][j] = q_r . k_j for the live tokens of the chunk, N tokens at a time, query
-      // rows in pairs (kPairs: the G query heads of a KV head, or consecutive queries), so that
-      // each K row loaded serves both rows of a pair.  Tokens jj and jj + N/2 meet at the
-      // reduction tree's first level (reduce_pair), so only N/2 partial vectors per row stay live.
-      if constexpr (DP) {
+  if (rest) prefetch_rest(vpool, off, nvalid, hoff + D, (nkh - 1) * D);
+  // V rows as float32, as for K (DP: key pairs, and the probabilities in bfloat16).
 #if JS_X86 && JAXSERVE_CAN_AMX
-        const uint16_t* qbk = sc.qb + kh * R * D;
-#define JS_SCORES(RB) dp_scores<HD, RB>(qbk + r0 * D, sc.kp, sc.kw, nvalid, clp, sc.s + r0 * clp)
-        JS_ROW_BLOCKS(6, R, JS_SCORES);
-#undef JS_SCORES
-#endif
-      } else if constexpr (DV > 0) {
-        auto scores = [&](auto rows, int64_t r0) JS_LAMBDA {
-          constexpr int RB = decltype(rows)::value;
-          const bool pf = kF32 && r0 == 0;
-          V qv[RB][DV];
-          for (int i = 0; i < RB; ++i)
-            for (int c = 0; c < DV; ++c) qv[i][c] = vload<N>(qk + (r0 + i) * D + c * N);
-          auto dot = [&](int64_t j, V (&a)[RB]) JS_LAMBDA {
-            if (j >= nvalid) {
-              for (int i = 0; i < RB; ++i) a[i] = splat<N>(0.0f);
-              return;
-            }
-            if (pf && j < n_next) prefetch_row(kpool + off_next[j] + hoff, D);
-            const float* k = krow(j);
-            V kv[DV];
-            for (int c = 0; c < DV; ++c) kv[c] = vload<N>(k + c * N);
-            for (int i = 0; i < RB; ++i) {
-              V s = qv[i][0] * kv[0];
-              for (int c = 1; c < DV; ++c) s += qv[i][c] * kv[c];
-              a[i] = s;
-            }
-          };
-          for (int64_t j0 = 0; j0 < nvalid; j0 += N) {
-            V half[RB][N / 2];
-#pragma GCC unroll 16
-            for (int jj = 0; jj < N / 2; ++jj) {
-              V lo[RB], hi[RB];
-              dot(j0 + jj, lo);
-              dot(j0 + jj + N / 2, hi);
-              for (int i = 0; i < RB; ++i)
-                half[i][bitrev<N / 2>(jj)] = reduce_pair<N, N / 2>(lo[i], hi[i], std::make_integer_sequence<int, N>{});
-            }
-            for (int i = 0; i < RB; ++i) {
-              if constexpr (N / 4 >= 1) reduce_levels<N, N / 4>(half[i]);
-              vstore<N>(sc.s + (r0 + i) * clp + j0, half[i][0]);
-            }
-          }
-        };
-        by_row_pairs<kPairs>(R, scores);
-      } else {
-        for (int64_t r = 0; r < R; ++r) {
-          const float* qr = qk + r * D;
-          float* srow = sc.s + r * clp;
-          const bool pf = kF32 && r == 0;
-          for (int64_t j = 0; j < nvalid; ++j) {
-            if (pf && j < n_next) prefetch_row(kpool + off_next[j] + hoff, D);
-            const float* k = krow(j);
-            float a = 0.0f;
-            for (int64_t d = 0; d < D; ++d) a += qr[d] * k[d];
-            srow[j] = a;
-          }
-        }
-      }
-
-      // Online softmax over this chunk, per query row.
-      for (int64_t t = 0; t < nt; ++t) {
-        const int64_t nq = std::clamp<int64_t>(sc.lim[t] - start, 0, nvalid);
-        const int64_t nlo = std::clamp<int64_t>(sc.lo[t] - start, 0, nvalid);  // before its window
-        for (int64_t g = 0; g < G; ++g) {
-          const int64_t r = t * G + g;
-          float* srow = sc.s + r * clp;
-          float* prow = sc.p + r * clp;
-          if (nq <= nlo) {  // this query sees none of the chunk
-            for (int64_t c0 = 0; c0 < nvalid; c0 += N) vstore<N>(prow + c0, splat<N>(0.0f));
-            continue;
-          }
-          // Keys this query does not see (and the padding up to whole vectors) score kNeg,
-          // whose exp below is exactly 0.
-          for (int64_t j = nq; j < clp; ++j) srow[j] = kNeg;
-          for (int64_t j = 0; j < nlo; ++j) srow[j] = kNeg;
-          V mv = splat<N>(kNeg);
-          for (int64_t c0 = 0; c0 < nq; c0 += N) mv = vmax<N>(mv, vload<N>(srow + c0));
-          const float m_old = mk[r];
-          const float m_new = std::max(m_old, hmax<N>(mv));
-          V sv = splat<N>(0.0f);
-          for (int64_t c0 = 0; c0 < nvalid; c0 += N) {
-            V e = vexp<N>(vload<N>(srow + c0) - m_new);
-            vstore<N>(prow + c0, e);
-            sv += e;
-          }
-          const float corr = vexp<N>(splat<N>(m_old - m_new))[0];
-          lk[r] = lk[r] * corr + hsum<N>(sv);
-          mk[r] = m_new;
-          float* ar = ak + r * D;
-          if constexpr (DV > 0) {
-            for (int c = 0; c < DV; ++c) vstore<N>(ar + c * N, vload<N>(ar + c * N) * corr);
-          } else {
-            for (int64_t d = 0; d < D; ++d) ar[d] *= corr;
-          }
-        }
-      }
-
-      if (rest) prefetch_rest(vpool, off, nvalid, hoff + D, (nkh - 1) * D);
-      // V rows as float32, as for K (DP: key pairs, and the probabilities in bfloat16).
-#if JS_X86 && JAXSERVE_CAN_AMX
-      if constexpr (DP) {
-        pack_v_pairs<HD>(vpool, off, off_next, nvalid, n_next, hoff, sc.vp);
-        const int64_t np16 = (nvalid + 15) / 16 * 16;
-        for (int64_t r = 0; r < R; ++r) probs_to_bf16(sc.p + r * clp, np16, sc.pb + r * clp);
-      }
-#endif
-      if constexpr (!kF32 && !DP)
-        widen_rows<KT, N, HD>(vpool, vend, pr.vs, off, off_next, nvalid, n_next, hoff, D, sc.vf);
-
-      // acc[r] += sum_j P[r][j] v_j, the accumulators in registers (two sets: even and odd j),
-      // query rows in pairs as for the scores: each V row loaded serves both.
-      if constexpr (DP) {
-#if JS_X86 && JAXSERVE_CAN_AMX
-        constexpr int kRows = HD <= 64 ? 6 : HD == 128 ? 3 : 1;  // kRows x HD / 16 accumulators <= 24
-        const int64_t npairs = (nvalid + 1) / 2;
-#define JS_WEIGH(RB) dp_weigh<HD, RB>(sc.pb + r0 * clp, clp, sc.vp, npairs, ak + r0 * D)
-        JS_ROW_BLOCKS(kRows, R, JS_WEIGH);
-#undef JS_WEIGH
-#endif
-      } else if constexpr (DV > 0) {
-        auto weigh = [&](auto rows, int64_t r0) JS_LAMBDA {
-          constexpr int RB = decltype(rows)::value;
-          const float* pr0 = sc.p + r0 * clp;
-          for (int c0 = 0; c0 < DV; c0 += kWeighCols) {  // kWeighCols of the head's vectors at a time
-            const bool pf = kF32 && r0 == 0 && c0 == 0;
-            V a0[RB][kWeighCols], a1[RB][kTwoSets ? kWeighCols : 1];
-            for (int i = 0; i < RB; ++i)
-              for (int c = 0; c < kWeighCols; ++c) {
-                a0[i][c] = vload<N>(ak + (r0 + i) * D + (c0 + c) * N);
-                if constexpr (kTwoSets) a1[i][c] = splat<N>(0.0f);
-              }
-            int64_t j = 0;
-            if constexpr (kTwoSets) {
-              for (; j + 1 < nvalid; j += 2) {
-                if (pf && j < n_next) prefetch_row(vpool + off_next[j] + hoff, D);
-                if (pf && j + 1 < n_next) prefetch_row(vpool + off_next[j + 1] + hoff, D);
-                const float* v0 = vrow(j) + c0 * N;
-                const float* v1 = vrow(j + 1) + c0 * N;
-                for (int c = 0; c < kWeighCols; ++c) {
-                  const V x0 = vload<N>(v0 + c * N), x1 = vload<N>(v1 + c * N);
-                  for (int i = 0; i < RB; ++i) {
-                    a0[i][c] += pr0[i * clp + j] * x0;
-                    a1[i][c] += pr0[i * clp + j + 1] * x1;
-                  }
-                }
-              }
-            }
-            for (; j < nvalid; ++j) {
-              if (pf && j < n_next) prefetch_row(vpool + off_next[j] + hoff, D);
-              const float* v0 = vrow(j) + c0 * N;
-              for (int c = 0; c < kWeighCols; ++c) {
-                const V x0 = vload<N>(v0 + c * N);
-                for (int i = 0; i < RB; ++i) a0[i][c] += pr0[i * clp + j] * x0;
-              }
-            }
-            for (int i = 0; i < RB; ++i)
-              for (int c = 0; c < kWeighCols; ++c) {
-                V a = a0[i][c];
-                if constexpr (kTwoSets) a += a1[i][c];
-                vstore<N>(ak + (r0 + i) * D + (c0 + c) * N, a);
-              }
-          }
-        };
-        by_row_pairs<kPairs>(R, weigh);
-      } else {
-        for (int64_t r = 0; r < R; ++r) {
-          const float* prow = sc.p + r * clp;
-          float* ar = ak + r * D;
-          const bool pf = kF32 && r == 0;
-          for (int64_t j = 0; j < nvalid; ++j) {
-            if (pf && j < n_next) prefetch_row(vpool + off_next[j] + hoff, D);
-            const float pj = prow[j];
-            const float* v = vrow(j);
-            for (int64_t d = 0; d < D; ++d) ar[d] += pj * v[d];
-          }
-        }
-      }
-    }
-    std::swap(off, off_next);
-    nvalid = n_next;
+  if constexpr (DP) {
+    pack_v_pairs<HD>(vpool, off, off_next, nvalid, n_next, hoff, sc.vp);
+    const int64_t np16 = (nvalid + 15) / 16 * 16;
+    for (int64_t r = 0; r < R; ++r) probs_to_bf16(sc.p + r * clp, np16, sc.pb + r * clp);
   }
+#endif
+  if constexpr (!kF32 && !DP) widen_rows<KT, N, HD>(vpool, vend, pr.vs, off, off_next, nvalid, n_next, hoff, D, sc.vf);
+  chunk_weigh<KT, N, HD, DP>(ChunkRows<KT>{vpool, off, off_next, nvalid, n_next, hoff, D, sc.vf}, R, clp, ak, sc);
+}
 
-  if (ip.part >= 0) {  // one partition of the keys: its running max, sum and unnormalised sums
+// Step 5: a partition's rows (running max, sum and unnormalised sums) into its partials slot, or
+// the normalised result in q's dtype (a query that saw nothing gets zeros).
+JS_INLINE void finish_item(const Problem& pr, const WorkItem& ip, int64_t nkh, int64_t D, const Scratch& sc) {
+  const int64_t H = pr.H, G = pr.G, R = ip.nt * G;
+  if (ip.part >= 0) {
     float* dst = pr.partials + pr.part_off[ip.part];
     for (int64_t row = 0; row < nkh * R; ++row, dst += D + 2) {
       dst[0] = sc.m[row];
@@ -1057,14 +1079,53 @@ JS_INLINE void run_item(const Problem& pr, int64_t item, int64_t next_item, Scra
     }
     return;
   }
-  // Normalise and write out in q's dtype; a query that saw nothing gets zeros.
   for (int64_t kh = 0; kh < nkh; ++kh)
-    for (int64_t t = 0; t < nt; ++t)
+    for (int64_t t = 0; t < ip.nt; ++t)
       for (int64_t g = 0; g < G; ++g) {
         const int64_t row = kh * R + t * G + g;
         const float inv = sc.l[row] > 0.0f ? 1.0f / sc.l[row] : 0.0f;
-        store_row(pr, ((n0 + t) * H + (kh0 + kh) * G + g) * D, sc.acc + row * D, inv);
+        store_row(pr, ((ip.n0 + t) * H + (ip.kh0 + kh) * G + g) * D, sc.acc + row * D, inv);
       }
+}
+
+// One work item.  KT: page element type (float, uint16_t holding bfloat16, or int8_t with a
+// bfloat16 scale per token per KV head, multiplied in while a chunk is widened).  N: vector lanes.
+// HD: the head dim (a multiple of N), or 0 for the scalar path (any head dim).
+// `next_item`: the item this thread takes after this one (-1: none); while it reads its last
+// chunk it prefetches that item's first, when both read the same KV heads.
+// DP: the bfloat16 dot-product variant (bfloat16 pages, HD a multiple of 32, compiled for
+// AVX512-BF16; see dp_scores): K and V are packed into pairs instead of widened to float32.
+// The steps are always_inline, so the wrapper's target compiles them all (see JS_LAMBDA).
+template <class KT, int N, int HD, bool DP = false>
+JS_INLINE void run_item(const Problem& pr, int64_t item, int64_t next_item, Scratch& sc) {
+  static_assert(!DP || (std::is_same_v<KT, uint16_t> && N == 16 && HD % 32 == 0 && HD > 0));
+  static_assert(HD % N == 0, "head dim must be a multiple of the vector width");
+  const WorkItem& ip = pr.items[item];
+  const int64_t D = HD > 0 ? HD : pr.D, cl = pr.cl;
+  const int64_t nkh = std::min(pr.khi, pr.KVH - ip.kh0);
+  const int64_t maxlim = item_limits(pr, ip, sc.lim);
+  const int64_t minlo = item_starts(pr, ip, sc.lo);
+  load_queries<DP>(pr, ip, nkh, D, sc);
+
+  const int32_t* bt = pr.bt + ip.b * pr.P;
+  // This item's chunks: all of the keys it sees, or its partition's share of them.
+  const int64_t nchunks = std::min(ip.c1, (maxlim + cl - 1) / cl);
+  // From the first chunk any query sees: a chunk wholly before a query's window leaves its state
+  // untouched, so skipping it changes no bits.
+  const int64_t cfirst = std::min(std::max(ip.c0, minlo / cl), nchunks);
+  int64_t* off = sc.off;
+  int64_t* off_next = sc.off + pr.clp;
+  int64_t nvalid = cfirst < nchunks ? chunk_offsets(pr, D, bt, maxlim, cfirst, off) : 0;
+  for (int64_t ci = cfirst; ci < nchunks; ++ci) {
+    // While reading token j of this chunk, prefetch token j of the next one.
+    const int64_t n_next = ci + 1 < nchunks ? chunk_offsets(pr, D, bt, maxlim, ci + 1, off_next)
+                                            : next_item_offsets(pr, D, next_item, ip.kh0, nkh, off_next);
+    for (int64_t kh = 0; kh < nkh; ++kh)
+      chunk_head<KT, N, HD, DP>(pr, ip, kh, nkh, D, ci * cl, off, off_next, nvalid, n_next, sc);
+    std::swap(off, off_next);
+    nvalid = n_next;
+  }
+  finish_item(pr, ip, nkh, D, sc);
 }
 
 using ItemFn = void (*)(const Problem&, int64_t, int64_t, Scratch&);
@@ -1289,50 +1350,6 @@ ffi::Error run(const char* what, ffi::ThreadPool pool, Problem& pr, ItemFn fn, s
   return ffi::Error::Success();
 }
 
-// The dense handlers: q [B, T, H, D], block_tables [B, P], context_lens [B], positions [B, T];
-// row b owns tokens [b * T, (b + 1) * T) of the flat [B * T, H, D].  Scales null: float pages.
-ffi::Error PagedAttentionCore(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                              const ffi::AnyBuffer* k_scales, const ffi::AnyBuffer* v_scales,
-                              ffi::BufferR2<ffi::S32> bt, ffi::BufferR1<ffi::S32> lens,
-                              ffi::BufferR2<ffi::S32> pos, ffi::Result<ffi::AnyBuffer> out, float scale,
-                              int64_t kv_heads_per_item, int64_t window) {
-  Problem pr{};
-  ItemFn fn = nullptr;
-  if (auto e = setup("paged_attention", 4, q, k, v, k_scales, v_scales, out, pr, fn); e.failure()) return e;
-  auto qd = q.dimensions(), btd = bt.dimensions(), ld = lens.dimensions(), pd = pos.dimensions();
-  const int64_t B = qd[0], T = qd[1];
-  if (btd[0] != B || ld[0] != B || pd[0] != B || pd[1] != T)
-    return ffi::Error::InvalidArgument("paged_attention: block_tables [B,P], context_lens [B], positions [B,T]");
-  pr.R = B;
-  pr.N = B * T;
-  pr.P = btd[1];
-  pr.scale = scale;
-  pr.window = window;
-  pr.bt = bt.typed_data();
-  pr.lens = lens.typed_data();
-  pr.pos = pos.typed_data();
-  std::vector<int64_t> starts(size_t(B + 1));
-  for (int64_t b = 0; b <= B; ++b) starts[b] = b * T;
-  return run("paged_attention", pool, pr, fn, starts, kv_heads_per_item);
-}
-
-ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k,
-                              ffi::AnyBuffer v, ffi::BufferR2<ffi::S32> bt,
-                              ffi::BufferR1<ffi::S32> lens, ffi::BufferR2<ffi::S32> pos,
-                              ffi::Result<ffi::AnyBuffer> out, float scale,
-                              int64_t kv_heads_per_item, int64_t window) {
-  return PagedAttentionCore(pool, q, k, v, nullptr, nullptr, bt, lens, pos, out, scale, kv_heads_per_item, window);
-}
-
-ffi::Error PagedAttentionQ8Impl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k,
-                                ffi::AnyBuffer v, ffi::AnyBuffer k_scales, ffi::AnyBuffer v_scales,
-                                ffi::BufferR2<ffi::S32> bt, ffi::BufferR1<ffi::S32> lens,
-                                ffi::BufferR2<ffi::S32> pos, ffi::Result<ffi::AnyBuffer> out, float scale,
-                                int64_t kv_heads_per_item, int64_t window) {
-  return PagedAttentionCore(pool, q, k, v, &k_scales, &v_scales, bt, lens, pos, out, scale, kv_heads_per_item,
-                            window);
-}
-
 // The ragged handlers: q [N, H, D], query_start_loc [R + 1], seq_lens [R], block_tables [R, P],
 // positions [N].
 ffi::Error RaggedCore(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
@@ -1379,41 +1396,6 @@ ffi::Error RaggedQ8Impl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k
 }
 
 }  // namespace
-
-JS_EXPORT XLA_FFI_Error* JaxservePagedAttention(XLA_FFI_CallFrame* call_frame);
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedAttention, PagedAttentionImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()               // q [B, T, H, D]
-                                  .Arg<ffi::AnyBuffer>()               // k pages
-                                  .Arg<ffi::AnyBuffer>()               // v pages
-                                  .Arg<ffi::BufferR2<ffi::S32>>()      // block_tables [B, P]
-                                  .Arg<ffi::BufferR1<ffi::S32>>()      // context_lens [B]
-                                  .Arg<ffi::BufferR2<ffi::S32>>()      // positions [B, T]
-                                  .Ret<ffi::AnyBuffer>()               // out [B, T, H, D]
-                                  .Attr<float>("scale")
-                                  .Attr<int64_t>("kv_heads_per_item")
-                                  .Attr<int64_t>("window"));
-
-// int8 pages with bfloat16 scales [num_pages, page_size, KVH] (kv_cache_dtype="int8").
-JS_EXPORT XLA_FFI_Error* JaxservePagedAttentionQ8(XLA_FFI_CallFrame* call_frame);
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedAttentionQ8, PagedAttentionQ8Impl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()               // q [B, T, H, D]
-                                  .Arg<ffi::AnyBuffer>()               // k pages (int8)
-                                  .Arg<ffi::AnyBuffer>()               // v pages (int8)
-                                  .Arg<ffi::AnyBuffer>()               // k scales [num_pages, ps, KVH] bf16
-                                  .Arg<ffi::AnyBuffer>()               // v scales
-                                  .Arg<ffi::BufferR2<ffi::S32>>()      // block_tables [B, P]
-                                  .Arg<ffi::BufferR1<ffi::S32>>()      // context_lens [B]
-                                  .Arg<ffi::BufferR2<ffi::S32>>()      // positions [B, T]
-                                  .Ret<ffi::AnyBuffer>()               // out [B, T, H, D]
-                                  .Attr<float>("scale")
-                                  .Attr<int64_t>("kv_heads_per_item")
-                                  .Attr<int64_t>("window"));
 
 // The ragged layout: one flat array of query tokens, rows of any length (decode, prefill chunks,
 // speculative verification in one call).

@@ -227,8 +227,6 @@ def _add_kernels(p: argparse.ArgumentParser) -> None:
         "1408x512,512x32000); default none",
     )
     p.add_argument("--matmul-rows", default="1,32", help="rows of x for --matmul (comma list; default 1,32)")
-    p.add_argument("--flash-batches", default="1,4", help="flash prefill batches (GPU/TPU only; comma list)")
-    p.add_argument("--flash-seqs", default="1024,4096", help="flash prefill sequence lengths (comma list)")
     p.add_argument(
         "--peak-tflops", type=float, default=None, help="the chip's peak TFLOP/s for --dtype: adds the FLOP bound"
     )

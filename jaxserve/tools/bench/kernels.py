@@ -18,14 +18,11 @@ values, each call on its own copy of the weights so that they come from memory, 
 bound (the weights once / the stream read) and, with --peak-tflops, the FLOP bound. One row is
 where decode lives: the kernel should read at the stream's rate.
 
-On a GPU or TPU, causal flash prefill too: the Pallas kernel, jax.nn.dot_product_attention
-(cuDNN on a GPU) and the jnp reference, each beside its bytes bound and, given the chip's
-peak (--peak-tflops), its FLOP bound.
-
-Decode implementations: the kernel this backend serves with (the native C++ FFI kernel on the CPU, the
-Pallas kernel on a GPU or TPU) and the XLA path (reference.paged_attention_chunked, the
-online-softmax loop over pages). Each is timed as a decode step runs it: 8 calls (one per layer)
-inside one jitted fori_loop, each on its own pages and fed the previous call's output, so no
+Decode implementations: rows of one token through the ragged kernel this backend serves with (the
+native C++ FFI kernel on the CPU, the Pallas kernel on a GPU or TPU) and the XLA path
+(reference.ragged_paged_attention_chunked, the online-softmax loop over pages). Each is timed as a
+decode step runs it: 8 calls (one per layer) inside one jitted fori_loop, each on its own pages and
+fed the previous call's output, so no
 dispatch sits between calls; the time is per call. The pool is larger than the last-level cache
 and its pages are shuffled, so the KV comes from memory. The largest difference from the
 reference (reference.paged_attention, a plain gather) is reported beside each time.
@@ -66,32 +63,18 @@ def _ints(text: str, field: str) -> list[int]:
 
 
 def implementations(backend: str, scale: float) -> dict:
-    """name -> f(q [B,H,D], k_pages, v_pages, block_tables, lens) -> [B,H,D]."""
-    from pallas_kernels import reference
+    """name -> f(q [B,H,D], k_pages, v_pages, block_tables, lens) -> [B,H,D]: a decode step, one
+    token per row, through each of ragged_implementations."""
+    import jax.numpy as jnp
 
-    def xla(q, kp, vp, bt, lens):
-        return reference.paged_attention_chunked(q[:, None], kp, vp, bt, lens, lens[:, None] - 1, scale)[:, 0]
+    def decode(kernel):
+        def f(q, kp, vp, bt, lens):
+            qsl = jnp.arange(q.shape[0] + 1, dtype=jnp.int32)
+            return kernel(q, kp, vp, qsl, lens, bt, lens - 1, scale)
 
-    impls = {}
-    if backend == "cpu":
-        from pallas_kernels import native
+        return f
 
-        if native.available():
-            impls["native"] = lambda q, kp, vp, bt, lens: native.paged_attention(
-                q[:, None], kp, vp, bt, lens, lens[:, None] - 1, scale
-            )[:, 0]
-        else:
-            print(f"native CPU kernel unavailable: {native.unavailable_reason()}", file=sys.stderr)
-    else:
-        from pallas_kernels.flash_attention import default_backend
-        from pallas_kernels.paged_attention import paged_decode_attention
-
-        lowering = default_backend()
-        impls[f"pallas-{lowering}"] = functools.partial(
-            paged_decode_attention, scale=scale, backend=lowering, interpret=False
-        )
-    impls["xla"] = xla
-    return impls
+    return {name: decode(kernel) for name, kernel in ragged_implementations(backend).items()}
 
 
 def run(args, argv) -> dict:
@@ -195,10 +178,6 @@ def run(args, argv) -> dict:
                 )
     rows_out += bench_ragged(args, steps, backend, dtype, heads, kv_heads, d, probe, streams)
     rows_out += bench_matmul(args, shapes, mm_rows, backend, dtype, llc, probe, streams)
-    if backend == "cpu":
-        print("flash prefill: not timed on the CPU (the Pallas kernels only run interpreted there)", flush=True)
-    else:
-        rows_out += bench_flash(args, backend, dtype, heads, kv_heads, d, probe, streams)
     summary = {"stream_gbps_median": statistics.median(streams), "stream_gbps_best": max(streams)}
     print(f"streaming read: median {summary['stream_gbps_median']:.1f} GB/s, best {summary['stream_gbps_best']:.1f}")
     return result.document("kernels", argv, measurements=rows_out, summary=summary)
@@ -260,53 +239,6 @@ def _bounded(args, times: list[float], streams: list[float], nbytes: int, flops:
         "fraction_of_bound": bound_ms / ms,
         "max_abs_diff": diff,
     }
-
-
-def bench_flash(args, backend, dtype, heads, kv_heads, d, probe, streams) -> list[dict]:
-    """Causal prefill attention on an accelerator: the Pallas kernel, jax.nn.dot_product_attention
-    (cuDNN on a GPU) and the jnp reference. The bound beside each time is the larger of the
-    bytes bound (q, k, v, o once / the stream read) and, with --peak-tflops, the FLOP bound
-    (causal: 2 x B x H x S x S x D FLOPs)."""
-    import jax
-    import jax.numpy as jnp
-
-    from pallas_kernels import reference
-    from pallas_kernels.flash_attention import default_backend, flash_attention
-
-    scale = 1 / math.sqrt(d)
-    lowering = default_backend()
-    impls = {
-        f"pallas-{lowering}": jax.jit(functools.partial(flash_attention, scale=scale, backend=lowering)),
-        "jax.nn.dot_product_attention": jax.jit(
-            lambda q, k, v: jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True)
-        ),
-        "reference (jnp)": jax.jit(lambda q, k, v: reference.causal_attention(q, k, v, scale)),
-    }
-    out = []
-    for b in _ints(args.flash_batches, "flash_batches"):
-        for seq in _ints(args.flash_seqs, "flash_seqs"):
-            key = jax.random.split(jax.random.PRNGKey(seq), 3)
-            q = jax.random.normal(key[0], (b, seq, heads, d), dtype)
-            k = jax.random.normal(key[1], (b, seq, kv_heads, d), dtype)
-            v = jax.random.normal(key[2], (b, seq, kv_heads, d), dtype)
-            nbytes = (2 * q.size + k.size + v.size) * dtype.itemsize
-            flops = 2 * b * heads * seq * seq * d  # causal: half of 4 x B x H x S x S x D
-            want = impls["reference (jnp)"](q, k, v).astype(jnp.float32)
-            config = {"batch": b, "seq": seq, "heads": heads, "kv_heads": kv_heads, "head_dim": d, "dtype": dtype.name}
-            for name, fn in impls.items():
-                r = _timed_cell(
-                    args, probe, streams, fn, (q, k, v), want, nbytes, flops, label=f"flash {name} B={b} S={seq}"
-                )
-                if r is None:
-                    continue
-                out.append({"name": "flash prefill (causal)", "impl": name, "config": config, **r})
-                print(
-                    f"flash B={b} S={seq:5d} {name:28s}: {r['ms']:8.3f} ms, {r['tflops']:.1f} TFLOP/s | bound "
-                    f"{r['bound_ms']:.3f} ms ({r['bound']}) = {r['fraction_of_bound']:.2f} of bound | "
-                    f"max abs diff {r['max_abs_diff']:.1e}",
-                    flush=True,
-                )
-    return out
 
 
 def _matmul_shapes(text: str) -> list[tuple[int, int]]:
@@ -445,8 +377,10 @@ def ragged_implementations(backend: str) -> dict:
 
         if native.available():
             impls["native"] = native.ragged_paged_attention
+        else:
+            print(f"native CPU kernel unavailable: {native.unavailable_reason()}", file=sys.stderr)
     else:
-        from pallas_kernels.flash_attention import default_backend
+        from pallas_kernels.lowering import default_backend
         from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 
         lowering = default_backend()
