@@ -319,27 +319,31 @@ def free_port() -> int:
 
 def pool_whole(llm, timeout: float = 10.0) -> None:
     """Once the engine (stepped by a server's loop thread) has no request left, every page is
-    free or held by the prefix cache: nothing leaked.
+    free or held by the prefix cache: nothing leaked. llm: an LLM, or an engine core with a
+    scheduler and a KV manager (EngineCore, FakeEngine).
 
     Read from another thread while a late request (one a client gave up on while it was still
     being tokenized) may yet arrive and run, so the check is repeated until it holds or the time
     is up: a leak persists, a request passing through does not."""
     import time
 
+    core = getattr(llm, "core", llm)
+    scheduler, alloc, prefix_cache = core.scheduler, core.kv.alloc, core.kv.prefix_cache
     deadline = time.monotonic() + timeout
     while True:
-        idle = not llm.scheduler.running and not llm.scheduler.waiting
+        idle = not scheduler.running and not scheduler.waiting
         try:
-            cached = set(llm.prefix_cache.pages())
+            cached = set(prefix_cache.pages()) if prefix_cache is not None else set()
         except RuntimeError:  # the engine thread changed the tree while it was read
             cached = None
-        if idle and cached is not None and llm.allocator.num_free + len(cached) == llm.allocator.capacity:
+        if idle and cached is not None and alloc.num_free + len(cached) == alloc.capacity:
             return
         if time.monotonic() > deadline:
             break
         time.sleep(0.02)
     assert idle, "requests are still running"
-    assert llm.allocator.num_free + len(set(llm.prefix_cache.pages())) == llm.allocator.capacity
+    cached = set(prefix_cache.pages()) if prefix_cache is not None else set()
+    assert alloc.num_free + len(cached) == alloc.capacity
 
 
 def tp_models(tmp_path_factory):
