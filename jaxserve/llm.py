@@ -18,7 +18,8 @@ from typing import Sequence as Seq
 import numpy as np
 
 from jaxserve.engine.chat import Conversation, is_conversation
-from jaxserve.engine.core import EngineCore, completion_ids
+from jaxserve.engine.contract import completion_ids
+from jaxserve.engine.core import EngineCore
 from jaxserve.engine.request import RequestOutput, SamplingParams, Sequence
 from jaxserve.engine.tool_calls import ToolCalling, ToolRequest
 

@@ -54,6 +54,7 @@ def test_both_are_engines_with_the_same_reports(engines):
     for field in ("context_length", "vocab_size", "max_slots", "page_size", "num_kv_pages", "has_tokenizer"):
         assert getattr(real, field) == getattr(faked, field), field
     assert ("prefix_caching" in real.features) == ("prefix_caching" in faked.features)
+    assert core_mod.completion_ids("r", 3) == contract.completion_ids("r", 3) == ["r", "r#1", "r#2"]
 
 
 @pytest.mark.parametrize("prompt, params", BAD, ids=range(len(BAD)))

@@ -46,6 +46,12 @@ STATS_KEYS = (
 )
 
 
+def completion_ids(request_id: str, n: int) -> list[str]:
+    """The request ids of a request's n completions: its own, then `id#1` .. `id#(n-1)` (what
+    `add` refuses while live, what `any_live` is asked about)."""
+    return [request_id] + [f"{request_id}#{i}" for i in range(1, n)]
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelInfo:
     """What a frontend reports about the served model (gRPC GetModelInfo, HTTP /v1/models).

@@ -35,7 +35,7 @@ import numpy as np
 from jaxserve.engine import request as request_mod
 from jaxserve.engine.allocator import PageAllocator
 from jaxserve.engine.chat import Conversation, render
-from jaxserve.engine.contract import ModelInfo
+from jaxserve.engine.contract import ModelInfo, completion_ids
 from jaxserve.engine.engine_config import EngineConfig
 from jaxserve.engine.kv_manager import KVManager
 from jaxserve.engine.radix_cache import RadixCache
@@ -50,11 +50,6 @@ CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
     "{% if add_generation_prompt %}assistant {% endif %}"
 )
-
-
-def completion_ids(request_id: str, n: int) -> list[str]:
-    """The request ids of a request's n completions, as the core names them: `id`, `id#1`, ..."""
-    return [request_id] + [f"{request_id}#{i}" for i in range(1, n)]
 
 
 @dataclasses.dataclass(frozen=True)
