@@ -22,11 +22,14 @@ from jaxserve.v1 import jaxserve_pb2 as pb
 pytestmark = pytest.mark.fast
 
 OPTS = dict(max_slots=8, page_size=8, max_model_len=160, num_pages=160, token_buckets=(16, 32, 64))
+# A step's time: a stream of 100 tokens lasts a second, long enough for a client on the loaded CPU
+# to cancel it while it runs, and for the queue-bound test's requests to meet a full queue.
+STEP_SECONDS = 0.01
 
 
 @pytest.fixture(scope="module")
 def served():
-    fake = FakeEngine(**OPTS)
+    fake = FakeEngine(step_seconds=STEP_SECONDS, **OPTS)
     st = ServerThread(fake, max_waiting=64)
     yield st, fake
     st.stop()
@@ -119,7 +122,7 @@ def test_logprobs_over_grpc(served):
 
 
 def test_metrics_endpoint():
-    fake = FakeEngine(**OPTS)
+    fake = FakeEngine(step_seconds=STEP_SECONDS, **OPTS)
     st = ServerThread(fake, metrics_port=0)  # the server binds a free port and says which
     try:
         port = st.server.metrics_port
@@ -134,7 +137,7 @@ def test_metrics_endpoint():
 
 
 def test_auth_and_full_queue():
-    fake = FakeEngine(**dict(OPTS, max_slots=1))
+    fake = FakeEngine(step_seconds=STEP_SECONDS, **dict(OPTS, max_slots=1))
     st = ServerThread(fake, token="s3cret", max_waiting=1)
     try:
         with pytest.raises(grpc.RpcError) as e:

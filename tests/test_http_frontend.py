@@ -29,6 +29,9 @@ from jaxserve.serving.client import Client
 pytestmark = pytest.mark.fast
 
 OPTS = dict(max_slots=8, page_size=8, max_model_len=192, num_pages=400, token_buckets=(16, 32, 64))
+# A step's time: a stream of 150 tokens lasts 1.5 s, so a client on the loaded CPU that reads two
+# chunks still finds it running, as it would on the jitted engine.
+STEP_SECONDS = 0.01
 TOKEN = "s3cret"
 CHAT = [{"role": "user", "content": "w9 w10 w11"}]
 MANY = [[{"role": "user", "content": f"w{i + 3} w4"}] for i in range(32)]
@@ -54,7 +57,7 @@ def embedder_handler():
 
 @pytest.fixture(scope="module")
 def served(embedder_handler):
-    fake = FakeEngine(**OPTS)
+    fake = FakeEngine(step_seconds=STEP_SECONDS, **OPTS)
     st = ServerThread(fake, token=TOKEN, max_waiting=64, http_port=0)
     yield st, fake
     st.stop()
@@ -426,8 +429,8 @@ def test_a_huge_prompt_does_not_delay_a_running_stream(served, monkeypatch):
 def test_drain_finishes_short_streams_and_aborts_long_ones():
     """drain (what SIGTERM does): a request that ends within the grace period ends normally, one
     that does not ends with a final chunk (reason "abort") and [DONE], not a broken stream."""
-    fake = FakeEngine(**OPTS)
-    st = ServerThread(fake, http_port=0, grace_s=0.5)
+    fake = FakeEngine(step_seconds=0.04, **OPTS)  # the long one: 180 steps, 7 s; the short one 0.2 s
+    st = ServerThread(fake, http_port=0, grace_s=2.0)
     try:
         c = _client(st)
         results: dict[str, list] = {}
@@ -438,13 +441,12 @@ def test_drain_finishes_short_streams_and_aborts_long_ones():
             )
             results[name] = list(stream)
 
-        threads = [threading.Thread(target=consume, args=(n, m)) for n, m in (("short", 20), ("long", 180))]
+        threads = [threading.Thread(target=consume, args=(n, m)) for n, m in (("short", 5), ("long", 180))]
         for t in threads:
             t.start()
         deadline = time.monotonic() + 10
         while len(st.server.engine.in_flight) < 2 and time.monotonic() < deadline:
             time.sleep(0.002)
-        fake.step_seconds = 0.01  # the long one cannot finish within the grace period
         st.run(st.server.drain())
         for t in threads:
             t.join(30)

@@ -32,8 +32,9 @@ OPTS = dict(max_slots=1, page_size=8, max_model_len=160, num_pages=64, token_buc
 
 @pytest.fixture(scope="module")
 def llm():
-    """A fake engine core (the name is the tests' from when they built an LLM)."""
-    return FakeEngine(**OPTS)
+    """A fake engine core (the name is the tests' from when they built an LLM), whose steps take
+    as long as a small model's on this CPU: a LONG request holds its slot for 1.5 s."""
+    return FakeEngine(step_seconds=0.01, **OPTS)
 
 
 def _request(base: str, method: str, path: str, body: dict | None = None, timeout: float = 60) -> tuple[int, dict]:
