@@ -104,6 +104,18 @@ def pytest_configure(config):
 DURATIONS = Path(__file__).with_name("durations.json")
 
 
+def pytest_ignore_collect(collection_path, config):
+    """With `-m fast`, a test module whose text never names the mark is not even imported:
+    collecting (importing) every module would cost the fast tier jax, torch and transformers."""
+    if (
+        config.option.markexpr == "fast"
+        and collection_path.suffix == ".py"
+        and collection_path.name.startswith("test_")
+    ):
+        return "pytest.mark.fast" not in collection_path.read_text()
+    return None
+
+
 class FileDurations:
     """Orders the collected tests by tests/durations.json, sums each file's seconds over the run
     (setup, call and teardown; under xdist the controller gets the workers' reports, so a file's
