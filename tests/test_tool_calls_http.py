@@ -15,9 +15,9 @@ from test_tool_calls import HISTORY
 
 # -- the server: the official openai client against a real server on 127.0.0.1 --------------
 # The conftest's tiny llama (random weights: it never calls a tool by itself, so "auto" is
-# tested above on the parsers) with a compact hermes-style template that renders tools, past
-# calls and tool results itself, naming the tools only (the real templates' tool prompts
-# overflow the tiny model's 512 positions at its ~1 character a token).
+# tested on the parsers in test_tool_calls.py) with a compact hermes-style template that renders
+# tools, past calls and tool results itself, naming the tools only (the real templates' tool
+# prompts overflow the tiny model's 512 positions at its ~1 character a token).
 COMPACT = """{%- if tools %}<|im_start|>system
 Tools:{% for t in tools %} {{ t.function.name }}{% endfor %}<|im_end|>
 {% endif %}
