@@ -1,4 +1,4 @@
-# Two commands do all the set-up: `make demo` and `make test`.
+# Two commands do all the set-up: `make demo` and `make test` (`make test-fast`: its fast tier).
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -7,7 +7,7 @@ HASH := $(shell cat pyproject.toml setup.py $(LOCK) 2>/dev/null | sha1sum | cut 
 RUNTIME_STAMP := $(VENV)/.runtime-$(HASH)
 STAMP := $(VENV)/.installed-$(HASH)
 
-.PHONY: demo test lint install native lock lock-upgrade bench clean
+.PHONY: demo test test-fast lint install native lock lock-upgrade bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -68,10 +68,17 @@ lint: $(STAMP)
 
 # Two workers, one test file each at a time (module fixtures built once): most of the suite's
 # time is single-threaded XLA compilation, so two files at once nearly halve it on 2 cores.
-# Files go out longest first (tests/conftest.py orders them; xdist would sort them by test count).
+# Files go out longest first, by the seconds each took in the last full run (tests/durations.json,
+# which a full run rewrites; tests/conftest.py orders them; xdist would sort them by test count).
 PYTEST_ARGS ?= -n 2 --dist loadfile --no-loadscope-reorder --durations=15
 test: $(STAMP) $(NATIVE_LIB) lint
 	JAX_PLATFORMS=cpu $(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+# The fast tier, minutes instead of a quarter of an hour: the modules marked `fast` (the frontends
+# on the fake engine, the host-side units, kernels in interpret mode at small sizes). `make test`
+# still runs everything; a new test module is in it without being listed anywhere.
+test-fast: $(STAMP) $(NATIVE_LIB) lint
+	JAX_PLATFORMS=cpu $(BIN)/python -m pytest -q -m fast $(PYTEST_ARGS)
 
 demo: $(RUNTIME_STAMP) $(NATIVE_LIB)
 	JAX_PLATFORMS=cpu $(BIN)/python scripts/demo.py

@@ -18,7 +18,7 @@ from typing import Sequence as Seq
 import numpy as np
 
 from jaxserve.engine.chat import Conversation, is_conversation
-from jaxserve.engine.core import completion_ids
+from jaxserve.engine.contract import completion_ids
 from jaxserve.engine.loading import load_engine
 from jaxserve.engine.request import RequestOutput, SamplingParams, Sequence
 from jaxserve.engine.tool_calls import ToolCalling, ToolRequest

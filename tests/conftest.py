@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import atexit
+import collections
 import contextlib
+import json
+import math
 import os
 import shutil
 import tempfile
@@ -79,33 +82,79 @@ def pytest_configure(config):
         "markers",
         "no_suite_xla_cache: run without the suite's shared JAX compilation cache (in process and in subprocesses)",
     )
+    config.addinivalue_line(
+        "markers",
+        "fast: the module runs in `make test-fast` (pytestmark = pytest.mark.fast): no jitted engine, no "
+        "subprocess that builds one; kernels in interpret mode at small sizes. Unmarked modules run in `make test` only.",
+    )
+    config.pluginmanager.register(FileDurations(config), "jaxserve-file-durations")
 
 
-# The longest files on 2 cores, longest first (seconds summed over their tests, 2026-12-04, AMD
-# EPYC with AVX2, with the flags above: 137, 108, 87, 63, 58, 53, 52, 49, 49, 49, 43, 39, 39,
-# 38). xdist (`--dist loadfile`) hands files to its workers in collection order, so these start
-# first and the short files fill in at the end. Its default order (most tests first) put the
-# multi-device subprocess files, minutes long with few tests, last: one worker ran them alone.
-LONGEST_FILES = (
-    "test_speculative.py",
-    "test_smollm2.py",
-    "test_executable_cache.py",
-    "test_multihost.py",
-    "test_ragged_paged_attention.py",
-    "test_sharding.py",
-    "test_kv_quant.py",
-    "test_sharding_pallas.py",
-    "test_grpc_server.py",
-    "test_native_attention.py",
-    "test_llm.py",
-    "test_pallas_engine.py",
-    "test_quantization.py",
-)
+# Tiers: `make test` runs every module; `make test-fast` (-m fast) the modules that opt in with
+# `pytestmark = pytest.mark.fast`. A new file is in the full suite without anyone editing a list,
+# and never slows the fast tier unless its own author marks it (the mark sits beside what makes
+# the module fast, where a reviewer sees it).
+#
+# Order: xdist (`--dist loadfile --no-loadscope-reorder`) hands files to its two workers in
+# collection order. A long file started last runs alone on one worker while the other idles, so
+# files go out longest first by the seconds each took in the last full run, which the suite
+# itself records in tests/durations.json (FileDurations; commit the file when it moves). Files it
+# has no figure for (new ones) go first: a long one at the start costs nothing, and what runs
+# last is the shortest of the known ones.
+DURATIONS = Path(__file__).with_name("durations.json")
 
 
-def pytest_collection_modifyitems(config, items):
-    rank = {name: i for i, name in enumerate(LONGEST_FILES)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
+def pytest_ignore_collect(collection_path, config):
+    """With `-m fast`, a test module whose text never names the mark is not even imported:
+    collecting (importing) every module would cost the fast tier jax, torch and transformers."""
+    if (
+        config.option.markexpr == "fast"
+        and collection_path.suffix == ".py"
+        and collection_path.name.startswith("test_")
+    ):
+        return "pytest.mark.fast" not in collection_path.read_text()
+    return None
+
+
+class FileDurations:
+    """Orders the collected tests by tests/durations.json, sums each file's seconds over the run
+    (setup, call and teardown; under xdist the controller gets the workers' reports, so a file's
+    sum is the time it held its worker) and, after a whole-suite run, writes them back."""
+
+    def __init__(self, config):
+        self.config = config
+        self.seconds: collections.Counter = collections.Counter()
+
+    @staticmethod
+    def recorded() -> dict[str, float]:
+        try:
+            return json.loads(DURATIONS.read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def pytest_collection_modifyitems(self, items):
+        seconds = self.recorded()
+        items.sort(key=lambda item: -seconds.get(item.path.name, math.inf))  # stable: a file's tests keep their order
+
+    def pytest_runtest_logreport(self, report):
+        self.seconds[Path(report.location[0]).name] += report.duration
+
+    def whole_suite(self, exitstatus) -> bool:
+        """The controller (or the only process) of a run of every file that was not interrupted:
+        no file arguments, no -k, -m, --ignore, --deselect or --lf selection; tests passed or failed."""
+        c, o = self.config, self.config.option
+        selected = o.markexpr or o.keyword or o.ignore or o.ignore_glob or o.deselect or getattr(o, "lf", False)
+        return (
+            not hasattr(c, "workerinput")
+            and exitstatus in (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED)
+            and c.args_source is pytest.Config.ArgsSource.TESTPATHS
+            and not selected
+        )
+
+    def pytest_sessionfinish(self, exitstatus):
+        if self.seconds and self.whole_suite(exitstatus):
+            ordered = sorted(((f, round(s, 1)) for f, s in self.seconds.items()), key=lambda kv: -kv[1])
+            DURATIONS.write_text(json.dumps(dict(ordered), indent=1) + "\n")
 
 
 def pytest_unconfigure(config):
@@ -318,27 +367,31 @@ def free_port() -> int:
 
 def pool_whole(llm, timeout: float = 10.0) -> None:
     """Once the engine (stepped by a server's loop thread) has no request left, every page is
-    free or held by the prefix cache: nothing leaked.
+    free or held by the prefix cache: nothing leaked. llm: an LLM, or an engine core with a
+    scheduler and a KV manager (EngineCore, FakeEngine).
 
     Read from another thread while a late request (one a client gave up on while it was still
     being tokenized) may yet arrive and run, so the check is repeated until it holds or the time
     is up: a leak persists, a request passing through does not."""
     import time
 
+    core = getattr(llm, "core", llm)
+    scheduler, alloc, prefix_cache = core.scheduler, core.kv.alloc, core.kv.prefix_cache
     deadline = time.monotonic() + timeout
     while True:
-        idle = not llm.scheduler.running and not llm.scheduler.waiting
+        idle = not scheduler.running and not scheduler.waiting
         try:
-            cached = set(llm.prefix_cache.pages())
+            cached = set(prefix_cache.pages()) if prefix_cache is not None else set()
         except RuntimeError:  # the engine thread changed the tree while it was read
             cached = None
-        if idle and cached is not None and llm.allocator.num_free + len(cached) == llm.allocator.capacity:
+        if idle and cached is not None and alloc.num_free + len(cached) == alloc.capacity:
             return
         if time.monotonic() > deadline:
             break
         time.sleep(0.02)
     assert idle, "requests are still running"
-    assert llm.allocator.num_free + len(set(llm.prefix_cache.pages())) == llm.allocator.capacity
+    cached = set(prefix_cache.pages()) if prefix_cache is not None else set()
+    assert alloc.num_free + len(cached) == alloc.capacity
 
 
 def tp_models(tmp_path_factory):

@@ -8,6 +8,8 @@ from hypothesis import strategies as st
 
 from jaxserve.engine.allocator import DUMMY_PAGE, OutOfPages, PageAllocator
 
+pytestmark = pytest.mark.fast
+
 
 def test_dummy_page_is_never_handed_out():
     a = PageAllocator(5, 4)

@@ -16,6 +16,8 @@ from transformers import AutoTokenizer
 from jaxserve.engine.chat import Conversation, is_conversation, render
 from jaxserve.engine.tokenizer import load_tokenizer
 
+pytestmark = pytest.mark.fast
+
 DATA = Path(__file__).parent / "data" / "chat"
 FAMILIES = ("llama-3.1", "qwen2.5", "mistral-v0.3")
 

@@ -12,6 +12,8 @@ from jaxserve import cli
 from jaxserve import kv_math as km
 from jaxserve.serve_config import DEFAULT_GIN_FILE, load_config
 
+pytestmark = pytest.mark.fast
+
 COMMANDS = ["serve", "generate", "client", "kv-math", "bench", "convert"]
 
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 import transformers
 from conftest import TEST_MODEL, make_hf_model, pool_whole
-from test_http_server import ServerThread
+from servers import ServerThread
 
 from jaxserve import LLM, SamplingParams
 
@@ -42,7 +42,7 @@ def served():
         "next": llm.generate([ids[0]], SamplingParams(max_tokens=1, temperature=0))[0],
         "texts": llm.generate(TEXTS[:2], SamplingParams(max_tokens=4, temperature=0)),
     }
-    st = ServerThread(llm, max_waiting=64)
+    st = ServerThread(llm, http_port=0, max_waiting=64)
     yield st, llm, ids, oracle, ref
     st.stop()
 
@@ -320,7 +320,7 @@ def test_echo_of_a_token_id_prompt_without_a_tokenizer_is_a_400_and_submits_noth
     make_hf_model("llama", tmp_path)
     llm = LLM(tmp_path, max_slots=2, page_size=8, max_model_len=64, num_pages=32, token_buckets=(16,))
     assert llm.core.tokenizer is None
-    st = ServerThread(llm)
+    st = ServerThread(llm, http_port=0)
     try:
         model = _model(st)
         for prompt in ([5, 6, 7], [[5, 6], [7, 8, 9]]):

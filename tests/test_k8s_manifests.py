@@ -24,6 +24,8 @@ from jaxserve.serve_config import CONFIG_DIR, load_config
 from jaxserve.serving import routing
 from jaxserve.tools import k8s
 
+pytestmark = pytest.mark.fast
+
 K8S_VERSION = "1.33"
 ROOT = Path(__file__).resolve().parents[1]
 CRD_DIR = Path(__file__).resolve().parent / "data" / "crds"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -12,6 +13,8 @@ from jaxserve.engine.allocator import PageAllocator
 from jaxserve.engine.kv_manager import KVManager
 from jaxserve.engine.radix_cache import RadixCache
 from jaxserve.engine.request import SamplingParams, Sequence, Status
+
+pytestmark = pytest.mark.fast
 
 
 def test_copy_on_write_of_a_shared_partial_page():

@@ -21,6 +21,8 @@ from jaxserve.kv_math import (
 )
 from jaxserve.tools import kv_math_cli
 
+pytestmark = pytest.mark.fast
+
 WORKLOAD = Path(__file__).resolve().parents[2] / "shared" / "workloads" / "mixed-64.json"
 H100_USABLE = 72_000_000_000  # 0.9 x 80e9
 H100_RESERVE = 4_000_000_000  # default 5% of 80e9

@@ -16,6 +16,8 @@ import pytest
 
 from jaxserve.serve_config import CONFIG_DIR, load_config
 
+pytestmark = pytest.mark.fast
+
 REPO = Path(__file__).resolve().parents[1]
 TPU = REPO / "scripts" / "launch_tpu_vm.sh"
 GPU = REPO / "scripts" / "launch_gpu_vm.sh"

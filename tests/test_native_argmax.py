@@ -15,6 +15,8 @@ from hypothesis import strategies as st
 from jaxserve.runner import model_runner, runner_config, sampling
 from pallas_kernels import native, native_argmax
 
+pytestmark = pytest.mark.fast
+
 _native = jax.jit(native_argmax.argmax)
 _xla = jax.jit(sampling.argmax)
 

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import collections
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxserve.engine.allocator import PageAllocator
 from jaxserve.engine.radix_cache import RadixCache
+
+pytestmark = pytest.mark.fast
 
 PS = 4
 

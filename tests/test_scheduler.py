@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import random
 
+import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
@@ -14,6 +15,8 @@ from jaxserve.engine.kv_manager import KVManager
 from jaxserve.engine.radix_cache import RadixCache
 from jaxserve.engine.request import SamplingParams, Sequence, Status
 from jaxserve.engine.scheduler import Scheduler
+
+pytestmark = pytest.mark.fast
 
 
 def _check_ownership(s: Scheduler):

@@ -20,6 +20,8 @@ from jaxserve.serve_config import (
     operative_config_str,
 )
 
+pytestmark = pytest.mark.fast
+
 PRESETS = {  # file -> (checkpoint, kv-math preset, tensor_parallel_size)
     "llama-3.1-8b-instruct.gin": ("/models/Llama-3.1-8B-Instruct", "llama-3.1-8b", 1),
     "llama-3.1-70b-instruct.gin": ("/models/Llama-3.1-70B-Instruct", "llama-3.1-70b", 8),

@@ -1,14 +1,15 @@
-"""The server process (serving/server.py) against real clients on 127.0.0.1: the waiting-queue
-bound (HTTP 429 / RESOURCE_EXHAUSTED, the rest served), HTTP-only serving, and a loud death
-when an engine step raises (every stream ends with an error, health goes NOT_SERVING, new
-requests are refused, `serve` exits non-zero)."""
+"""The server process (serving/server.py) on the fake engine (engine/fake_engine.py) against real
+clients on 127.0.0.1: the waiting-queue bound (HTTP 429 / RESOURCE_EXHAUSTED, the rest served),
+HTTP-only serving, a loud death when an engine step raises (every stream ends with an error,
+health goes NOT_SERVING, new requests are refused, `serve` exits non-zero) and the frozen
+start-up heap of a serving process. Nothing here depends on what the model computes; the
+jitted engine's servers are tests/test_grpc_server.py and tests/test_http_server.py."""
 
 from __future__ import annotations
 
 import http.client
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -18,40 +19,22 @@ import grpc
 import pytest
 from conftest import pool_whole
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from test_grpc_server import ServerThread
+from servers import ServerThread
 
-from jaxserve import LLM
+from jaxserve.engine.fake_engine import FakeEngine
 from jaxserve.serve_config import ServeConfig
 from jaxserve.serving.client import Client
+
+pytestmark = pytest.mark.fast
 
 OPTS = dict(max_slots=1, page_size=8, max_model_len=160, num_pages=64, token_buckets=(16, 32))
 
 
-PROMPT = [5, 6, 7]
-
-
 @pytest.fixture(scope="module")
-def tied(tok_model, tmp_path_factory):
-    """The conftest's tiny llama with one more token tied for the top after PROMPT: its lm_head
-    row copies the top token's row, so the two logits are equal bit for bit. Returns (llm, pair)."""
-    import torch
-    from safetensors.numpy import load_file, save_file
-
-    with torch.no_grad():
-        top = int(tok_model[1](torch.tensor([PROMPT])).logits[0, -1].argmax())
-    pair = (top, (top + 1) % 512 or 2)
-    d = tmp_path_factory.mktemp("tied_rows")
-    for f in tok_model[0].iterdir():
-        shutil.copy(f, d)
-    weights = load_file(d / "model.safetensors")
-    weights["lm_head.weight"][pair[1]] = weights["lm_head.weight"][pair[0]]
-    save_file(weights, d / "model.safetensors", metadata={"format": "pt"})
-    return LLM(d, **OPTS), pair
-
-
-@pytest.fixture(scope="module")
-def llm(tied):
-    return tied[0]
+def llm():
+    """A fake engine core (the name is the tests' from when they built an LLM), whose steps take
+    as long as a small model's on this CPU: a LONG request holds its slot for 1.5 s."""
+    return FakeEngine(step_seconds=0.01, **OPTS)
 
 
 def _request(base: str, method: str, path: str, body: dict | None = None, timeout: float = 60) -> tuple[int, dict]:
@@ -110,25 +93,6 @@ def test_queue_bound_refuses_past_it_and_serves_the_rest(llm):
         st.stop()
 
 
-def test_grpc_and_http_rank_a_tie_alike(tied):
-    """Both frontends format top logprobs with one conversion (client.split_logprobs): with two
-    tokens tied for the top, the same order comes back from each."""
-    llm, pair = tied
-    st = ServerThread(llm, http_port=0)
-    try:
-        base, model = f"http://127.0.0.1:{st.server.http_port}", st.server.http.model_name
-        body = {"model": model, "prompt": PROMPT, "max_tokens": 1, "logprobs": 3, "temperature": 0}
-        status, out = _request(base, "POST", "/v1/completions", {**body, "return_tokens_as_token_ids": True})
-        assert status == 200, out
-        http_top = [int(k.removeprefix("token_id:")) for k in out["choices"][0]["logprobs"]["top_logprobs"][0]]
-        (r,) = [r for r in Client(st.target).generate(PROMPT, max_tokens=1, temperature=0, logprobs=3) if r.logprobs]
-        grpc_top = [t.token_id for t in r.logprobs[0].top]
-        assert set(http_top[:2]) == set(pair) and r.token_ids[0] == min(pair)  # the tie, and greedy's pick
-        assert http_top == grpc_top
-    finally:
-        st.stop()
-
-
 def test_http_only_server(llm):
     with pytest.raises(ValueError, match="ServeConfig.port"):
         ServeConfig(port=None, http_port=None)
@@ -161,7 +125,7 @@ def test_engine_failure_fails_streams_and_stops_serving(llm):
     st = ServerThread(llm, http_port=0, max_waiting=8)
     base = f"http://127.0.0.1:{st.server.http_port}"
     model = st.server.http.model_name
-    real_step, calls = llm.core.step, []
+    real_step, calls = llm.step, []
 
     def failing_step():  # fails once all three requests are in flight and have made a few steps
         calls.append(len(st.server.engine.in_flight) == 3)
@@ -169,7 +133,7 @@ def test_engine_failure_fails_streams_and_stops_serving(llm):
             raise RuntimeError("injected step failure")
         return real_step()
 
-    llm.core.step = failing_step
+    llm.step = failing_step
     try:
         with ThreadPoolExecutor(3) as ex:
             streams = [ex.submit(_stream_events, base, model, 100) for _ in range(3)]
@@ -190,31 +154,31 @@ def test_engine_failure_fails_streams_and_stops_serving(llm):
                 list(Client(st.target).generate([5, 6], max_tokens=2))
             assert e.value.code() == grpc.StatusCode.UNAVAILABLE
     finally:
-        llm.core.step = real_step
+        del llm.step  # the class's step again
         st.stop()
 
 
 SERVE_AND_FAIL = """
 import sys
-from jaxserve import LLM
+from jaxserve.engine.fake_engine import FakeEngine
 from jaxserve.serving import server
-llm = LLM(sys.argv[1], **{opts!r})
-real, calls = llm.core.step, []
+engine = FakeEngine(**{opts!r})
+real, calls = engine.step, []
 def step():
     calls.append(1)
     if len(calls) > 3:
         raise RuntimeError("injected step failure")
     return real()
-llm.core.step = step
-sys.exit(server.serve(llm.core, port=0, http_port=0))
+engine.step = step
+sys.exit(server.serve(engine, port=0, http_port=0))
 """
 
 
-def test_serve_exits_nonzero_when_the_engine_fails(tok_model):
+def test_serve_exits_nonzero_when_the_engine_fails():
     """The process a supervisor watches: after the failure it exits non-zero by itself."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     proc = subprocess.Popen(
-        [sys.executable, "-c", SERVE_AND_FAIL.format(opts=OPTS), str(tok_model[0])],
+        [sys.executable, "-c", SERVE_AND_FAIL.format(opts=OPTS)],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -238,7 +202,7 @@ def test_serve_exits_nonzero_when_the_engine_fails(tok_model):
 
 SERVE_AND_COUNT_OBJECTS = """
 import gc, json, logging, os, signal, sys, threading, time, urllib.request
-from jaxserve import LLM
+from jaxserve.engine.fake_engine import FakeEngine
 from jaxserve.serving import server
 ports = []
 class Port(logging.Handler):  # the HTTP port the server bound (it is given 0), from its log line
@@ -247,7 +211,7 @@ class Port(logging.Handler):  # the HTTP port the server bound (it is given 0), 
             ports.append(record.args[1])
 logging.getLogger("jaxserve.server").addHandler(Port())
 logging.getLogger("jaxserve.server").setLevel(logging.INFO)
-llm = LLM(sys.argv[1], **{opts!r})
+engine = FakeEngine(**{opts!r})
 gc.collect()
 before = len(gc.get_objects())
 def probe():
@@ -265,16 +229,16 @@ def probe():
     finally:
         os.kill(os.getpid(), signal.SIGTERM)
 threading.Thread(target=probe, daemon=True).start()
-sys.exit(server.serve(llm.core, port=None, http_port=0))
+sys.exit(server.serve(engine, port=None, http_port=0))
 """
 
 
-def test_serve_freezes_the_startup_heap(tok_model):
+def test_serve_freezes_the_startup_heap():
     """A full garbage collection in a serving process walks only what serving allocated, not the
     ~0.5M objects start-up leaves (a 250-300 ms stall of every stream when it walked them)."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run(
-        [sys.executable, "-c", SERVE_AND_COUNT_OBJECTS.format(opts=OPTS), str(tok_model[0])],
+        [sys.executable, "-c", SERVE_AND_COUNT_OBJECTS.format(opts=OPTS)],
         capture_output=True,
         text=True,
         env=env,

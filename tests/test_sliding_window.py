@@ -28,6 +28,8 @@ from jaxserve.runner.attention import make, paged_forward
 from pallas_kernels import native, reference
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 
+pytestmark = pytest.mark.fast
+
 WINDOWS = [1, 7, 8, 37, 300, 5000]  # 5000: wider than every context (full attention)
 _oracle = jax.jit(reference.ragged_paged_attention, static_argnums=7, static_argnames="sliding_window")
 

@@ -4,11 +4,14 @@ steps, and the step choice follows the cost table and the records."""
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from jaxserve.engine.spec_policy import NgramIndex, SpecPolicy, StepCosts
 from jaxserve.runner.speculative import ngram_propose
+
+pytestmark = pytest.mark.fast
 
 
 @given(st.lists(st.integers(0, 4), min_size=1, max_size=60), st.integers(1, 6))

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxserve.runner.step_batch import DUMMY_PAGE, Chunk, build, slot_mapping
+
+pytestmark = pytest.mark.fast
 
 PS = 4
 

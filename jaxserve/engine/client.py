@@ -1,6 +1,6 @@
-"""The engine client: what every server frontend (gRPC today, HTTP next) talks to.
+"""The engine client: what every server frontend (gRPC and HTTP) talks to.
 
-It owns the engine loop thread (which alone calls `EngineCore.step`) and routes each
+It owns the engine loop thread (which alone calls the core's `step`) and routes each
 request's outputs to the asyncio queue of the call that submitted it. Frontends never see
 the scheduler, the KV manager or the runner: they `submit` a prompt with its sampling
 parameters and async-iterate the outputs, `abort` by id, and read `model_info` and
@@ -18,7 +18,7 @@ from typing import AsyncIterator, Callable
 from typing import Sequence as Seq
 
 from jaxserve.engine.chat import Conversation
-from jaxserve.engine.core import EngineCore, ModelInfo
+from jaxserve.engine.contract import Engine, ModelInfo
 from jaxserve.engine.request import RequestOutput, SamplingParams
 
 log = logging.getLogger("jaxserve.engine")
@@ -81,9 +81,12 @@ class RequestStream:
 
 
 class EngineClient:
+    """Runs an engine core (anything meeting contract.Engine: the jitted EngineCore, or the
+    FakeEngine of frontend tests) in a thread and routes its outputs to asyncio queues."""
+
     def __init__(
         self,
-        core: EngineCore,
+        core: Engine,
         max_waiting: int = 256,
         on_step: Callable[[dict], None] | None = None,
         on_fatal: Callable[[BaseException], None] | None = None,

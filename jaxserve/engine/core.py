@@ -26,6 +26,7 @@ import numpy as np
 
 from jaxserve.engine import request as request_mod
 from jaxserve.engine.chat import Conversation, render
+from jaxserve.engine.contract import ModelInfo, completion_ids
 from jaxserve.engine.engine_config import EngineConfig
 from jaxserve.engine.kv_manager import KVManager
 from jaxserve.engine.request import RequestOutput, SamplingParams, Sequence, Status
@@ -41,11 +42,6 @@ if TYPE_CHECKING:
     from jaxserve.models.model_config import ModelConfig
     from jaxserve.runner.model_runner import ModelRunner
     from jaxserve.runner.speculative import SpecStats
-
-
-def completion_ids(request_id: str, n: int) -> list[str]:
-    """The request ids of a request's n completions: its own, then `id#1` .. `id#(n-1)`."""
-    return [request_id] + [f"{request_id}#{i}" for i in range(1, n)]
 
 
 def _token_ids(prompt: object) -> list[int]:
@@ -89,20 +85,6 @@ def _completions(seq: Sequence) -> list[Sequence]:
             )
         )
     return out
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelInfo:
-    """What a frontend reports about the served model (gRPC GetModelInfo, HTTP /v1/models)."""
-
-    model_name: str
-    context_length: int
-    vocab_size: int
-    features: tuple[str, ...]
-    max_slots: int
-    page_size: int
-    num_kv_pages: int
-    has_tokenizer: bool
 
 
 @dataclasses.dataclass

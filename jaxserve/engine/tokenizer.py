@@ -225,3 +225,24 @@ class IncrementalDetokenizer:
         self.sent_text, self.sent_tokens = end, max(n, self.sent_tokens)
         self.sent_logprobs = max(min(n, len(seq.logprobs)), self.sent_logprobs)
         return out
+
+
+def word_tokenizer(vocab: int, specials: bool = False) -> Any:
+    """A tokenizer built in memory with a word for every id ("w0", "w1", ...; words split on
+    spaces and joined with spaces): text for every token a random or fake model emits, with no
+    checkpoint or hub behind it. specials: ids 0-2 are <s>, </s> and <unk> (BOS, EOS, unknown
+    words) instead of w0-w2, and w0 stops being the unknown word."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = {f"w{i}": i for i in range(vocab)}
+    names = dict(unk_token="w0")
+    if specials:
+        words.update({"<s>": 0, "</s>": 1, "<unk>": 2})
+        for i in range(3):
+            del words[f"w{i}"]
+        names = dict(bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    tok = Tokenizer(models.WordLevel(words, unk_token=names["unk_token"]))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
+    return PreTrainedTokenizerFast(tokenizer_object=tok, clean_up_tokenization_spaces=False, **names)

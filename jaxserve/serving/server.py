@@ -22,6 +22,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from jaxserve.engine.client import EngineClient
+from jaxserve.engine.contract import Engine
 from jaxserve.serving.grpc_server import SERVICE_NAME, BearerAuth, JaxServeServicer
 from jaxserve.serving.metrics import Metrics
 from jaxserve.v1 import jaxserve_pb2_grpc as pb_grpc
@@ -37,7 +38,7 @@ class Server:
 
     def __init__(
         self,
-        engine,
+        engine: Engine | object,
         host: str = "127.0.0.1",
         port: int | None = 50051,
         metrics_port: int | None = None,
@@ -49,12 +50,13 @@ class Server:
         grace_s: float = 30.0,
         http_port: int | None = None,
     ):
-        """engine: an EngineCore (or an LLM, whose core is used): the server runs its loop.
+        """engine: an engine core (contract.Engine: EngineCore, or a test's FakeEngine), or an
+        object holding one as `.core` (an LLM): the server runs its loop.
         port: the gRPC port (0 picks a free one; None: no gRPC). http_port: also serve the
         OpenAI-compatible HTTP API (http_server.py) on this port (0 picks a free port)."""
         if port is None and http_port is None:
             raise ValueError("port: at least one of the gRPC port and http_port must be set")
-        core = getattr(engine, "core", engine)
+        core: Engine = getattr(engine, "core", engine)
         info = core.model_info()
         self.metrics = Metrics(info.model_name, info.page_size, info.num_kv_pages)
         self.engine = EngineClient(core, max_waiting, on_step=self.metrics.update_engine, on_fatal=self._on_fatal)
@@ -193,6 +195,6 @@ async def _serve_forever(server: Server) -> int:
     return 0
 
 
-def serve(engine, **kwargs) -> int:
+def serve(engine: Engine | object, **kwargs) -> int:
     """Serve until SIGTERM/SIGINT (drain, 0) or an engine failure (EXIT_ENGINE_FAILED)."""
     return asyncio.run(_serve_forever(Server(engine, **kwargs)))

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxserve.engine.tokenizer import word_tokenizer
 from jaxserve.runner.host_times import PHASES, HostTimes
 
 
@@ -38,19 +39,6 @@ def random_model(layers: int, hidden: int, vocab: int, out: Path) -> Path:
     model_from_spec(spec, out)
     word_tokenizer(vocab).save_pretrained(str(out))
     return out
-
-
-def word_tokenizer(vocab: int):
-    """A tokenizer with a word for every id ("w0", "w1", ...): text out, as a user's server makes
-    it, for every token a random model samples (a real tokenizer smaller than the vocabulary
-    would decode most of them to nothing, and detokenizing would cost what it never costs)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab)}, unk_token="w0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
-    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0", clean_up_tokenization_spaces=False)
 
 
 def _generated(llm) -> int:
