@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
 import json
 import math
 import os
@@ -45,21 +44,11 @@ from flax import nnx  # noqa: E402
 from jaxserve.models.export import save_hf_checkpoint  # noqa: E402
 from jaxserve.models.llama import LlamaForCausalLM  # noqa: E402
 from jaxserve.models.model_config import ModelConfig  # noqa: E402
+from jaxserve.tools.bench.quality import is_heldout  # noqa: E402
+from jaxserve.tools.bench.quality import stdlib_files as collect_files  # noqa: E402
 
 BOS, EOS, PAD = "<s>", "</s>", "<pad>"
 SPECIALS = [BOS, EOS, PAD]  # ids 0, 1, 2
-EXCLUDE_DIRS = {
-    "site-packages",
-    "test",
-    "tests",
-    "idlelib",
-    "lib2to3",
-    "turtledemo",
-    "encodings",
-    "pydoc_data",
-    "ensurepip",
-    "__pycache__",
-}
 PROMPTS = [
     "def fibonacci(n):",
     "import os\n\n\ndef list_python_files(path):",
@@ -74,29 +63,6 @@ def log(msg: str) -> None:
 
 
 # ----------------------------------------------------------------------------- data
-
-
-def collect_files(stdlib: Path) -> list[tuple[str, str]]:
-    """(relative posix path, text) of the stdlib's .py files, sorted by path."""
-    out = []
-    for p in sorted(stdlib.rglob("*.py"), key=lambda q: q.relative_to(stdlib).as_posix()):
-        rel = p.relative_to(stdlib)
-        parts = rel.parts[:-1]
-        if any(d in EXCLUDE_DIRS or d.startswith("config-") for d in parts):
-            continue
-        if rel.name.startswith("_sysconfigdata"):  # machine-specific build settings
-            continue
-        try:
-            text = p.read_bytes().decode("utf-8")
-        except UnicodeDecodeError:
-            continue
-        if text.strip():
-            out.append((rel.as_posix(), text))
-    return out
-
-
-def is_heldout(rel: str, modulus: int) -> bool:
-    return int(hashlib.sha256(rel.encode()).hexdigest(), 16) % modulus == 0
 
 
 def train_tokenizer(texts: list[str], vocab_size: int):

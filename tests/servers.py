@@ -29,3 +29,30 @@ class ServerThread:
     def stop(self):
         self.run(self.server.stop(0), 30)
         self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+def stream_chats(base_url: str, api_key: str, model: str, conversations, **create) -> list[tuple[str, int]]:
+    """Every conversation streamed at once through the real `openai` client (usage included):
+    each one's text and its completion token count."""
+    import openai
+
+    async def one(c, conv):
+        text, n = "", None
+        stream = await c.chat.completions.create(
+            model=model, messages=conv, stream=True, stream_options={"include_usage": True}, **create
+        )
+        async for chunk in stream:
+            if chunk.choices:
+                text += chunk.choices[0].delta.content or ""
+            else:
+                n = chunk.usage.completion_tokens
+        return text, n
+
+    async def main():
+        c = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key=api_key, max_retries=0)
+        try:
+            return await asyncio.gather(*(one(c, conv) for conv in conversations))
+        finally:
+            await c.close()
+
+    return asyncio.run(main())

@@ -8,7 +8,6 @@ outputs equal to LLM.generate and LLM.chat, is tests/test_http_server.py."""
 
 from __future__ import annotations
 
-import asyncio
 import http.client
 import io
 import json
@@ -21,7 +20,7 @@ import grpc
 import openai
 import pytest
 from conftest import pool_whole
-from servers import ServerThread
+from servers import ServerThread, stream_chats
 
 from jaxserve.engine.fake_engine import FakeEngine
 from jaxserve.serving.client import Client
@@ -150,32 +149,7 @@ def test_logprobs_as_text(served):
 
 def test_32_concurrent_streaming_chats(served):
     st, fake = served
-
-    async def one(c, conv):
-        text, n = "", None
-        stream = await c.chat.completions.create(
-            model="fake",
-            messages=conv,
-            max_tokens=16,
-            stream=True,
-            stream_options={"include_usage": True},
-            extra_body={"ignore_eos": True},
-        )
-        async for chunk in stream:
-            if chunk.choices:
-                text += chunk.choices[0].delta.content or ""
-            else:
-                n = chunk.usage.completion_tokens
-        return text, n
-
-    async def main():
-        c = openai.AsyncOpenAI(base_url=st.base_url + "/v1", api_key=TOKEN, max_retries=0)
-        try:
-            return await asyncio.gather(*(one(c, conv) for conv in MANY))
-        finally:
-            await c.close()
-
-    got = asyncio.run(main())
+    got = stream_chats(st.base_url, TOKEN, "fake", MANY, max_tokens=16, extra_body={"ignore_eos": True})
     assert got == [(fake.tokenizer.decode(fake.model.tokens(fake.render_chat(conv), 16)), 16) for conv in MANY]
     pool_whole(fake)
 

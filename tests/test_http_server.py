@@ -6,7 +6,6 @@ aborts on disconnect, metrics) is tested on the fake engine in tests/test_http_f
 
 from __future__ import annotations
 
-import asyncio
 import os
 import re
 import shutil
@@ -20,7 +19,7 @@ import openai
 import pytest
 from conftest import TEST_MODEL
 from conftest import pool_whole as _pool_whole
-from servers import ServerThread
+from servers import ServerThread, stream_chats
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.serving.client import Client
@@ -146,33 +145,9 @@ def test_chat_equals_llm_chat(served):
 
 def test_32_concurrent_streaming_chats(served):
     st, llm, ref = served
-
-    async def one(c, conv):
-        text, n = "", None
-        stream = await c.chat.completions.create(
-            model=_model(st),
-            messages=conv,
-            max_tokens=16,
-            temperature=0,
-            stream=True,
-            stream_options={"include_usage": True},
-            extra_body={"ignore_eos": True},
-        )
-        async for chunk in stream:
-            if chunk.choices:
-                text += chunk.choices[0].delta.content or ""
-            else:
-                n = chunk.usage.completion_tokens
-        return text, n
-
-    async def main():
-        c = openai.AsyncOpenAI(base_url=st.base_url + "/v1", api_key=TOKEN, max_retries=0)
-        try:
-            return await asyncio.gather(*(one(c, conv) for conv in MANY))
-        finally:
-            await c.close()
-
-    got = asyncio.run(main())
+    got = stream_chats(
+        st.base_url, TOKEN, _model(st), MANY, max_tokens=16, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert got == [(o.text, 16) for o in ref["many"]]
     _pool_whole(llm)
 

@@ -242,7 +242,7 @@ def test_a_long_prompt_passed_over_by_shorter_ones_still_progresses():
 
 
 def _completions(seq: Sequence) -> list[Sequence]:
-    """The n sequences of a request, as EngineCore._completions makes them: one arrival, own index."""
+    """The n sequences of a request, as engine.intake.completions makes them (seeds aside): one arrival, own index."""
     return [seq] + [
         Sequence(
             f"{seq.request_id}#{i}",

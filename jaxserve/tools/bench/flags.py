@@ -39,24 +39,22 @@ def json_object(text: str) -> dict:
     return v
 
 
-def rate(text: str) -> float:
+def _above_zero(text: str, parse, expected: str, bound: str):
     try:
-        r = float(text)
+        v = parse(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected requests/s or inf, got {text!r}") from None
-    if not r > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
-    return r
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"must be {bound}, got {text!r}")
+    return v
+
+
+def rate(text: str) -> float:
+    return _above_zero(text, float, "requests/s or inf", "> 0")
 
 
 def positive(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {text!r}")
-    return n
+    return _above_zero(text, int, "a positive integer", ">= 1")
 
 
 def workload_flags(p: argparse.ArgumentParser, *, kind: str, n: int, plen: str, olen: str, rounds: int = 3) -> None:

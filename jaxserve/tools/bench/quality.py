@@ -29,31 +29,38 @@ import numpy as np
 
 from jaxserve.tools.bench import flags, result
 
-# directories of the standard library that scripts/train_default_model.py leaves out
+# directories of the standard library the corpus leaves out
 EXCLUDE_DIRS = {"site-packages", "test", "tests", "idlelib", "lib2to3", "turtledemo", "encodings", "pydoc_data",
                 "ensurepip", "__pycache__"}  # fmt: skip
 
 
-def heldout_texts(modulus: int = 50) -> list[str]:
-    """The standard library's held-out .py files (train_default_model.py's split), by path."""
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
+def stdlib_files(stdlib: Path | None = None) -> list[tuple[str, str]]:
+    """(relative posix path, text) of the standard library's .py files, sorted by path: the
+    corpus scripts/train_default_model.py trains and holds out from."""
+    stdlib = stdlib or Path(sysconfig.get_paths()["stdlib"])
     out = []
     for p in sorted(stdlib.rglob("*.py"), key=lambda q: q.relative_to(stdlib).as_posix()):
         rel = p.relative_to(stdlib)
         if any(d in EXCLUDE_DIRS or d.startswith("config-") for d in rel.parts[:-1]):
             continue
-        if (
-            rel.name.startswith("_sysconfigdata")
-            or int(hashlib.sha256(rel.as_posix().encode()).hexdigest(), 16) % modulus
-        ):
+        if rel.name.startswith("_sysconfigdata"):  # machine-specific build settings
             continue
         try:
             text = p.read_bytes().decode("utf-8")
         except UnicodeDecodeError:
             continue
         if text.strip():
-            out.append(text)
+            out.append((rel.as_posix(), text))
     return out
+
+
+def is_heldout(rel: str, modulus: int) -> bool:
+    return int(hashlib.sha256(rel.encode()).hexdigest(), 16) % modulus == 0
+
+
+def heldout_texts(modulus: int = 50) -> list[str]:
+    """The standard library's held-out .py files (train_default_model.py's split), by path."""
+    return [text for rel, text in stdlib_files() if is_heldout(rel, modulus)]
 
 
 def windows(tokenizer, texts: list[str], seq_len: int, count: int) -> np.ndarray:

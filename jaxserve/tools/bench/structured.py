@@ -22,6 +22,16 @@ from contextlib import ExitStack
 
 from jaxserve.tools.bench import ab, flags, result
 
+# an integer point in [-100, 100]^2, in two of the schemas
+POINT = {
+    "type": "object",
+    "properties": {
+        "x": {"type": "integer", "minimum": -100, "maximum": 100},
+        "y": {"type": "integer", "minimum": -100, "maximum": 100},
+    },
+    "required": ["x", "y"],
+    "additionalProperties": False,
+}
 SCHEMAS = {
     "person": {
         "type": "object",
@@ -64,17 +74,7 @@ SCHEMAS = {
         "additionalProperties": False,
     },
     "segment": {
-        "$defs": {
-            "point": {
-                "type": "object",
-                "properties": {
-                    "x": {"type": "integer", "minimum": -100, "maximum": 100},
-                    "y": {"type": "integer", "minimum": -100, "maximum": 100},
-                },
-                "required": ["x", "y"],
-                "additionalProperties": False,
-            }
-        },
+        "$defs": {"point": POINT},
         "type": "object",
         "properties": {"a": {"$ref": "#/$defs/point"}, "b": {"$ref": "#/$defs/point"}},
         "required": ["a", "b"],
@@ -92,15 +92,7 @@ SCHEMAS = {
     },
     "points": {
         "type": "array",
-        "items": {
-            "type": "object",
-            "properties": {
-                "x": {"type": "integer", "minimum": -100, "maximum": 100},
-                "y": {"type": "integer", "minimum": -100, "maximum": 100},
-            },
-            "required": ["x", "y"],
-            "additionalProperties": False,
-        },
+        "items": POINT,
         "minItems": 1,
         "maxItems": 4,
     },
