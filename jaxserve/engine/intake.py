@@ -66,6 +66,7 @@ def completions(seq: Sequence) -> list[Sequence]:
                 index=i,
                 parent_id=seq.request_id,
                 leader=seq,
+                grammar=seq.grammar.fork() if seq.grammar is not None else None,
             )
         )
     return out
