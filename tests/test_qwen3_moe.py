@@ -79,6 +79,27 @@ def test_routing_spreads_over_the_experts(moe):
     assert (counts > 0).sum() >= 6 and counts.max() < 40
 
 
+@pytest.mark.parametrize("rows", [24, 600])  # tiles of 8 rows, and of 32
+def test_grouped_swiglu_is_each_experts_swiglu_on_its_rows(rows):
+    """Rows sorted by expert, groups uneven and some empty, the last rows past every group: each
+    group's rows get their expert's SwiGLU (NumPy, float64), the rows past the groups zeros."""
+    rng = np.random.default_rng(rows)
+    e, h, f = 6, 16, 12
+    sizes = np.array([0, 3, 1, 0, 9, 2]) * (rows // 24)
+    x = rng.standard_normal((rows, h))
+    gate, up, down = rng.standard_normal((e, h, f)), rng.standard_normal((e, h, f)), rng.standard_normal((e, f, h))
+    got = np.asarray(
+        qwen3_moe.grouped_swiglu(*(jnp.asarray(a, jnp.float32) for a in (x, gate, up, down)), jnp.asarray(sizes))
+    )
+    want, start = np.zeros((rows, h)), 0
+    for g, n in enumerate(sizes):
+        a, u = x[start : start + n] @ gate[g], x[start : start + n] @ up[g]
+        want[start : start + n] = (a / (1 + np.exp(-a)) * u) @ down[g]
+        start += n
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    assert not got[start:].any()
+
+
 def test_logits_and_greedy_continuation_match_transformers(moe):
     path, hf = moe
     model, cfg = load_model(path, dtype=jnp.float32)

@@ -7,10 +7,9 @@ expert is a SwiGLU MLP of width `moe_intermediate_size`, and the token's output 
 weighted sum of its experts' outputs. A layer is sparse unless it is in `mlp_only_layers` or
 `(layer + 1) % decoder_sparse_step != 0`; those keep a dense MLP of `intermediate_size`.
 
-The experts run as one grouped matmul: the (token, expert) pairs are sorted by expert and
-`jax.lax.ragged_dot` multiplies each expert's contiguous rows by that expert's weights (the
-experts' weights are stacked [E, in, out]), so a step is three products whatever the routing,
-with fixed shapes (N tokens x k pairs). Each token's k outputs are then summed in its own
+The experts run as one grouped SwiGLU: the (token, expert) pairs are sorted by expert and a
+loop over fixed-height tiles of each expert's contiguous rows multiplies them by that expert's
+weights (stacked [E, in, out]; `grouped_swiglu`), with fixed shapes (N tokens x k pairs). Each token's k outputs are then summed in its own
 order, so a token's result does not depend on what else is in its step.
 
 A checkpoint stores one tensor per expert (`mlp.experts.{e}.gate_proj.weight`, ...);
@@ -68,10 +67,35 @@ class Experts(nnx.Module):
 
 def grouped_swiglu(x, gate, up, down, group_sizes):
     """x [M, H]: rows sorted by expert; gate/up [G, H, F], down [G, F, H]: G experts' weights;
-    group_sizes [G] how many rows each has (rows past their sum come out as zeros)."""
-    g = jax.lax.ragged_dot(x, gate, group_sizes)
-    u = jax.lax.ragged_dot(x, up, group_sizes)
-    return jax.lax.ragged_dot(jax.nn.silu(g) * u, down, group_sizes)
+    group_sizes [G] how many rows each has (rows past their sum come out as zeros).
+
+    Each expert's rows are cut into tiles of a fixed height, and a loop runs only the tiles that
+    hold rows: a tile is one expert's whole SwiGLU on up to `tile` rows, so a step reads each
+    chosen expert's weights once per tile of its rows and skips the experts nobody chose.
+    (`jax.lax.ragged_dot` computes the same, but XLA:CPU runs it ~50x slower than its bound:
+    25 ms for 128 rows over 32 experts of 512x256, where one expert's 128 rows take 0.5 ms.)
+    A row's arithmetic is a [tile, H] product whatever else is in the step."""
+    m, g = x.shape[0], gate.shape[0]
+    tile = 8 if m <= 512 else 32
+    tiles = (group_sizes + tile - 1) // tile  # [G] tiles per expert
+    tile_end = jnp.cumsum(tiles)
+    row_end = jnp.cumsum(group_sizes)
+    t = jnp.arange(-(-m // tile) + g)  # at most this many tiles hold rows
+    expert = jnp.minimum(jnp.searchsorted(tile_end, t, side="right"), g - 1)
+    start = (row_end - group_sizes)[expert] + (t - (tile_end - tiles)[expert]) * tile
+    xp = jnp.concatenate([x, jnp.zeros((tile, x.shape[1]), x.dtype)])  # a tile never reads past the end
+
+    def one_tile(i, out):
+        s, e = start[i], expert[i]
+        xs = jax.lax.dynamic_slice_in_dim(xp, s, tile)
+        y = ((jax.nn.silu(xs @ gate[e]) * (xs @ up[e])) @ down[e]).astype(out.dtype)
+        keep = (s + jnp.arange(tile) < row_end[e])[:, None]
+        return jax.lax.dynamic_update_slice_in_dim(
+            out, jnp.where(keep, y, jax.lax.dynamic_slice_in_dim(out, s, tile)), s, 0
+        )
+
+    out = jax.lax.fori_loop(0, tile_end[-1], one_tile, jnp.zeros((m + tile, down.shape[-1]), x.dtype))
+    return out[:m]
 
 
 def routed_experts(h, weights, chosen, gate, up, down, *, first_expert, num_experts: int):
@@ -80,7 +104,7 @@ def routed_experts(h, weights, chosen, gate, up, down, *, first_expert, num_expe
     pairs routed to other experts contribute zero. h [N, H]; weights, chosen [N, k].
 
     The pairs are sorted with this shard's experts first ((expert - first) mod E), so its
-    groups are the leading rows and one ragged_dot over G groups computes them. Each token's k
+    groups are the leading rows and one grouped SwiGLU over G groups computes them. Each token's k
     outputs are summed in its own order, so its result does not depend on the rest of the step."""
     n, k = chosen.shape
     local_experts = gate.shape[0]
