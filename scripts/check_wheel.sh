@@ -23,6 +23,7 @@ while [[ $# -gt 0 ]]; do
   case "$1" in
     --deps-from) DEPS_FROM="${2:?--deps-from needs a venv}"; shift 2 ;;
     --port) PORT="${2:?--port needs a value}"; shift 2 ;;
+    -h|--help) echo "usage: scripts/check_wheel.sh [--deps-from VENV] [--port PORT]"; sed -n '2,14p' "$0" | cut -c3-; exit 0 ;;
     *) echo "check_wheel: unknown argument $1" >&2; exit 2 ;;
   esac
 done
