@@ -293,7 +293,7 @@ def test_run_time_never_builds_the_library(tmp_path, monkeypatch):
 def test_unavailable_library_falls_back_only_when_not_asked_for(monkeypatch):
     """Without the library the CPU's automatic attention is XLA; attention_impl='native' is an
     error that says how to build it."""
-    from jaxserve.runner import model_runner
+    from jaxserve.runner import runner_config
 
     saved = dict(native._state)
     try:
@@ -303,7 +303,7 @@ def test_unavailable_library_falls_back_only_when_not_asked_for(monkeypatch):
             raise RuntimeError(f"built from other sources; rebuild it: {native.REBUILD}")
 
         monkeypatch.setattr(native, "_locate", stale)
-        assert model_runner.default_attention("cpu") == "xla"
+        assert runner_config.default_attention("cpu") == "xla"
         assert "python -m pallas_kernels.native build" in native.unavailable_reason()
     finally:
         native._state.clear()

@@ -82,7 +82,7 @@ def test_bad_quantization_names_the_field(tmp_path):
         EngineConfig(quantization="int4")
     with pytest.raises(ValueError, match="quantization"):
         quantization.check_mode("fp8")
-    # the executable store's key is built from the EngineConfig repr (model_runner.resolve), and
+    # the executable store's key is built from the EngineConfig repr (runner_config.resolve), and
     # gin's ServeConfig and the CLI get a field / flag for every EngineConfig field
     assert "quantization='int8'" in repr(EngineConfig(quantization="int8"))
     from jaxserve import cli, serve_config

@@ -5,7 +5,7 @@ Each field carries its help text, its allowed values and its bounds (`option(...
 option table in docs/options.md (`jaxserve options --markdown`) and the validation below are
 all generated from it, so a new option is one field here. Plain Python (no jax), so the gin
 layer and the CLI can validate a deployment without loading weights or touching a device.
-The runner takes the fields it needs resolved for the backend (`model_runner.resolve`).
+The runner takes the fields it needs resolved for the backend (`runner_config.resolve`).
 """
 
 from __future__ import annotations
