@@ -255,6 +255,7 @@ def test_unavailable_library_warns_once(monkeypatch, caplog):
                 1.0,
             )
     finally:
+        monkeypatch.undo()  # the real _locate again, whatever ran before this test
         native._state.clear()
         native._state.update(saved)
     assert native.available()
@@ -306,6 +307,7 @@ def test_unavailable_library_falls_back_only_when_not_asked_for(monkeypatch):
         assert runner_config.default_attention("cpu") == "xla"
         assert "python -m pallas_kernels.native build" in native.unavailable_reason()
     finally:
+        monkeypatch.undo()  # the real _locate again, whatever ran before this test
         native._state.clear()
         native._state.update(saved)
     assert native.available()
