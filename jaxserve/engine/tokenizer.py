@@ -47,7 +47,8 @@ def _with_family_template(path: Path, tok: Any) -> Any:
         return tok
     from jaxserve.models import gguf, registry
 
-    template = registry.family(gguf.read_config(path).architecture).chat_template
+    arch = gguf.hf_architecture(path)
+    template = registry.family(arch).chat_template if arch else None
     if template:
         tok.chat_template = template
     return tok

@@ -76,6 +76,13 @@ def _reader(path: Path):
     return GGUFReader(str(path))
 
 
+def hf_architecture(path: str | Path) -> str | None:
+    """The transformers architecture jaxserve builds for a GGUF file (its `general.architecture`
+    through the registry), None when no family serves it; reads the header only."""
+    found = registry.find_gguf(_field(_reader(Path(path)), "general.architecture"))
+    return found[0] if found else None
+
+
 def _field(reader, key: str, default=None):
     f = reader.fields.get(key)
     if f is None:

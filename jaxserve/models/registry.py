@@ -72,11 +72,18 @@ def model_path(model: str | Path | None) -> Path:
     path = Path(model)
     if path.exists() or str(model) not in PACKAGED_MODELS:
         return path
-    module, install = PACKAGED_MODELS[str(model)]
+    return _packaged_file(str(model))
+
+
+@functools.cache
+def _packaged_file(name: str) -> Path:
+    """A packaged model's file, assembled (and its SHA-256 checked, a read of the whole file)
+    once per process however often the name is resolved."""
+    module, install = PACKAGED_MODELS[name]
     try:
         package = importlib.import_module(module)
     except ImportError:
-        raise ValueError(f"model: {model!r} is a packaged model that is not installed; install it with `{install}`")
+        raise ValueError(f"model: {name!r} is a packaged model that is not installed; install it with `{install}`")
     return Path(package.assemble())
 
 
