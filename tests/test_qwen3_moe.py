@@ -133,7 +133,8 @@ PARALLEL_SCRIPT = textwrap.dedent(r"""
         before = compile_count()
         tokens = [o.token_ids for o in llm.generate(prompts, params)]
         state = llm.runner.target.state["layers"][0]["mlp"]
-        gate = state["experts"]["gate_proj"].get_value()
+        experts = state["experts"]  # one device: packed for the native grouped matmul (gate_up)
+        gate = (experts["gate_proj"] if "gate_proj" in experts else experts["gate_up"]).get_value()
         layer0 = nnx.merge(llm.runner.target.graphdef, llm.runner.target.state).layers[0].mlp
         out[f"{tp}x{ep}"] = {
             "tokens": tokens,
