@@ -141,18 +141,29 @@ class Experts(nnx.Module):
         return True
 
     def native_swiglu(self, x, group_sizes):
-        """`grouped_swiglu` from the packed stacks: two grouped native matmuls (gate and up in one,
-        then down), the SwiGLU between them in float32; x's dtype out."""
-        from pallas_kernels import native_matmul as nm
+        """`grouped_swiglu` from the packed stacks (`packed_swiglu`)."""
+        gu_scale, down_scale = (None if v is None else v[...] for v in (self.gate_up_scale, self.down_scale))
+        return packed_swiglu(
+            x,
+            self.gate_up[...],
+            gu_scale,
+            self.down[...],
+            down_scale,
+            group_sizes,
+            width=self.width,
+            hidden=self.hidden,
+        )
 
-        def scale(v):
-            return None if v is None else v[...]
 
-        f = self.width
-        gu = nm.grouped_matmul(x, self.gate_up[...], scale(self.gate_up_scale), group_sizes, n=2 * f)
-        act = jax.nn.silu(gu[:, :f]) * gu[:, f:]
-        y = nm.grouped_matmul(act, self.down[...], scale(self.down_scale), group_sizes, n=self.hidden)
-        return y.astype(x.dtype)
+def packed_swiglu(x, gate_up, gate_up_scale, down, down_scale, group_sizes, *, width: int, hidden: int):
+    """`grouped_swiglu` from experts packed for the native grouped matmul (`Experts.pack_native`:
+    gate_up [E, ...] each expert's [H, 2F], down [E, ...] its [F, H]; scales for int8 only): gate
+    and up in one grouped call, the SwiGLU between in float32, down in a second; x's dtype out."""
+    from pallas_kernels import native_matmul as nm
+
+    gu = nm.grouped_matmul(x, gate_up, gate_up_scale, group_sizes, n=2 * width)
+    act = jax.nn.silu(gu[:, :width]) * gu[:, width:]
+    return nm.grouped_matmul(act, down, down_scale, group_sizes, n=hidden).astype(x.dtype)
 
 
 def grouped_swiglu(x, gate, up, down, group_sizes):
