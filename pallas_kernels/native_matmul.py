@@ -25,6 +25,10 @@ panel [K, 64] contiguous: the whole array is [P, K, 64], P = ceil(N / 64), zero-
   (``bf16_units()`` only: other hosts pack int8 with ``pack_int8``).
 - ``matmul(x, w, scale, n=N)``: x [..., K] float32 -> float32 [..., N]; int8 panels need scale.
 - ``reference``: the same from the unpacked weights in jnp, the oracle.
+- ``grouped_matmul(x, w, scale, group_sizes, n=N)``: a mixture-of-experts layer's experts in one
+  call: x [M, K] with its rows sorted by group, w [G, ...] G weights each packed by one of the
+  functions above (``pack_stack``), group g's rows multiplied by w[g]; rows past every group are
+  zeros. Groups without rows cost nothing. ``grouped_reference`` is its oracle.
 
 Inside or outside ``jax.jit`` (not under ``vmap``). Where the library is unavailable (not the
 CPU, no compiler) ``available()`` is False and nothing should be packed: ``models.linear`` keeps
@@ -44,9 +48,15 @@ TARGET_F32 = "jaxserve_matmul_f32"
 TARGET_Q8 = "jaxserve_matmul_q8"
 TARGET_BF16 = "jaxserve_matmul_bf16"
 TARGET_Q8_BF16 = "jaxserve_matmul_q8_bf16"
+GROUPED_TARGETS = {  # (weights' dtype, pair layout) -> the grouped matmul's FFI target
+    ("float32", False): "jaxserve_grouped_matmul_f32",
+    ("int8", False): "jaxserve_grouped_matmul_q8",
+    ("bfloat16", True): "jaxserve_grouped_matmul_bf16",
+    ("int8", True): "jaxserve_grouped_matmul_q8_bf16",
+}
 K_BLOCK = 32  # k per AMX tile step (kKBlock in cpu/matmul.cc)
 TILE_COLS = 16  # columns per AMX weight tile
-ABI_VERSION = 6  # must match jaxserve_matmul_abi_version() in cpu/matmul.cc
+ABI_VERSION = 7  # must match jaxserve_matmul_abi_version() in cpu/matmul.cc
 
 _kernels = native.MoreKernels(
     "matmul",
@@ -57,6 +67,10 @@ _kernels = native.MoreKernels(
         TARGET_Q8: "JaxserveMatmulQ8",
         TARGET_BF16: "JaxserveMatmulBF16",
         TARGET_Q8_BF16: "JaxserveMatmulQ8BF16",
+        GROUPED_TARGETS["float32", False]: "JaxserveGroupedMatmulF32",
+        GROUPED_TARGETS["int8", False]: "JaxserveGroupedMatmulQ8",
+        GROUPED_TARGETS["bfloat16", True]: "JaxserveGroupedMatmulBF16",
+        GROUPED_TARGETS["int8", True]: "JaxserveGroupedMatmulQ8BF16",
     },
     "XLA's dot will be used",
 )
@@ -251,3 +265,66 @@ def matmul(x, w, scale=None, *, n: int, live_rows=None) -> jax.Array:
     else:
         y = jax.ffi.ffi_call(TARGET_F32, out)(x2, w, live)
     return y.reshape(*lead, n)
+
+
+def pack_stack(pack_one, *stacks) -> tuple[np.ndarray, ...] | np.ndarray:
+    """Pack each of G weights with ``pack_one`` (one of the pack functions above, given the g-th
+    slice of every stack) and stack the results: [G, ...] packed weights (and [G, P * 64] scales
+    for int8) for ``grouped_matmul``."""
+    parts = [pack_one(*(np.asarray(s[g]) for s in stacks)) for g in range(len(stacks[0]))]
+    if isinstance(parts[0], tuple):
+        return tuple(np.stack(p) for p in zip(*parts, strict=True))
+    return np.stack(parts)
+
+
+def _group_ids(group_sizes, m: int) -> jax.Array:
+    """Each of m rows' group (G for the rows past every group)."""
+    ends = jnp.cumsum(jnp.asarray(group_sizes, jnp.int32))
+    return jnp.searchsorted(ends, jnp.arange(m), side="right")
+
+
+def grouped_reference(x, w, scale=None, group_sizes=None, *, n: int) -> jax.Array:
+    """The oracle of ``grouped_matmul``: every row times every group's unpacked weights by XLA
+    (``reference``), each row keeping its own group's product; zeros past the groups."""
+    x = jnp.asarray(x, jnp.float32)
+    g = w.shape[0]
+    every = jnp.stack([reference(x, w[i], None if scale is None else scale[i], n=n) for i in range(g)])  # [G, M, n]
+    ids = _group_ids(group_sizes, x.shape[0])
+    picked = jnp.take_along_axis(every, jnp.minimum(ids, g - 1)[None, :, None], axis=0)[0]
+    return jnp.where((ids < g)[:, None], picked, 0.0)
+
+
+def grouped_matmul(x, w, scale, group_sizes, *, n: int) -> jax.Array:
+    """x [M, K] float (rows sorted by group) -> float32 [M, n]: group g's group_sizes[g] rows
+    (after those of the groups before it) times w[g]; the rows past every group are zeros.
+    w: [G, ...] packed weights (``pack_stack``) of any layout ``matmul`` takes, scale [G, P * 64]
+    for int8 (None otherwise); group_sizes [G] int32 (may be traced). The native kernel where it
+    runs the layout here, ``grouped_reference`` elsewhere."""
+    x = jnp.asarray(x, jnp.float32)
+    q8 = w.dtype == jnp.int8
+    pairs = w.ndim == 4 and pair_layout(w[0])
+    k_rows, width = (-(-x.shape[-1] // K_BLOCK), K_BLOCK * PANEL) if pairs else (x.shape[-1], PANEL)
+    if (
+        x.ndim != 2
+        or w.ndim != 4
+        or w.shape[2:] != (k_rows, width)
+        or num_panels(n) != w.shape[1]
+        or (scale is None) == q8
+        or (q8 and scale.shape != (w.shape[0], w.shape[1] * PANEL))
+        or jnp.shape(group_sizes) != (w.shape[0],)
+    ):
+        raise ValueError(
+            f"grouped_matmul: x [M, K], w [G, ceil(n / {PANEL}), K, {PANEL}] or [G, ceil(n / {PANEL}), "
+            f"ceil(K / {K_BLOCK}), {K_BLOCK * PANEL}] (int8 with scale [G, P * {PANEL}]), group_sizes [G]; "
+            f"got x {x.shape}, w {w.shape} {w.dtype}, scale {None if scale is None else scale.shape}, "
+            f"group_sizes {jnp.shape(group_sizes)}, n {n}"
+        )
+    native_ok = (bf16_units() if q8 else bf16_available()) if pairs else available()
+    if not native_ok:
+        return grouped_reference(x, w, scale, group_sizes, n=n)
+    target = GROUPED_TARGETS[jnp.dtype(w.dtype).name, pairs]
+    out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
+    sizes = jnp.asarray(group_sizes, jnp.int32)
+    if q8:
+        return jax.ffi.ffi_call(target, out)(x, w, jnp.asarray(scale, jnp.float32), sizes)
+    return jax.ffi.ffi_call(target, out)(x, w, sizes)

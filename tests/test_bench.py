@@ -447,3 +447,28 @@ def test_bench_throughput_beside_another_checkout(capsys, tmp_path, opts):
         assert (rnd["completed"], rnd["output_tokens"]) == (4, sum(r.output_len for r in wl.round(k)))
         assert rnd["prompt_tokens"] == ours["rounds"][k]["prompt_tokens"] and rnd["extra"]["engine"] == "jaxserve"
     assert theirs["label"].startswith("checkout ") and theirs["median"]["output_tok_s"] > 0
+
+
+def test_bench_kernels_moe(capsys, tmp_path):
+    """`bench kernels --moe`: the native grouped matmul (float32 and int8 panels) and the XLA path
+    agree with the float32 oracle (int8 within its rounding), each cell counts the chosen experts'
+    weights once, as stored, plus x and y; a bad layer exits 2 naming the field."""
+    out = tmp_path / "k.json"
+    argv = ["bench", "kernels", "--rows", "1", "--contexts", "16", "--reps", "1", "--ragged-steps", "0x0+4"]
+    code, _, err = run(argv + ["--moe", "4x16x8:2", "--moe-tokens", "1,5", "--out", str(out)], capsys)
+    assert code == 0, err
+    cells = [m for m in json.loads(out.read_text())["measurements"] if m["name"] == "moe experts"]
+    assert sorted((m["impl"], m["config"]["tokens"]) for m in cells) == [
+        (impl, t) for impl in ("native-float32", "native-int8", "xla-float32") for t in (1, 5)
+    ]
+    for m in cells:
+        c = m["config"]
+        per_expert = {"native-float32": 1 * 16 * 64 * 4 + 1 * 8 * 64 * 4, "xla-float32": 3 * 16 * 8 * 4}.get(
+            m["impl"],
+            16 * 64 + 8 * 64 + 2 * 64 * 4,  # int8 panels and their scales
+        )
+        assert c["experts_touched"] == (2 if c["tokens"] == 1 else c["experts_touched"]) >= 2
+        assert m["bytes"] == per_expert * c["experts_touched"] + c["tokens"] * 2 * 16 * 4 * 2
+        assert m["max_abs_diff"] < (1e-2 if m["impl"] == "native-int8" else 1e-5) and m["ms"] > 0
+    code, _, err = run(["bench", "kernels", "--moe", "4x16:2"], capsys)
+    assert code == 2 and "moe" in err

@@ -600,3 +600,64 @@ def test_sums_in_blocks_of_k_are_closer_to_exact_than_one_running_sum(int8):
         ours, one_sum = np.abs(y - ref[:rows]).mean(), np.abs(running[:rows] - ref[:rows]).mean()
         print(f"{rows} rows: mean |error| {ours:.2e}, one running sum {one_sum:.2e} ({ours / one_sum:.2f}x)")
         assert ours < 0.75 * one_sum
+
+
+# ---- the grouped matmul (a mixture-of-experts layer's experts in one call) ----
+
+GROUP_SIZES = ([0, 3, 1, 0, 9, 2], [0, 0, 0, 1, 0, 0], [0, 0, 15, 0, 0, 0], [2, 40, 1, 0, 7, 50])
+
+
+def _grouped_case(layout, k, n, seed):
+    """G = 6 random weights packed as `layout` (f32 / q8 / bf16 / q8_bf16): the stacked packs and scales."""
+    rng = np.random.default_rng(seed)
+    if layout in ("q8", "q8_bf16"):
+        q = rng.integers(-127, 128, (6, n, k)).astype(np.int8)
+        s = (rng.random((6, n)) * 0.1).astype(np.float32)
+        pack = native_matmul.pack_int8 if layout == "q8" else native_matmul.pack_int8_bf16
+        return native_matmul.pack_stack(pack, q, s)
+    w = rng.standard_normal((6, k, n)).astype(np.float32)
+    return native_matmul.pack_stack(native_matmul.pack if layout == "f32" else native_matmul.pack_bf16, w), None
+
+
+def _check_grouped(layout, k=70, n=130):
+    """Each group's rows get exactly what the plain native matmul gives them against that
+    group's weights (bit for bit: the same kernel, the same k order), whatever the other groups;
+    rows past every group are zeros. Groups: empty ones, one row, all rows in one group, more rows
+    than one work item."""
+    w, scale = _grouped_case(layout, k, n, 3)
+    f = jax.jit(native_matmul.grouped_matmul, static_argnames="n")
+    one = jax.jit(native_matmul.matmul, static_argnames="n")
+    for sizes in GROUP_SIZES:
+        m = sum(sizes) + 3  # three rows past the groups
+        x = np.random.default_rng(m).standard_normal((m, k)).astype(np.float32)
+        got = np.asarray(f(x, jnp.asarray(w), None if scale is None else jnp.asarray(scale), jnp.asarray(sizes), n=n))
+        start = 0
+        for g, rows in enumerate(sizes):
+            if rows:
+                want = one(x[start : start + rows], jnp.asarray(w[g]), None if scale is None else scale[g], n=n)
+                np.testing.assert_array_equal(got[start : start + rows], np.asarray(want), err_msg=f"{sizes} {g}")
+            start += rows
+        assert not got[start:].any()
+        ref = native_matmul.grouped_reference(x, jnp.asarray(w), scale, jnp.asarray(sizes), n=n)
+        np.testing.assert_allclose(got, np.asarray(ref), rtol=1e-4, atol=1e-4 * float(np.abs(ref).max()))
+
+
+@pytest.mark.parametrize("layout", ["f32", "q8"])
+def test_grouped_matches_each_groups_matmul(layout):
+    _check_grouped(layout)
+
+
+def test_grouped_bf16_matches_each_groups_matmul(bf16):
+    for _ in bf16():
+        _check_grouped("bf16")
+
+
+def test_grouped_int8_bf16_matches_each_groups_matmul(bf16_units):
+    for _ in bf16_units():
+        _check_grouped("q8_bf16")
+
+
+def test_grouped_bad_shapes_are_named():
+    w, _ = _grouped_case("f32", 8, 64, 0)
+    with pytest.raises(ValueError, match="grouped_matmul: x"):
+        native_matmul.grouped_matmul(np.ones((4, 8), np.float32), w, None, jnp.ones((5,), jnp.int32), n=64)

@@ -291,3 +291,78 @@ def test_tensor_parallel_int8(tiny):
     assert out["2"]["tokens"] == out["1"]["tokens"]
     assert out["2"]["q"] == [[64 // 2, 64]] and out["2"]["q_scale"] == [[64 // 2]]
     assert out["2"]["down"] == [[64, 160 // 2]] and out["2"]["down_scale"] == [[64]]
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory):
+    d = tmp_path_factory.mktemp("q-qwen3_moe")
+    make_hf_model("qwen3_moe", d, seed=1)
+    return d
+
+
+def _dequantized_twin(fp_model, q_model):
+    """fp_model (in place) with every projection and expert stack holding q_model's int8 weights
+    dequantized in float32: the float model the int8 one must compute."""
+    from jaxserve.models import qwen3_moe
+
+    for path, m in list(nnx.iter_modules(q_model)):
+        twin = _get(fp_model, path)
+        if isinstance(m, linear.Linear) and m.quantization == "int8":
+            twin.kernel = nnx.Param(quantization.dequantize_int8(m.weight[...], m.weight_scale[...]).T)
+        elif isinstance(m, qwen3_moe.Experts):
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                setattr(twin, name, nnx.Param(getattr(m, name).dequantized(jnp.float32)))
+    return fp_model
+
+
+def test_moe_int8_experts_load_and_compute_their_dequantized_weights(tiny_moe):
+    """A Qwen3-MoE with quantization="int8": each expert's int8 weights and scales are the NumPy
+    reference on its checkpoint tensor (as a Linear's are), and the logits, through XLA and
+    through the native CPU kernels (projections and the grouped expert matmul, int8 panels), are
+    the float model's on the dequantized weights within float32 rounding (1e-4 of the largest
+    logit); they differ from the float model's (the experts are quantized)."""
+    from safetensors.numpy import load_file
+
+    tensors = {}
+    for f in tiny_moe.glob("*.safetensors"):
+        tensors.update(load_file(str(f)))
+    fp_model, cfg = load_model(tiny_moe, dtype=jnp.float32, use_cache=False)
+    q_model, _ = load_model(tiny_moe, dtype=jnp.float32, quantization="int8", use_cache=False)
+    params = _params(q_model)
+    for name in ("gate_proj", "down_proj"):
+        stack = "('layers', 0, 'mlp', 'experts', '{}', '{}')"
+        for e in (0, cfg.num_experts - 1):
+            rq, rs = np_quantize_int8(tensors[f"model.layers.0.mlp.experts.{e}.{name}.weight"])
+            np.testing.assert_array_equal(params[stack.format(name, "weight")][e], rq)
+            np.testing.assert_array_equal(params[stack.format(name, "weight_scale")][e], rs)
+    rng = np.random.default_rng(3)
+    tokens = jnp.asarray(rng.integers(3, cfg.vocab_size, (1, 24)), jnp.int32)
+    positions = jnp.arange(24, dtype=jnp.int32)[None]
+    float_logits = np.asarray(fp_model(tokens, positions)[0])
+    want = np.asarray(_dequantized_twin(fp_model, q_model)(tokens, positions)[0])
+    tol = 1e-4 * np.abs(want).max()
+    np.testing.assert_allclose(np.asarray(q_model(tokens, positions)[0]), want, rtol=0, atol=tol)
+    assert linear.pack_native(q_model, "float32") > 0 and q_model.layers[0].mlp.experts.packed_native
+    assert q_model.layers[0].mlp.experts.gate_up.get_value().dtype == jnp.int8
+    np.testing.assert_allclose(np.asarray(q_model(tokens, positions)[0]), want, rtol=0, atol=tol)
+    assert np.abs(float_logits - want).max() > tol
+
+
+def test_engine_loads_int8_moe_batched_greedy_equals_alone(tiny_moe):
+    """The engine serves a Qwen3-MoE with quantization="int8" (experts packed int8 for the native
+    grouped matmul): batched greedy equals each request alone, no compile after warm-up."""
+    from jaxserve import LLM, SamplingParams
+    from jaxserve.runner.executable_cache import compile_count
+
+    opts = dict(max_slots=4, page_size=8, max_model_len=96, num_pages=64, token_buckets=(16, 64))
+    llm = LLM(tiny_moe, quantization="int8", **opts)
+    rng = np.random.default_rng(6)
+    prompts = [[int(x) for x in rng.integers(3, 512, int(rng.integers(1, 50)))] for _ in range(6)]
+    params = [SamplingParams(max_tokens=int(m), temperature=0, ignore_eos=True) for m in rng.integers(2, 16, 6)]
+    before = compile_count()
+    batched = llm.generate(prompts, params)
+    for p, sp, r in zip(prompts[:3], params[:3], batched[:3]):
+        assert llm.generate([p], [sp])[0].token_ids == r.token_ids
+    assert compile_count() - before == 0
+    experts = llm.runner.target.state["layers"][0]["mlp"]["experts"]
+    assert experts["gate_up"].get_value().dtype == jnp.int8 and experts["down"].get_value().dtype == jnp.int8

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import textwrap
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -100,6 +101,54 @@ def test_grouped_swiglu_is_each_experts_swiglu_on_its_rows(rows):
     assert not got[start:].any()
 
 
+def _np_swiglu(x, gate, up, down, sizes, round_act=lambda a: a):
+    """Each group's rows through its expert's SwiGLU in float64 (the activation rounded by
+    `round_act` before down); zeros past the groups."""
+    want, start = np.zeros((x.shape[0], down.shape[-1])), 0
+    for g, n in enumerate(sizes):
+        a, u = x[start : start + n] @ gate[g], x[start : start + n] @ up[g]
+        want[start : start + n] = round_act(a / (1 + np.exp(-a)) * u) @ down[g]
+        start += n
+    return want, start
+
+
+def _bf16(a):
+    return np.asarray(jnp.asarray(a, jnp.float32).astype(jnp.bfloat16).astype(jnp.float32), np.float64)
+
+
+@pytest.mark.parametrize("storage", ["float32", "int8", "bfloat16"])
+def test_packed_experts_are_each_experts_swiglu_on_its_rows(storage):
+    """The experts packed for the native grouped matmul (Experts.pack_native; on the CPU the
+    runner does this) against NumPy in float64 on the weights the kernel holds (the int8 ones
+    dequantized; bfloat16 ones and the rows x, act it multiplies rounded to bfloat16): empty
+    experts, one row, every row to one expert, more rows than a work item, rows past the groups."""
+    from types import SimpleNamespace
+
+    from flax import nnx
+
+    from pallas_kernels import native_matmul
+
+    if storage == "bfloat16" and not native_matmul.bf16_available():
+        pytest.skip(native_matmul.bf16_unavailable_reason())
+    cfg = SimpleNamespace(num_experts=6, hidden_size=40, moe_intermediate_size=72)
+    for sizes in ([0, 3, 1, 0, 9, 2], [0, 0, 1, 0, 0, 0], [0, 0, 0, 0, 0, 30], [70, 0, 5, 0, 0, 1]):
+        experts = qwen3_moe.Experts(cfg, jnp.float32, nnx.Rngs(sum(sizes)), 0.3)
+        if storage == "int8":
+            experts.quantize_stacks()
+        gate, up, down = (np.asarray(w, np.float64) for w in experts.weights(jnp.float32))
+        assert experts.pack_native(storage if storage == "bfloat16" else "float32") and experts.packed_native
+        x = np.random.default_rng(len(sizes)).standard_normal((sum(sizes) + 2, 40)).astype(np.float32)
+        got = np.asarray(jax.jit(experts.native_swiglu)(x, jnp.asarray(sizes, jnp.int32)))
+        if storage == "bfloat16":  # the kernel rounds x, the weights and the activation to bfloat16
+            want, start = _np_swiglu(_bf16(x), _bf16(gate), _bf16(up), _bf16(down), sizes, round_act=_bf16)
+            tol = 1e-2
+        else:
+            want, start = _np_swiglu(x.astype(np.float64), gate, up, down, sizes)
+            tol = 1e-4
+        np.testing.assert_allclose(got, want, rtol=tol, atol=tol * np.abs(want).max(), err_msg=str(sizes))
+        assert not got[start:].any()
+
+
 def test_logits_and_greedy_continuation_match_transformers(moe):
     path, hf = moe
     model, cfg = load_model(path, dtype=jnp.float32)
@@ -133,7 +182,8 @@ PARALLEL_SCRIPT = textwrap.dedent(r"""
         before = compile_count()
         tokens = [o.token_ids for o in llm.generate(prompts, params)]
         state = llm.runner.target.state["layers"][0]["mlp"]
-        gate = state["experts"]["gate_proj"].get_value()
+        experts = state["experts"]  # one device: packed for the native grouped matmul (gate_up)
+        gate = (experts["gate_proj"] if "gate_proj" in experts else experts["gate_up"]).get_value()
         layer0 = nnx.merge(llm.runner.target.graphdef, llm.runner.target.state).layers[0].mlp
         out[f"{tp}x{ep}"] = {
             "tokens": tokens,

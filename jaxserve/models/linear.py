@@ -58,6 +58,12 @@ def live_rows(n):
         _LIVE_ROWS.reset(token)
 
 
+def current_live_rows():
+    """The live-row count set by the enclosing `live_rows` block (None outside one): layers
+    other than Linear that skip padding tokens themselves (a mixture of experts' routing) read it."""
+    return _LIVE_ROWS.get()
+
+
 COLUMN, ROW, REPLICATED = "column", "row", "replicated"
 LEAVES = ("kernel", "bias", "weight", "weight_scale")  # a Linear's parameters, quantized or not (unpacked)
 
@@ -163,15 +169,22 @@ def checkpoint_tensor(leaf: str) -> tuple[str, bool]:
 
 def quantize_modules(module: nnx.Module, mode: str | None, keep: tuple[str, ...] = ()) -> list[tuple]:
     """Quantize every Linear in ``module`` (abstract or not) in place, except those whose
-    attribute name is in ``keep`` (e.g. "lm_head"); returns the paths of the quantized ones."""
+    attribute name is in ``keep`` (e.g. "lm_head"), and the weight stacks of modules with a
+    ``quantize_stacks`` method (a mixture of experts: each stack becomes a module holding
+    ``weight`` and ``weight_scale`` as a Linear does); returns the paths of the quantized ones
+    (a Linear's, or a stack's), each holding ``weight`` and ``weight_scale`` (the loader fills them)."""
     quant.check_mode(mode)
     done = []
     if mode is None:
         return done
-    for path, m in nnx.iter_modules(module):
-        if isinstance(m, Linear) and m.quantization is None and not (path and str(path[-1]) in keep):
+    for path, m in list(nnx.iter_modules(module)):
+        if path and str(path[-1]) in keep:
+            continue
+        if isinstance(m, Linear) and m.quantization is None:
             m.to_int8()
             done.append(path)
+        elif callable(getattr(m, "quantize_stacks", None)):  # stacked weights (a MoE layer's experts)
+            done.extend((*path, name) for name in m.quantize_stacks())
     return done
 
 
@@ -180,12 +193,17 @@ def pack_native(module: nnx.Module, weight_dtype: str = "float32") -> int:
     kernels as ``weight_dtype`` panels), first
     fusing the projections that share an input (modules with a ``fuse_projections`` method:
     q/k/v, gate/up), since each product is a call whose start costs tens of microseconds while
-    the second core wakes; returns how many were packed."""
+    the second core wakes; other modules with a ``pack_native(weight_dtype)`` method (a MoE layer's
+    experts, for the grouped native matmul) pack themselves; returns how many were packed."""
     for _, m in list(nnx.iter_modules(module)):
         fuse = getattr(m, "fuse_projections", None)
         if fuse is not None and _packable(m):
             fuse()
-    return sum(m.pack_native(weight_dtype) for _, m in nnx.iter_modules(module) if isinstance(m, Linear))
+    return sum(
+        m.pack_native(weight_dtype)
+        for _, m in list(nnx.iter_modules(module))
+        if callable(getattr(m, "pack_native", None))
+    )
 
 
 def _packable(module: nnx.Module) -> bool:

@@ -30,13 +30,17 @@ across devices and gather them back, which only pays once attention is data-para
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxserve.kv_math import sparse_layers
-from jaxserve.models import llama, qwen3
+from jaxserve.models import linear, llama, qwen3
+from jaxserve.models import quantization as quant
 from jaxserve.models.contract import EXPERT_AXIS, CheckpointTensor, Family, Getter, mirrored_name
 from jaxserve.models.model_config import ModelConfig
 
@@ -52,8 +56,33 @@ class Router(nnx.Module):
         return jnp.dot(x, self.weight[...].T).astype(jnp.float32)
 
 
+class Int8Stack(nnx.Module):
+    """One expert projection of every expert in int8 (``quantization="int8"``): ``weight``
+    [E, out, in] (each expert's checkpoint tensor as stored, as an int8 Linear keeps it) and
+    ``weight_scale`` [E, out], per output channel as ``models.quantization`` computes them. On an
+    abstract module (nnx.eval_shape) only the shapes: the loader fills them."""
+
+    def __init__(self, kernel):
+        e, din, dout = kernel.shape  # the float stack [E, in, out] it replaces
+        if isinstance(kernel, jax.ShapeDtypeStruct):
+            w, s = jax.ShapeDtypeStruct((e, dout, din), jnp.int8), jax.ShapeDtypeStruct((e, dout), jnp.float32)
+        else:
+            w, s = (jnp.asarray(a) for a in quant.quantize_int8(np.swapaxes(np.asarray(kernel), 1, 2)))
+        self.weight = nnx.Param(w)
+        self.weight_scale = nnx.Param(s)
+
+    def dequantized(self, dtype):
+        """[E, in, out] in `dtype` (the XLA paths: TPU/GPU, expert parallelism)."""
+        return jnp.swapaxes(quant.dequantize_int8(self.weight[...], self.weight_scale[...], dtype), 1, 2)
+
+
 class Experts(nnx.Module):
-    """E SwiGLU MLPs, their weights stacked [E, in, out]."""
+    """E SwiGLU MLPs, their weights stacked [E, in, out] (or int8: `Int8Stack`).
+
+    On the CPU the runner packs them for the native grouped matmul (`pack_native`, once at
+    start): gate and up side by side as one [H, 2F] projection per expert and down [F, H], each
+    expert packed as `native_matmul` packs a Linear (bfloat16 pairs, float32 or int8 panels) and
+    stacked [E, ...]; a step is then two grouped-matmul calls with the SwiGLU between them."""
 
     def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, std: float):
         e, d, f = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
@@ -61,9 +90,80 @@ class Experts(nnx.Module):
         self.gate_proj = nnx.Param(init(rngs.params(), (e, d, f), dtype))
         self.up_proj = nnx.Param(init(rngs.params(), (e, d, f), dtype))
         self.down_proj = nnx.Param(init(rngs.params(), (e, f, d), dtype))
+        self.hidden, self.width = d, f
+        self.quantization = None  # or "int8": each stack an Int8Stack
+        self.packed_native = False  # pack_native: gate_up / down panels replace the stacks
 
-    def weights(self) -> tuple:
+    def quantize_stacks(self) -> tuple[str, ...]:
+        """Each stack to int8 in place (linear.quantize_modules); the names of those quantized."""
+        if self.quantization is not None or self.packed_native:
+            return ()
+        for name in _EXPERT_WEIGHTS:
+            setattr(self, name, Int8Stack(getattr(self, name).get_value()))
+        self.quantization = "int8"
+        return _EXPERT_WEIGHTS
+
+    def weights(self, dtype) -> tuple:
+        """The float stacks gate, up [E, H, F], down [E, F, H] (int8 dequantized to `dtype`)."""
+        if self.quantization == "int8":
+            return tuple(getattr(self, n).dequantized(dtype) for n in _EXPERT_WEIGHTS)
         return self.gate_proj[...], self.up_proj[...], self.down_proj[...]
+
+    def pack_native(self, weight_dtype: str = "float32") -> bool:
+        """Replace the stacks by panels for the native grouped matmul, in place, as
+        `linear.Linear.pack_native` packs a projection: float32 stacks as float32 panels or, with
+        weight_dtype="bfloat16", bfloat16 pairs; int8 as int8 panels (W8A16 pairs where the
+        bfloat16 units are). False (nothing changed) for a bfloat16 model's stacks."""
+        from pallas_kernels import native_matmul as nm
+
+        if self.packed_native:
+            return True
+        if self.quantization == "int8":
+            pack = nm.pack_int8_bf16 if weight_dtype == "bfloat16" and nm.bf16_units() else nm.pack_int8
+            (gq, gs), (uq, us), (dq, ds) = (
+                (np.asarray(getattr(self, n).weight[...]), np.asarray(getattr(self, n).weight_scale[...]))
+                for n in _EXPERT_WEIGHTS
+            )
+            gate_up = nm.pack_stack(pack, np.concatenate([gq, uq], axis=1), np.concatenate([gs, us], axis=1))
+            down = nm.pack_stack(pack, dq, ds)
+        else:
+            g, u, d = (np.asarray(getattr(self, n)[...]) for n in _EXPERT_WEIGHTS)
+            if g.dtype != np.float32:
+                return False
+            pack = nm.pack_bf16 if weight_dtype == "bfloat16" else nm.pack
+            gate_up, down = (nm.pack_stack(pack, np.concatenate([g, u], axis=2)), None), (nm.pack_stack(pack, d), None)
+        for n in _EXPERT_WEIGHTS:
+            delattr(self, n)
+        self.gate_up, self.down = nnx.Param(jnp.asarray(gate_up[0])), nnx.Param(jnp.asarray(down[0]))
+        self.gate_up_scale = nnx.data(None) if gate_up[1] is None else nnx.Param(jnp.asarray(gate_up[1]))
+        self.down_scale = nnx.data(None) if down[1] is None else nnx.Param(jnp.asarray(down[1]))
+        self.packed_native = True
+        return True
+
+    def native_swiglu(self, x, group_sizes):
+        """`grouped_swiglu` from the packed stacks (`packed_swiglu`)."""
+        gu_scale, down_scale = (None if v is None else v[...] for v in (self.gate_up_scale, self.down_scale))
+        return packed_swiglu(
+            x,
+            self.gate_up[...],
+            gu_scale,
+            self.down[...],
+            down_scale,
+            group_sizes,
+            width=self.width,
+            hidden=self.hidden,
+        )
+
+
+def packed_swiglu(x, gate_up, gate_up_scale, down, down_scale, group_sizes, *, width: int, hidden: int):
+    """`grouped_swiglu` from experts packed for the native grouped matmul (`Experts.pack_native`:
+    gate_up [E, ...] each expert's [H, 2F], down [E, ...] its [F, H]; scales for int8 only): gate
+    and up in one grouped call, the SwiGLU between in float32, down in a second; x's dtype out."""
+    from pallas_kernels import native_matmul as nm
+
+    gu = nm.grouped_matmul(x, gate_up, gate_up_scale, group_sizes, n=2 * width)
+    act = jax.nn.silu(gu[:, :width]) * gu[:, width:]
+    return nm.grouped_matmul(act, down, down_scale, group_sizes, n=hidden).astype(x.dtype)
 
 
 def grouped_swiglu(x, gate, up, down, group_sizes):
@@ -103,20 +203,24 @@ def grouped_swiglu(x, gate, up, down, group_sizes):
     return out[:m]
 
 
-def routed_experts(h, weights, chosen, gate, up, down, *, first_expert, num_experts: int):
+def routed_experts(h, weights, chosen, swiglu, local_experts: int, *, first_expert, num_experts: int, live=None):
     """The weighted sum of each token's chosen experts among experts first_expert ..
-    first_expert + G - 1 (G = gate.shape[0]: all E on one device, E / ep on each of ep);
-    pairs routed to other experts contribute zero. h [N, H]; weights, chosen [N, k].
+    first_expert + local_experts - 1 (all E on one device, E / ep on each of ep); pairs routed to
+    other experts contribute zero. h [N, H]; weights, chosen [N, k]; swiglu(x_sorted, group_sizes)
+    the grouped SwiGLU over those experts (`grouped_swiglu` or `Experts.native_swiglu`); live
+    (an int32 scalar or None): only the first `live` tokens are real (a ragged step's bucket
+    padding), the rest are routed nowhere and come out as zeros.
 
     The pairs are sorted with this shard's experts first ((expert - first) mod E), so its
     groups are the leading rows and one grouped SwiGLU over G groups computes them. Each token's k
     outputs are summed in its own order, so its result does not depend on the rest of the step."""
     n, k = chosen.shape
-    local_experts = gate.shape[0]
     rel = (chosen.reshape(-1) - first_expert) % num_experts  # pair i = (token i // k, its (i % k)-th expert)
+    if live is not None:  # padding tokens' pairs: past every group (bincount drops them), so no rows run
+        rel = jnp.where(jnp.arange(n * k) // k < live, rel, num_experts)
     order = jnp.argsort(rel, stable=True)
     group_sizes = jnp.bincount(rel, length=num_experts)[:local_experts].astype(jnp.int32)
-    out = grouped_swiglu(h[order // k], gate, up, down, group_sizes)
+    out = swiglu(h[order // k], group_sizes)
     per_pair = jnp.zeros_like(out).at[order].set(out).reshape(n, k, -1)  # back in token order
     mine = (rel < local_experts).reshape(n, k, 1)
     return jnp.sum(jnp.where(mine, per_pair, 0) * weights[..., None], axis=1)
@@ -145,12 +249,28 @@ class SparseMoe(nnx.Module):
             weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
         weights = weights.astype(x.dtype)
         if self.mesh is None:
+            if self.experts.packed_native:
+                swiglu = self.experts.native_swiglu
+            else:
+                gate, up, down = self.experts.weights(x.dtype)
+                swiglu = functools.partial(_swiglu_of, gate, up, down)
             out = routed_experts(
-                h, weights, chosen, *self.experts.weights(), first_expert=0, num_experts=self.num_experts
+                h,
+                weights,
+                chosen,
+                swiglu,
+                self.num_experts,
+                first_expert=0,
+                num_experts=self.num_experts,
+                live=linear.current_live_rows(),
             )
         else:
-            out = expert_parallel(self.mesh, self.num_experts)(h, weights, chosen, *self.experts.weights())
+            out = expert_parallel(self.mesh, self.num_experts)(h, weights, chosen, *self.experts.weights(x.dtype))
         return out.reshape(shape)
+
+
+def _swiglu_of(gate, up, down, x, group_sizes):
+    return grouped_swiglu(x, gate, up, down, group_sizes)
 
 
 def expert_parallel(mesh, num_experts: int):
@@ -161,7 +281,8 @@ def expert_parallel(mesh, num_experts: int):
 
     def per_device(h, weights, chosen, gate, up, down):
         first = jax.lax.axis_index(EXPERT_AXIS) * gate.shape[0]
-        part = routed_experts(h, weights, chosen, gate, up, down, first_expert=first, num_experts=num_experts)
+        swiglu = functools.partial(_swiglu_of, gate, up, down)
+        part = routed_experts(h, weights, chosen, swiglu, gate.shape[0], first_expert=first, num_experts=num_experts)
         return jax.lax.psum(part, EXPERT_AXIS)
 
     split = P(EXPERT_AXIS)
@@ -214,8 +335,14 @@ def hf_config(get: Getter) -> dict:
 
 def checkpoint_tensor(path: tuple, cfg: ModelConfig) -> CheckpointTensor:
     """An expert weight stack [E, in, out] is E tensors `...mlp.experts.{e}.<proj>.weight`
-    ([out, in] each); everything else mirrors transformers' names."""
+    ([out, in] each); int8 (`Int8Stack`) its weight [E, out, in] is the same E tensors, not
+    transposed, and its scales [E, out] the `..._scale` the loader computes beside each;
+    everything else mirrors transformers' names."""
     parts = [str(p) for p in path]
+    if len(parts) >= 3 and parts[-3] == "experts" and parts[-2] in _EXPERT_WEIGHTS:  # Int8Stack: weight, weight_scale
+        base = "model." + ".".join(parts[:-2])
+        names = tuple(f"{base}.{e}.{parts[-2]}.{parts[-1]}" for e in range(cfg.num_experts))
+        return CheckpointTensor(names, False, stacked_as=f"{base}.{parts[-2]}.{parts[-1]}")
     if len(parts) >= 2 and parts[-2] == "experts" and parts[-1] in _EXPERT_WEIGHTS:
         base = "model." + ".".join(parts[:-1])
         names = tuple(f"{base}.{e}.{parts[-1]}.weight" for e in range(cfg.num_experts))

@@ -43,6 +43,7 @@
 #include <memory>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 #include "xla/ffi/api/ffi.h"
 #include "work_pool.h"
@@ -421,16 +422,8 @@ ItemFn pick(int isa, Weights wt) {
 constexpr int64_t kItemElems = 1 << 15;
 constexpr int64_t kItemsPerWorker = 8;
 
-ffi::Error Run(ffi::ThreadPool pool, Problem pr, Weights wt) {
-  const bool q8 = wt == Weights::kQ8;
-  if (pr.M == 0 || pr.N == 0) return ffi::Error::Success();
-  if (pr.K == 0) {
-    std::memset(pr.y, 0, sizeof(float) * pr.M * pr.N);
-    return ffi::Error::Success();
-  }
-  const int isa = jaxserve_cpu_isa();
-  const int64_t rm = isa >= 2 ? 6 : isa == 1 ? 3 : 2;  // the variant's RM (run_item): more rows widen int8 first
-  const int64_t workers = std::max<int64_t>(1, pool.num_threads());
+// Splits one problem's work into items for `workers` threads (sets its item fields).
+void PlanItems(Problem& pr, int64_t workers) {
   const int64_t per_panel = pr.K * kPanel * std::max<int64_t>(1, pr.M / 4);
   int64_t items = std::clamp<int64_t>(pr.P * per_panel / kItemElems, 1, kItemsPerWorker * workers);
   // Split the rows too when there are too few panels to go round (a large prefill chunk through
@@ -444,21 +437,64 @@ ffi::Error Run(ffi::ThreadPool pool, Problem pr, Weights wt) {
   pr.panel_items = (pr.P + pr.panels_per_item - 1) / pr.panels_per_item;
   pr.rows_per_item = 6 * (((pr.M + row_blocks - 1) / row_blocks + 5) / 6);
   pr.n_items = pr.panel_items * ((pr.M + pr.rows_per_item - 1) / pr.rows_per_item);
+}
 
-  // int8 with more rows than a tile: each thread widens a panel once into its scratch (none
-  // allocated: widen per tile instead).  Not bfloat16: its widening is a shift, and widening a
-  // panel into scratch first ran 0.85x as fast as widening per tile at 32-256 rows here.
-  const bool scratch = q8 && std::min(pr.M, pr.rows_per_item) > rm;
+// Several problems (a grouped matmul: one per expert's rows) as one set of work items.  first[g]
+// is problem g's first item; an item's group is found by binary search.
+template <class Pr>
+struct Groups {
+  std::vector<Pr> prs;
+  std::vector<int64_t> first{0};
+  void add(const Pr& pr) {
+    prs.push_back(pr);
+    first.push_back(first.back() + pr.n_items);
+  }
+  int64_t total() const { return first.back(); }
+  // (problem, its local item) of item i; `next` (a global item or -1) becomes local to the same
+  // problem, or -1 when it belongs to another (the tiles prefetch only their own problem's panels).
+  int64_t find(int64_t i, int64_t& local, int64_t next, int64_t& local_next) const {
+    const int64_t g = std::upper_bound(first.begin(), first.end(), i) - first.begin() - 1;
+    local = i - first[g];
+    local_next = next >= first[g] && next < first[g + 1] ? next - first[g] : -1;
+    return g;
+  }
+};
+
+ffi::Error RunGroups(ffi::ThreadPool pool, const std::vector<Problem>& prs, Weights wt) {
+  const bool q8 = wt == Weights::kQ8;
+  const int isa = jaxserve_cpu_isa();
+  const int64_t rm = isa >= 2 ? 6 : isa == 1 ? 3 : 2;  // the variant's RM (run_item): more rows widen int8 first
+  const int64_t workers = std::max<int64_t>(1, pool.num_threads());
+  auto groups = std::make_shared<Groups<Problem>>();
+  bool scratch = false;  // int8 with more rows than a tile: each thread widens a panel once into its scratch
+  int64_t k_max = 0;
+  for (Problem pr : prs) {
+    if (pr.M == 0 || pr.N == 0) continue;
+    if (pr.K == 0) {
+      std::memset(pr.y, 0, sizeof(float) * pr.M * pr.N);
+      continue;
+    }
+    PlanItems(pr, workers);
+    // (none allocated: widen per tile instead).  Not bfloat16: its widening is a shift, and widening a
+    // panel into scratch first ran 0.85x as fast as widening per tile at 32-256 rows here.
+    scratch = scratch || (q8 && std::min(pr.M, pr.rows_per_item) > rm);
+    k_max = std::max(k_max, pr.K);
+    groups->add(pr);
+  }
   const ItemFn fn = pick(isa, wt);
   jaxserve_cpu::run_items(
-      pool, pr.n_items,
-      [scratch, k = pr.K] { return std::unique_ptr<float[]>(scratch ? new (std::nothrow) float[k * kPanel] : nullptr); },
-      [pr, fn](std::unique_ptr<float[]>& sc, int64_t i, int64_t next) {
-        fn(pr, i, next, sc.get());
+      pool, groups->total(),
+      [scratch, k_max] { return std::unique_ptr<float[]>(scratch ? new (std::nothrow) float[k_max * kPanel] : nullptr); },
+      [groups, fn](std::unique_ptr<float[]>& sc, int64_t i, int64_t next) {
+        int64_t local, local_next;
+        const int64_t g = groups->find(i, local, next, local_next);
+        fn(groups->prs[g], local, local_next, sc.get());
         return true;
       });
   return ffi::Error::Success();
 }
+
+ffi::Error Run(ffi::ThreadPool pool, Problem pr, Weights wt) { return RunGroups(pool, {pr}, wt); }
 
 ffi::Error Check(ffi::AnyBuffer::Dimensions xd, ffi::AnyBuffer::Dimensions wd, ffi::AnyBuffer::Dimensions yd,
                  int64_t scale_len, const char* what) {
@@ -561,6 +597,7 @@ struct BfProblem {
   float* y;           // [M, N]
   int64_t M, K, N, P, KB;
   int64_t rows_per_item, panels_per_item, panel_items, n_items;
+  bool tiles;         // this problem runs on the AMX tiles (else AVX512-BF16 dot products)
 };
 
 #if JM_X86 && JAXSERVE_CAN_AMX
@@ -888,62 +925,79 @@ __attribute__((target("avx2,fma"))) void round_to_bf16(const float* x, int64_t n
 // Work split: rows in blocks of at most kBfRowsPerItem (whole 32-row tiles but the last),
 // panels in runs so that there are about kItemsPerWorker items per thread, none smaller than
 // kItemElems weights.
-ffi::Error RunBf16(ffi::ThreadPool pool, BfProblem pr) {
-  if (pr.M == 0 || pr.N == 0) return ffi::Error::Success();
+// prs: problems whose x rows all lie in x_all [rows_all, K] (a grouped matmul's experts, or one).
+ffi::Error RunBf16Groups(ffi::ThreadPool pool, const std::vector<BfProblem>& prs, const float* x_all,
+                         int64_t rows_all) {
+  if (prs.empty()) return ffi::Error::Success();
+  const bool q8 = prs[0].q != nullptr;
   const int isa = jaxserve_cpu_isa();
   // bfloat16 weights: AVX2 and up (float32 arithmetic below AVX512-BF16); int8 pair-layout
   // weights: the bfloat16 units only (an AVX2 host packs int8 as float32-arithmetic panels).
-  if (isa < (pr.q ? 3 : 1))
+  if (isa < (q8 ? 3 : 1))
     return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
-                      pr.q ? "int8 matmul (bfloat16 pair layout): needs AVX512-BF16 or the AMX tiles, which this host "
-                             "lacks or JAXSERVE_CPU_ISA turned off (pack the weights with pack_int8 instead)"
-                           : "bfloat16 matmul: needs AVX2, which this host lacks or JAXSERVE_CPU_ISA turned off "
-                             "(pack the weights as float32 instead)");
+                      q8 ? "int8 matmul (bfloat16 pair layout): needs AVX512-BF16 or the AMX tiles, which this host "
+                           "lacks or JAXSERVE_CPU_ISA turned off (pack the weights with pack_int8 instead)"
+                         : "bfloat16 matmul: needs AVX2, which this host lacks or JAXSERVE_CPU_ISA turned off "
+                           "(pack the weights as float32 instead)");
 #if JM_X86
   if (isa < 3) {  // AVX2 or AVX-512 without bfloat16 arithmetic: the float32 kernel on rounded x
-    std::unique_ptr<float[]> xr(new (std::nothrow) float[pr.M * pr.K]);
+    const int64_t K = prs[0].K;
+    std::unique_ptr<float[]> xr(new (std::nothrow) float[rows_all * K]);
     if (!xr) return ffi::Error(ffi::ErrorCode::kResourceExhausted, "bfloat16 matmul: out of memory rounding x");
-    round_to_bf16(pr.x, pr.M * pr.K, xr.get());
-    Problem p32{};
-    p32.x = xr.get();
-    p32.w = pr.w;
-    p32.y = pr.y;
-    p32.M = pr.M;
-    p32.K = pr.K;
-    p32.N = pr.N;
-    p32.P = pr.P;
-    p32.Kpad = pr.KB * kKBlock;
-    return Run(pool, p32, Weights::kBf16);
+    round_to_bf16(x_all, rows_all * K, xr.get());
+    std::vector<Problem> p32s;
+    for (const BfProblem& pr : prs) {
+      Problem p32{};
+      p32.x = xr.get() + (pr.x - x_all);
+      p32.w = pr.w;
+      p32.y = pr.y;
+      p32.M = pr.M;
+      p32.K = pr.K;
+      p32.N = pr.N;
+      p32.P = pr.P;
+      p32.Kpad = pr.KB * kKBlock;
+      p32s.push_back(p32);
+    }
+    return RunGroups(pool, p32s, Weights::kBf16);
   }
 #endif
 #if JM_X86 && JAXSERVE_CAN_AMX
   const int64_t workers = std::max<int64_t>(1, pool.num_threads());
-  const int64_t row_blocks0 = (pr.M + kBfRowsPerItem - 1) / kBfRowsPerItem;
-  pr.rows_per_item = 32 * (((pr.M + row_blocks0 - 1) / row_blocks0 + 31) / 32);
-  const int64_t row_blocks = (pr.M + pr.rows_per_item - 1) / pr.rows_per_item;
-  const int64_t by_size = std::max<int64_t>(1, pr.P * pr.KB * kBlockElems / kItemElems);
-  const int64_t want = (kItemsPerWorker * workers + row_blocks - 1) / row_blocks;
-  pr.panel_items = std::clamp<int64_t>(std::min(want, by_size), 1, pr.P);
-  pr.panels_per_item = (pr.P + pr.panel_items - 1) / pr.panel_items;
-  pr.panel_items = (pr.P + pr.panels_per_item - 1) / pr.panels_per_item;
-  pr.n_items = pr.panel_items * row_blocks;
-  const int64_t rows_elems = pr.rows_per_item * pr.KB * kKBlock;
-  // Per thread: the item's x rows in bf16, an int8 panel widened (int8 weights only), 256 floats.
-  const int64_t wide_elems = pr.q ? pr.KB * kBlockElems : 0;
+  auto groups = std::make_shared<Groups<BfProblem>>();
+  int64_t rows_elems = 0, wide_elems = 0;
+  for (BfProblem pr : prs) {
+    if (pr.M == 0 || pr.N == 0) continue;
+    const int64_t row_blocks0 = (pr.M + kBfRowsPerItem - 1) / kBfRowsPerItem;
+    pr.rows_per_item = 32 * (((pr.M + row_blocks0 - 1) / row_blocks0 + 31) / 32);
+    const int64_t row_blocks = (pr.M + pr.rows_per_item - 1) / pr.rows_per_item;
+    const int64_t by_size = std::max<int64_t>(1, pr.P * pr.KB * kBlockElems / kItemElems);
+    const int64_t want = (kItemsPerWorker * workers + row_blocks - 1) / row_blocks;
+    pr.panel_items = std::clamp<int64_t>(std::min(want, by_size), 1, pr.P);
+    pr.panels_per_item = (pr.P + pr.panel_items - 1) / pr.panel_items;
+    pr.panel_items = (pr.P + pr.panels_per_item - 1) / pr.panels_per_item;
+    pr.n_items = pr.panel_items * row_blocks;
+    // Up to kQ8WidenOnce rows, int8 weights widen in registers (dot products) whatever the host:
+    // the tiles would need each panel widened into memory first, a second pass over it.
+    pr.tiles = isa >= 4 && !(pr.q && pr.M <= kQ8WidenOnce);
+    // Per thread: the item's x rows in bf16, an int8 panel widened (int8 weights only), 256 floats.
+    rows_elems = std::max(rows_elems, pr.rows_per_item * pr.KB * kKBlock);
+    wide_elems = std::max(wide_elems, pr.q ? pr.KB * kBlockElems : 0);
+    groups->add(pr);
+  }
   const int64_t scratch = rows_elems + wide_elems + 2 * 256;
-  // Up to kQ8WidenOnce rows, int8 weights widen in registers (dot products) whatever the host:
-  // the tiles would need each panel widened into memory first, a second pass over it.
-  const bool tiles = isa >= 4 && !(pr.q && pr.M <= kQ8WidenOnce);
   jaxserve_cpu::run_items(
-      pool, pr.n_items, [scratch] { return std::unique_ptr<uint16_t[]>(new (std::nothrow) uint16_t[scratch + 32]); },
-      [pr, rows_elems, wide_elems, tiles](std::unique_ptr<uint16_t[]>& sc, int64_t i) {
+      pool, groups->total(),
+      [scratch] { return std::unique_ptr<uint16_t[]>(new (std::nothrow) uint16_t[scratch + 32]); },
+      [groups, rows_elems, wide_elems](std::unique_ptr<uint16_t[]>& sc, int64_t i) {
         if (!sc) return false;
         uint16_t* base = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(sc.get()) + 63) & ~uintptr_t(63));
         uint16_t* wide = base + rows_elems;
-        if (tiles)
-          bf16_item(pr, i, base, wide, reinterpret_cast<float*>(wide + wide_elems));
+        int64_t local, unused;
+        const BfProblem& pr = groups->prs[groups->find(i, local, -1, unused)];
+        if (pr.tiles)
+          bf16_item(pr, local, base, wide, reinterpret_cast<float*>(wide + wide_elems));
         else
-          bf16_dp_item(pr, i, base, wide);
+          bf16_dp_item(pr, local, base, wide);
         return true;
       });
   return ffi::Error::Success();
@@ -951,6 +1005,11 @@ ffi::Error RunBf16(ffi::ThreadPool pool, BfProblem pr) {
   (void)pool;
   return ffi::Error::Internal("unreachable");
 #endif
+}
+
+ffi::Error RunBf16(ffi::ThreadPool pool, BfProblem pr) {
+  if (pr.M == 0 || pr.N == 0) return ffi::Error::Success();
+  return RunBf16Groups(pool, {pr}, pr.x, pr.M);
 }
 
 // Shapes and the problem for bfloat16 or int8 pair-layout weights (w or q, the other null).
@@ -997,6 +1056,100 @@ ffi::Error MatmulQ8Bf16Impl(ffi::ThreadPool pool, ffi::BufferR2<ffi::F32> x, ffi
                   x.dimensions(), w.dimensions(), y->dimensions(), scale.dimensions()[0]);
 }
 
+// ---- grouped: a mixture-of-experts layer's experts, one call for all of them ----
+//
+//   y[r, n] = sum_k x[r, k] * w[g, k, n]     for every row r of group g (times scale[g, n] for int8)
+//
+// The rows are sorted by group: group g's sizes[g] rows follow those of groups 0 .. g - 1, and
+// rows past every group come out as zeros.  w stacks G weights packed as the plain matmul packs a
+// projection, any of its four layouts: [G, P, K, 64] float32 or int8 (scales [G, P * 64]), or
+// [G, P, ceil(K / 32), 2048] bfloat16 or int8 pairs (scales [G, P * 64]).  Each group with rows is
+// its own problem, cut into (row block, panel run) items as a projection is, and all groups'
+// items run as one set on the pool: an expert nobody chose costs nothing, and the experts' few
+// rows each share both threads instead of each group waiting for its own call.  A row's result
+// is the plain matmul's against its group's weights (the same k order), whatever else is in the
+// call.  (pallas_kernels/native_matmul.py grouped_matmul; models/qwen3_moe.py uses it.)
+using Dims = ffi::AnyBuffer::Dimensions;
+
+ffi::Error Grouped(ffi::ThreadPool pool, const float* x, const char* w, int64_t elem_bytes, const float* scale,
+                   Dims sd, ffi::BufferR1<ffi::S32> sizes, float* y, Dims xd, Dims wd, Dims yd, Weights wt,
+                   bool pairs) {
+  const int64_t G = wd[0], M = xd[0], K = xd[1], N = yd[1], P = wd[1];
+  const bool bad_w = pairs ? (wd[2] != (K + kKBlock - 1) / kKBlock || wd[3] != kBlockElems)
+                           : (wd[2] != K || wd[3] != kPanel);
+  if (bad_w || sizes.dimensions()[0] != G || yd[0] != M || N > P * kPanel || N <= (P - 1) * kPanel ||
+      (scale && (sd[0] != G || sd[1] != P * kPanel)))
+    return ffi::Error::InvalidArgument(
+        std::string("grouped matmul: x [M, K], w [G, ceil(N / 64), ") +
+        (pairs ? "ceil(K / 32), 2048]" : "K, 64]") + (scale ? ", scale [G, ceil(N / 64) * 64]" : "") +
+        ", group sizes [G] -> y [M, N]; got x " + jaxserve_cpu::dims_str(xd) + ", w " + jaxserve_cpu::dims_str(wd) +
+        ", y " + jaxserve_cpu::dims_str(yd) + ", sizes " + jaxserve_cpu::dims_str(sizes.dimensions()));
+  const int64_t stack_bytes = P * wd[2] * wd[3] * elem_bytes;
+  const int32_t* sz = sizes.typed_data();
+  std::vector<Problem> prs;
+  std::vector<BfProblem> bprs;
+  int64_t start = 0;
+  for (int64_t g = 0; g < G; ++g) {
+    const int64_t n = std::clamp<int64_t>(sz[g], 0, M - start);
+    if (n == 0) continue;
+    const char* wg = w + g * stack_bytes;
+    const float* sg = scale ? scale + g * P * kPanel : nullptr;
+    if (pairs) {
+      BfProblem b{};
+      b.x = x + start * K;
+      b.w = scale ? nullptr : reinterpret_cast<const uint16_t*>(wg);
+      b.q = scale ? reinterpret_cast<const int8_t*>(wg) : nullptr;
+      b.scale = sg;
+      b.y = y + start * N;
+      b.M = n, b.K = K, b.N = N, b.P = P, b.KB = wd[2];
+      bprs.push_back(b);
+    } else {
+      Problem pr{};
+      pr.x = x + start * K;
+      pr.w = wg;
+      pr.scale = sg;
+      pr.y = y + start * N;
+      pr.M = n, pr.K = K, pr.N = N, pr.P = P, pr.Kpad = K;
+      prs.push_back(pr);
+    }
+    start += n;
+  }
+  std::memset(y + start * N, 0, sizeof(float) * (M - start) * N);
+  if (K == 0 || N == 0) {
+    std::memset(y, 0, sizeof(float) * start * N);
+    return ffi::Error::Success();
+  }
+  return pairs ? RunBf16Groups(pool, bprs, x, start) : RunGroups(pool, prs, wt);
+}
+
+ffi::Error GroupedF32Impl(ffi::ThreadPool pool, ffi::BufferR2<ffi::F32> x, ffi::BufferR4<ffi::F32> w,
+                          ffi::BufferR1<ffi::S32> sizes, ffi::ResultBufferR2<ffi::F32> y) {
+  return Grouped(pool, x.typed_data(), reinterpret_cast<const char*>(w.typed_data()), 4, nullptr, {}, sizes,
+                 y->typed_data(), x.dimensions(), w.dimensions(), y->dimensions(), Weights::kF32, false);
+}
+
+ffi::Error GroupedQ8Impl(ffi::ThreadPool pool, ffi::BufferR2<ffi::F32> x, ffi::BufferR4<ffi::S8> w,
+                         ffi::BufferR2<ffi::F32> scale, ffi::BufferR1<ffi::S32> sizes,
+                         ffi::ResultBufferR2<ffi::F32> y) {
+  return Grouped(pool, x.typed_data(), reinterpret_cast<const char*>(w.typed_data()), 1, scale.typed_data(),
+                 scale.dimensions(), sizes, y->typed_data(), x.dimensions(), w.dimensions(), y->dimensions(),
+                 Weights::kQ8, false);
+}
+
+ffi::Error GroupedBf16Impl(ffi::ThreadPool pool, ffi::BufferR2<ffi::F32> x, ffi::BufferR4<ffi::BF16> w,
+                           ffi::BufferR1<ffi::S32> sizes, ffi::ResultBufferR2<ffi::F32> y) {
+  return Grouped(pool, x.typed_data(), reinterpret_cast<const char*>(w.typed_data()), 2, nullptr, {}, sizes,
+                 y->typed_data(), x.dimensions(), w.dimensions(), y->dimensions(), Weights::kBf16, true);
+}
+
+ffi::Error GroupedQ8Bf16Impl(ffi::ThreadPool pool, ffi::BufferR2<ffi::F32> x, ffi::BufferR4<ffi::S8> w,
+                             ffi::BufferR2<ffi::F32> scale, ffi::BufferR1<ffi::S32> sizes,
+                             ffi::ResultBufferR2<ffi::F32> y) {
+  return Grouped(pool, x.typed_data(), reinterpret_cast<const char*>(w.typed_data()), 1, scale.typed_data(),
+                 scale.dimensions(), sizes, y->typed_data(), x.dimensions(), w.dimensions(), y->dimensions(),
+                 Weights::kQ8, true);
+}
+
 }  // namespace
 
 JM_EXPORT XLA_FFI_Error* JaxserveMatmulF32(XLA_FFI_CallFrame* call_frame);
@@ -1038,6 +1191,45 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMatmulQ8BF16, MatmulQ8Bf16Impl,
                                   .Arg<ffi::BufferR1<ffi::S32>>()   // live rows: [1], or [0] for all
                                   .Ret<ffi::BufferR2<ffi::F32>>());  // y [M, N]
 
+JM_EXPORT XLA_FFI_Error* JaxserveGroupedMatmulF32(XLA_FFI_CallFrame* call_frame);
+JM_EXPORT XLA_FFI_Error* JaxserveGroupedMatmulQ8(XLA_FFI_CallFrame* call_frame);
+JM_EXPORT XLA_FFI_Error* JaxserveGroupedMatmulBF16(XLA_FFI_CallFrame* call_frame);
+JM_EXPORT XLA_FFI_Error* JaxserveGroupedMatmulQ8BF16(XLA_FFI_CallFrame* call_frame);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveGroupedMatmulF32, GroupedF32Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::BufferR2<ffi::F32>>()   // x [M, K], rows sorted by group
+                                  .Arg<ffi::BufferR4<ffi::F32>>()   // w [G, P, K, 64]
+                                  .Arg<ffi::BufferR1<ffi::S32>>()   // group sizes [G]
+                                  .Ret<ffi::BufferR2<ffi::F32>>());  // y [M, N]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveGroupedMatmulQ8, GroupedQ8Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::BufferR2<ffi::F32>>()   // x [M, K], rows sorted by group
+                                  .Arg<ffi::BufferR4<ffi::S8>>()    // w [G, P, K, 64], interleaved
+                                  .Arg<ffi::BufferR2<ffi::F32>>()   // scale [G, P * 64]
+                                  .Arg<ffi::BufferR1<ffi::S32>>()   // group sizes [G]
+                                  .Ret<ffi::BufferR2<ffi::F32>>());  // y [M, N]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveGroupedMatmulBF16, GroupedBf16Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::BufferR2<ffi::F32>>()    // x [M, K], rows sorted by group
+                                  .Arg<ffi::BufferR4<ffi::BF16>>()   // w [G, P, ceil(K / 32), 2048]
+                                  .Arg<ffi::BufferR1<ffi::S32>>()    // group sizes [G]
+                                  .Ret<ffi::BufferR2<ffi::F32>>());  // y [M, N]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveGroupedMatmulQ8BF16, GroupedQ8Bf16Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::BufferR2<ffi::F32>>()   // x [M, K], rows sorted by group
+                                  .Arg<ffi::BufferR4<ffi::S8>>()    // w [G, P, ceil(K / 32), 2048], pair layout
+                                  .Arg<ffi::BufferR2<ffi::F32>>()   // scale [G, P * 64]
+                                  .Arg<ffi::BufferR1<ffi::S32>>()   // group sizes [G]
+                                  .Ret<ffi::BufferR2<ffi::F32>>());  // y [M, N]
+
 // Bumped whenever these kernels' FFI signatures or the packed layout change, so that a stale
 // library is not used.
-JM_EXPORT int jaxserve_matmul_abi_version() { return 6; }  // 2: the bfloat16 (AMX) target; 3: live rows; 4: int8 in the pair layout; 5: k-pair-major blocks; 6: bfloat16 on AVX2
+JM_EXPORT int jaxserve_matmul_abi_version() { return 7; }  // 2: the bfloat16 (AMX) target; 3: live rows; 4: int8 in the pair layout; 5: k-pair-major blocks; 6: bfloat16 on AVX2; 7: the grouped targets

@@ -228,6 +228,14 @@ def _add_kernels(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--matmul-rows", default="1,32", help="rows of x for --matmul (comma list; default 1,32)")
     p.add_argument(
+        "--moe",
+        default="",
+        metavar="ExHxF:K,...",
+        help="mixture-of-experts layers to time at --moe-tokens: E experts of hidden H and width F, top-K "
+        "(e.g. 32x512x256:4); default none",
+    )
+    p.add_argument("--moe-tokens", default="32,256", help="tokens per step for --moe (comma list; default 32,256)")
+    p.add_argument(
         "--peak-tflops", type=float, default=None, help="the chip's peak TFLOP/s for --dtype: adds the FLOP bound"
     )
     out_flag(p)

@@ -18,6 +18,13 @@ values, each call on its own copy of the weights so that they come from memory, 
 bound (the weights once / the stream read) and, with --peak-tflops, the FLOP bound. One row is
 where decode lives: the kernel should read at the stream's rate.
 
+Mixture-of-experts layers (--moe ExHxF:K,...): one layer's experts for --moe-tokens tokens, each
+routed to K distinct experts drawn at random, as the engine runs them (models/qwen3_moe.py): the
+native grouped matmul (the experts packed per --dtype as the CPU runner packs them, and in int8)
+and the XLA path (`grouped_swiglu`: a loop over tiles of each chosen expert's rows, ragged_dot on
+an accelerator), over copies of the layer filling 4x the last-level cache, beside the bound: the
+chosen experts' weight bytes (each read once) / the stream read.
+
 Decode implementations: rows of one token through the ragged kernel this backend serves with (the
 native C++ FFI kernel on the CPU, the Pallas kernel on a GPU or TPU) and the XLA path
 (reference.ragged_paged_attention_chunked, the online-softmax loop over pages). Each is timed as a
@@ -90,6 +97,7 @@ def run(args, argv) -> dict:
     rows_list, contexts = _ints(args.rows, "rows"), _ints(args.contexts, "contexts")
     steps = _ragged_steps(args.ragged_steps)  # a bad item exits before any work
     shapes = _matmul_shapes(args.matmul)
+    moe_layers = _moe_layers(args.moe)
     mm_rows = _ints(args.matmul_rows, "matmul_rows")
     try:
         heads, kv_heads = (int(x) for x in args.heads.split("/"))
@@ -178,6 +186,7 @@ def run(args, argv) -> dict:
                 )
     rows_out += bench_ragged(args, steps, backend, dtype, heads, kv_heads, d, probe, streams)
     rows_out += bench_matmul(args, shapes, mm_rows, backend, dtype, llc, probe, streams)
+    rows_out += bench_moe(args, moe_layers, _ints(args.moe_tokens, "moe_tokens"), backend, dtype, llc, probe, streams)
     summary = {"stream_gbps_median": statistics.median(streams), "stream_gbps_best": max(streams)}
     print(f"streaming read: median {summary['stream_gbps_median']:.1f} GB/s, best {summary['stream_gbps_best']:.1f}")
     return result.document("kernels", argv, measurements=rows_out, summary=summary)
@@ -456,4 +465,126 @@ def bench_ragged(args, steps, backend, dtype, heads, kv_heads, d, probe, streams
                 f"{r['fraction_of_bound']:.2f} of bound | max abs diff {r['max_abs_diff']:.1e}",
                 flush=True,
             )
+    return out
+
+
+def _moe_layers(text: str) -> list[tuple[int, int, int, int]]:
+    """'32x512x256:4,...' -> [(E, H, F, K), ...]; '' -> []."""
+    out = []
+    for part in (p for p in text.split(",") if p):
+        try:
+            shape, k = part.lower().split(":")
+            e, h, f = (int(x) for x in shape.split("x"))
+            k = int(k)
+        except ValueError:
+            raise ValueError(f"moe: expected ExHxF:K items (e.g. 32x512x256:4), got {part!r}") from None
+        if min(e, h, f, k) < 1 or k > e:
+            raise ValueError(f"moe: {part!r} needs positive sizes and K <= E")
+        out.append((e, h, f, k))
+    return out
+
+
+def moe_implementations(backend: str, dtype, width: int, hidden: int) -> dict:
+    """name -> prepare(Experts) -> (arrays, f(x [M, H] float32, arrays, group_sizes) -> [M, H]):
+    the native grouped matmul on the experts packed as the CPU runner packs them (--dtype's panels,
+    and int8), and the XLA path (`grouped_swiglu`) on the float stacks in `dtype`."""
+    import jax.numpy as jnp
+
+    from jaxserve.models import qwen3_moe
+
+    def packed(x, a, sizes):
+        return qwen3_moe.packed_swiglu(x, *a, sizes, width=width, hidden=hidden)
+
+    def native(weight_dtype: str, int8: bool):
+        def prepare(ex):
+            if int8:
+                ex.quantize_stacks()
+            ex.pack_native(weight_dtype)
+            return tuple(None if v is None else v[...] for v in (ex.gate_up, ex.gate_up_scale, ex.down, ex.down_scale))
+
+        return prepare
+
+    impls = {}
+    if backend == "cpu":
+        from pallas_kernels import native_matmul as nm
+
+        if nm.available():
+            weight_dtype = "bfloat16" if dtype == jnp.bfloat16 and nm.bf16_available() else "float32"
+            impls[f"native-{weight_dtype}"] = (native(weight_dtype, False), packed)
+            impls["native-int8"] = (native(weight_dtype, True), packed)
+        else:
+            print(f"native grouped matmul unavailable: {nm.unavailable_reason()}", file=sys.stderr)
+
+    def xla(x, a, sizes):
+        return qwen3_moe.grouped_swiglu(x.astype(a[0].dtype), *a, sizes).astype(jnp.float32)
+
+    # the XLA path in --dtype and, on the CPU, in float32 (what a float32 model's experts ran as before)
+    for dt in dict.fromkeys([dtype, jnp.dtype(jnp.float32)] if backend == "cpu" else [dtype]):
+        impls[f"xla-{dt.name}"] = (lambda ex, dt=dt: tuple(w.astype(dt) for w in ex.weights(jnp.float32)), xla)
+    return impls
+
+
+def bench_moe(args, layers, tokens_list, backend, dtype, llc: int, probe, streams) -> list[dict]:
+    """One MoE layer's experts per --moe layer and --moe-tokens count, each implementation over
+    copies of the layer's weights filling 4x the last-level cache (at least 2), so every call reads
+    its experts from memory: the copies' calls in one jitted function, outputs summed; the time is
+    per call. Bytes: the chosen experts' weights once (as each implementation stores them), plus
+    x and y. The oracle: `grouped_swiglu` on the float32 stacks at XLA's highest precision."""
+    from types import SimpleNamespace
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from jaxserve.models import qwen3_moe
+
+    out = []
+    for e, h, f, k in layers:
+        cfg = SimpleNamespace(num_experts=e, hidden_size=h, moe_intermediate_size=f)
+        cases = {}
+        for t in tokens_list:
+            rng = np.random.default_rng(t)
+            chosen = np.stack([rng.permutation(e)[:k] for _ in range(t)])
+            sizes = jnp.asarray(np.bincount(chosen.ravel(), minlength=e), jnp.int32)
+            x = jax.random.normal(jax.random.PRNGKey(t), (t * k, h), jnp.float32)
+            with jax.default_matmul_precision("highest"):
+                stacks = qwen3_moe.Experts(cfg, jnp.float32, nnx.Rngs(0), 0.05).weights(jnp.float32)
+                want = jax.jit(qwen3_moe.grouped_swiglu)(x, *stacks, sizes)
+            cases[t] = (x, sizes, want, int(np.count_nonzero(np.asarray(sizes))))
+        for name, (prepare, fn) in moe_implementations(backend, dtype, f, h).items():
+            arrays = prepare(qwen3_moe.Experts(cfg, jnp.float32, nnx.Rngs(0), 0.05))
+            layer_bytes = sum(a.nbytes for a in arrays if a is not None)
+            fill = 4 * llc if llc else 256 << 20
+            copies = int(min(64, max(2, -(-fill // layer_bytes))))
+            ws = [tuple(None if a is None else jnp.array(a, copy=True) for a in arrays) for _ in range(copies)]
+
+            def loop(x, ws, sizes, fn=fn):
+                acc = fn(x, ws[0], sizes)
+                for w in ws[1:]:
+                    acc = acc + fn(x, w, sizes)
+                return acc
+
+            looped, single = jax.jit(loop), jax.jit(fn)
+            for t, (x, sizes, want, touched) in cases.items():
+                diff = float(jnp.max(jnp.abs(single(x, ws[0], sizes) - want)))
+                jax.block_until_ready(looped(x, ws, sizes))  # compile
+                times = []
+                for _ in range(args.reps):
+                    streams.append(probe() / 1e9)
+                    t0 = time.perf_counter()
+                    jax.block_until_ready(looped(x, ws, sizes))
+                    times.append((time.perf_counter() - t0) * 1e3 / copies)
+                nbytes = layer_bytes * touched // e + x.size * 4 * 2
+                r = _bounded(args, times, streams, nbytes, 6 * x.shape[0] * h * f, diff)
+                config = {"experts": e, "hidden": h, "width": f, "top_k": k, "tokens": t, "experts_touched": touched,
+                          "dtype": dtype.name, "weight_copies": copies}  # fmt: skip
+                out.append({"name": "moe experts", "impl": name, "config": config, **r})
+                print(
+                    f"moe {e}x{h}x{f}:{k} tokens {t:4d} ({touched} experts) {name:16s}: {r['ms']:8.3f} ms, "
+                    f"{r['gbps']:.1f} GB/s | bound {r['bound_ms']:.3f} ms ({nbytes / 1e6:.2f} MB at "
+                    f"{r['stream_gbps']:.1f} GB/s) = {r['fraction_of_bound']:.2f} of bound | max abs diff {diff:.1e}",
+                    flush=True,
+                )
+            del ws
     return out
