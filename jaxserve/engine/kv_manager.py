@@ -162,12 +162,8 @@ class KVManager:
         (copies tagged LOCAL). False when the local pool cannot (after dropping the prefix
         cache's local pages): the caller preempts or waits."""
         ps, start = self.page_size, seq.num_computed
-        lo = max(0, start - self.window + 1) // ps
+        lo = self.free_out_of_window(seq)
         table = seq.local_pages
-        for i in range(min(lo, len(table))):
-            if table[i] != DUMMY_PAGE:
-                self.local.release(table[i])
-                table[i] = DUMMY_PAGE
         n = self.alloc.pages_for(end)
         table.extend([DUMMY_PAGE] * (n - len(table)))
         for i in range(max(lo, start // ps), n):
@@ -186,13 +182,32 @@ class KVManager:
             table[i] = new
         return True
 
+    def free_out_of_window(self, seq: Sequence) -> int:
+        """Give back the local pages every future query of seq is past (each position on them
+        < num_computed - W + 1); returns the first page still kept. A no-op without a local pool.
+        Called as soon as a step that advanced num_computed is dispatched: a later step reusing
+        a freed page runs after it on the device."""
+        if self.local is None:
+            return 0
+        lo = max(0, seq.num_computed - self.window + 1) // self.page_size
+        table = seq.local_pages
+        for i in range(min(lo, len(table))):
+            if table[i] != DUMMY_PAGE:
+                self.local.release(table[i])
+                table[i] = DUMMY_PAGE
+        return lo
+
     def _local_room(self) -> bool:
         """No local pool, or a free page in it."""
         return self.local is None or self._ensure_free_local()
 
     def _ensure_free_local(self) -> bool:
-        """A local page is free, dropping the prefix cache's local pages for it if needed."""
-        return self.local.num_free > 0 or (self.prefix_cache is not None and self.prefix_cache.evict_local(1) > 0)
+        """A local page is free, dropping the prefix cache's local pages for it if needed (a
+        thirty-second of the pool at a time: each drop walks the tree)."""
+        if self.local.num_free > 0:
+            return True
+        batch = max(1, self.local.capacity // 32)
+        return self.prefix_cache is not None and self.prefix_cache.evict_local(batch) > 0
 
     def _ensure_free_page(self) -> bool:
         """A page is free, evicting a cached prefix for it if the pool is dry."""

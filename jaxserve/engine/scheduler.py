@@ -314,11 +314,13 @@ class Scheduler:
             if seq.status is Status.RUNNING:
                 seq.num_computed = chunk.end
                 self.kv.cache_computed(seq)
+                self.kv.free_out_of_window(seq)  # sliding layers: pages the chunk moved past
         if decodes_pending:
             for seq in plan.decodes:
                 if seq.status is Status.RUNNING:
                     seq.num_pending += num_steps
                     seq.num_computed = seq.length - 1
+                    self.kv.free_out_of_window(seq)
 
     def apply(
         self, seqs: list[Sequence], sampled: dict[str, list[tuple[int, dict[int, float] | None]]]

@@ -1,0 +1,103 @@
+"""Sliding-window layers' KV pages freed (Gemma 3's local layers): a request many windows long
+holds only its window's local pages while it decodes, read from the KV manager, and still gives
+transformers' greedy tokens; prefix-cache hits on a sliding model give the tokens a run without
+prefix caching gives (and transformers'), with the local pool smaller than the full one, so the
+tree's local pages are dropped under pressure and hits are cut to where their window is
+present. Every page of both pools comes back. The engines skip warm-up (compiles after warm-up
+are counted by test_gemma3's engine test, which runs with the local pool too)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import hf_greedy
+from test_gemma3 import WINDOW, make_gemma3
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.engine.request import Status
+from jaxserve.kv_math import local_pages_per_request
+
+PS = 4
+OPTS = dict(max_slots=4, page_size=PS, max_model_len=128, num_pages=120, token_buckets=(8, 16, 32), warmup=False)
+
+
+@pytest.fixture(scope="module")
+def gemma(tmp_path_factory):
+    d = tmp_path_factory.mktemp("gemma3-swa")
+    return d, make_gemma3(d, seed=5)
+
+
+def _greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+
+
+def _pools_whole(llm) -> None:
+    llm.flush_prefix_cache()
+    kv = llm.core.kv
+    kv.check([])
+    assert kv.alloc.num_free == kv.alloc.capacity
+    assert kv.local.num_free == kv.local.capacity
+
+
+def test_a_request_of_eight_windows_holds_only_its_window(gemma):
+    path, hf = gemma
+    llm = LLM(path, enable_prefix_caching=False, **OPTS)
+    kv, rc = llm.core.kv, llm.runner.cfg
+    assert (kv.window, rc.local_window) == (WINDOW, WINDOW)
+    assert 0 < rc.local_num_pages < rc.num_pages  # 4 slots x 11 pages (+ the dummy) of 120
+    prompt = [int(x) for x in np.random.default_rng(0).integers(3, 512, 8 * WINDOW)]
+    seq = llm.make_sequence(prompt, _greedy(3 * WINDOW))
+    llm.submit(seq)
+    decoding, prefilling = [], []
+    while llm.has_unfinished():
+        llm.step()
+        if seq.status is not Status.RUNNING:
+            continue
+        kv.check(llm.scheduler.running)
+        held = kv.local_pages_held(seq)
+        assert kv.local.capacity - kv.local.num_free == held  # the only request: the pool's use is its own
+        (prefilling if seq.prefilling else decoding).append(held)
+        # the full layers keep every page (a token still on the device gets its page next step)
+        assert len(seq.pages) >= kv.pages_for(seq.length - seq.num_pending)
+    assert len(decoding) >= 2 * WINDOW and prefilling
+    assert max(decoding) <= WINDOW // PS + 2  # not the 22 pages of its 88 positions
+    assert max(prefilling) <= local_pages_per_request(WINDOW, PS, OPTS["token_buckets"][-1])
+    assert seq.output_ids == hf_greedy(hf, prompt, 3 * WINDOW)
+    _pools_whole(llm)
+
+
+@pytest.fixture(scope="module")
+def pair(gemma):
+    return LLM(gemma[0], **OPTS), LLM(gemma[0], enable_prefix_caching=False, **OPTS)
+
+
+def _both(pair, prompts, n: int):
+    on, off = pair
+    a = on.generate(prompts, _greedy(n))
+    b = off.generate(prompts, _greedy(n))
+    assert [x.token_ids for x in a] == [x.token_ids for x in b]
+    return a
+
+
+def test_prefix_hits_on_a_sliding_model_equal_a_run_without(gemma, pair):
+    """A system prompt five windows long, then a batch sharing it (hits on the pages the first
+    request left in the tree, while its own local pages were freed), then a conversation whose
+    every turn continues the previous prompt and answer."""
+    hf = gemma[1]
+    rng = np.random.default_rng(1)
+    system = [int(x) for x in rng.integers(3, 512, 5 * WINDOW)]
+    first = _both(pair, [system + [7, 8, 9]], 16)
+    assert first[0].num_cached_prompt_tokens == 0
+    prompts = [system + [int(x) for x in rng.integers(3, 512, int(rng.integers(1, 20)))] for _ in range(8)]
+    outs = _both(pair, prompts, 20)
+    assert all(o.num_cached_prompt_tokens >= len(system) - PS for o in outs[:3])  # those admitted first
+    for p, o in zip(prompts[:2], outs):
+        assert o.token_ids == hf_greedy(hf, p, 20)
+    history = [int(x) for x in rng.integers(3, 512, 30)]
+    for turn in range(3):
+        out = _both(pair, [history], 12)[0]
+        if turn:  # the previous prompt and answer, but the partial last page
+            assert out.num_cached_prompt_tokens >= len(history) - 12 - PS - 1
+        history = history + out.token_ids + [int(x) for x in rng.integers(3, 512, 5)]
+    _pools_whole(pair[0])
+    _pools_whole(pair[1])
