@@ -529,10 +529,24 @@ class Plan:
     num_experts: int = 0
     experts_per_token: int = 0
     expert_bytes_per_chip: float = 0.0
+    # Sliding-window attention (0: none): num_local_layers of num_layers read and keep only the
+    # last sliding_window positions' KV
+    num_layers: int = 0
+    num_local_layers: int = 0
+    sliding_window: int = 0
+
+    def kv_read_bytes(self, kv_tokens: float) -> float:
+        """KV per chip a decode step reads for one request of kv_tokens: every position in the
+        full-attention layers, at most the window's in the sliding ones."""
+        per = self.kv_bytes_per_token_per_chip
+        if not self.num_local_layers:
+            return kv_tokens * per
+        full = self.num_layers - self.num_local_layers
+        return per / self.num_layers * (full * kv_tokens + self.num_local_layers * min(kv_tokens, self.sliding_window))
 
     def bounds(self, batch: int, kv_tokens: float | None = None) -> tuple[float, float]:
         """(memory-bound s, compute-bound s) at any batch, each request holding kv_tokens (default context_len)."""
-        kv = batch * (self.context_len if kv_tokens is None else kv_tokens) * self.kv_bytes_per_token_per_chip
+        kv = batch * self.kv_read_bytes(self.context_len if kv_tokens is None else kv_tokens)
         return _roofline(
             self.weight_bytes_read_per_chip(batch),
             kv,
@@ -664,6 +678,9 @@ def plan(
         num_experts=m.num_experts,
         experts_per_token=m.num_experts_per_tok,
         expert_bytes_per_chip=m.num_moe_layers * m.expert_params * dtype_bytes(weight_dtype) / chips,
+        num_layers=m.num_layers,
+        num_local_layers=m.num_local_layers,
+        sliding_window=m.sliding_window,
     )
     out.step_time_batch1_s = out.at_batch(1)[0]
     batch = max(1, out.max_concurrent_requests)
@@ -711,9 +728,7 @@ def _compute_bound_from_batch(p: Plan) -> float | None:
     B = W / (2*P*bw/(F*chips) - K). A mixture of experts reads more experts as B grows (W(B)
     concave, rising to every expert), so compute - memory is convex in B, negative at 0, and
     crosses zero once when its final slope (the dense denominator) is positive: bisection."""
-    denom = (
-        2.0 * p.flop_params * p.bandwidth / (p.peak_flops * p.num_chips) - p.context_len * p.kv_bytes_per_token_per_chip
-    )
+    denom = 2.0 * p.flop_params * p.bandwidth / (p.peak_flops * p.num_chips) - p.kv_read_bytes(p.context_len)
     if denom <= 0:
         return None
     if not p.num_experts:

@@ -2,15 +2,15 @@
 holds only its window's local pages while it decodes, read from the KV manager, and still gives
 transformers' greedy tokens; prefix-cache hits on a sliding model give the tokens a run without
 prefix caching gives (and transformers'), with the local pool smaller than the full one, so the
-tree's local pages are dropped under pressure and hits are cut to where their window is
-present. Every page of both pools comes back. The engines skip warm-up (compiles after warm-up
+tree's local pages are dropped under pressure. Mistral, every layer sliding, is one local pool
+(its full pool's pages hold no bytes). Every page of both pools comes back. The engines skip warm-up (compiles after warm-up
 are counted by test_gemma3's engine test, which runs with the local pool too)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import hf_greedy
+from conftest import hf_greedy, make_hf_model
 from test_gemma3 import WINDOW, make_gemma3
 
 from jaxserve import LLM, SamplingParams
@@ -101,3 +101,17 @@ def test_prefix_hits_on_a_sliding_model_equal_a_run_without(gemma, pair):
         history = history + out.token_ids + [int(x) for x in rng.integers(3, 512, 5)]
     _pools_whole(pair[0])
     _pools_whole(pair[1])
+
+
+def test_mistral_every_layer_sliding_is_one_local_pool(tmp_path):
+    hf = make_hf_model("mistral", tmp_path, seed=2, sliding_window=WINDOW)
+    llm = LLM(tmp_path, **OPTS)
+    rc = llm.runner.cfg
+    assert 0 < rc.local_num_pages < rc.num_pages
+    assert {layer[0].shape[0] for layer in llm.runner.kv} == {rc.local_num_pages}  # no full-size buffer
+    rng = np.random.default_rng(3)
+    prompts = [[int(x) for x in rng.integers(3, 512, n)] for n in (6 * WINDOW, 3 * WINDOW + 3, 5)]
+    outs = llm.generate(prompts, _greedy(2 * WINDOW))
+    for p, o in zip(prompts, outs):
+        assert o.token_ids == hf_greedy(hf, p, 2 * WINDOW)
+    _pools_whole(llm)
