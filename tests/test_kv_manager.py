@@ -102,8 +102,10 @@ def test_a_local_pool_keeps_each_window_and_exact_ownership(seed, num_pages, loc
     cache = RadixCache(alloc, local, window) if prefix_caching else None
     kv = KVManager(alloc, cache, local=local, window=window)
     running: list[Sequence] = []
+    copies: list = []
     for i, op in enumerate(ops):
-        copies: list = []
+        if i % 4 == 0:  # a step's copy list spans several admissions and allocations, both pools'
+            copies = []
         if op == "admit":
             prompt = [rng.randrange(3, 5) for _ in range(rng.randrange(1, 20))]
             seq = Sequence(f"r{i}", prompt, SamplingParams(max_tokens=8), 0, i)
@@ -140,3 +142,31 @@ def test_a_local_pool_keeps_each_window_and_exact_ownership(seed, num_pages, loc
     kv.flush_prefix_cache()
     kv.check([])
     assert alloc.num_free == alloc.capacity and local.num_free == local.capacity, "pages leaked"
+
+
+def test_two_hits_on_one_partial_page_copy_it_in_both_pools_in_one_step():
+    """Two requests admitted in the same step, both hitting a cached page partly: each gets
+    private copies of that page in the full pool (pairs) and the local one ((src, dst, "local")),
+    all in the step's one copy list."""
+    alloc, local = PageAllocator(16, 4), PageAllocator(16, 4)
+    kv = KVManager(alloc, RadixCache(alloc, local, 8), local=local, window=8)
+    first = Sequence("a", list(range(5, 15)), SamplingParams(max_tokens=4), 0, 0)
+    assert kv.admit(first, [], keep_reserve=False)
+    assert kv.allocate_local(first, 9, [])
+    first.num_computed = 9
+    kv.cache_computed(first)  # two whole pages in the tree, both pools'
+    kv.free(first)
+    copies: list = []
+    seqs = [
+        Sequence(f"b{i}", list(range(5, 11)) + [99, 98, 97], SamplingParams(max_tokens=4), 0, 1 + i) for i in range(2)
+    ]
+    for seq in seqs:
+        assert kv.admit(seq, copies, keep_reserve=False) and seq.num_computed == 6
+    assert sorted(len(c) for c in copies) == [2, 2, 3, 3]
+    assert {seq.local_pages[1] for seq in seqs} == {c[1] for c in copies if len(c) == 3}
+    kv.check(seqs)
+    for seq in seqs:
+        kv.free(seq)
+    kv.flush_prefix_cache()
+    kv.check([])
+    assert alloc.num_free == alloc.capacity and local.num_free == local.capacity

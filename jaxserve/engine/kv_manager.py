@@ -148,7 +148,7 @@ class KVManager:
                 new = self.alloc.allocate()
                 # A page that is itself this step's copy target is not filled yet (every copy
                 # of a step reads the pool before any writes): copy from its source instead.
-                src = next((a for a, b in reversed(copies) if b == page), page)
+                src = next((c[0] for c in reversed(copies) if len(c) == 2 and c[1] == page), page)
                 copies.append((src, new))
                 self.alloc.release(page)
                 seq.pages[i] = new

@@ -309,18 +309,21 @@ class Scheduler:
         decodes_pending: the decode step's tokens come later (`apply`); until then each
         decoded sequence holds one pending token (num_steps: a call of several decode steps), so
         the next step can be planned now."""
+        local = self.kv.local is not None
         for chunk in plan.prefills:
             seq = chunk.seq
             if seq.status is Status.RUNNING:
                 seq.num_computed = chunk.end
                 self.kv.cache_computed(seq)
-                self.kv.free_out_of_window(seq)  # sliding layers: pages the chunk moved past
+                if local:  # sliding layers: the pages the chunk moved past
+                    self.kv.free_out_of_window(seq)
         if decodes_pending:
             for seq in plan.decodes:
                 if seq.status is Status.RUNNING:
                     seq.num_pending += num_steps
                     seq.num_computed = seq.length - 1
-                    self.kv.free_out_of_window(seq)
+                    if local:
+                        self.kv.free_out_of_window(seq)
 
     def apply(
         self, seqs: list[Sequence], sampled: dict[str, list[tuple[int, dict[int, float] | None]]]
