@@ -115,3 +115,25 @@ def test_mistral_every_layer_sliding_is_one_local_pool(tmp_path):
     for p, o in zip(prompts, outs):
         assert o.token_ids == hf_greedy(hf, p, 2 * WINDOW)
     _pools_whole(llm)
+
+
+@pytest.mark.parametrize("budget_pages", [40, 400])
+def test_pools_sized_from_memory_never_hold_fewer_pages(gemma, budget_pages):
+    """kv_cache_memory_bytes of `budget_pages` pages of every layer: the local pool takes at
+    most that many pages (its worst case, 4 slots x 11 pages + 1, when it fits), and the full
+    pool what it leaves at the full layers' bytes: at least as many pages as one pool of every
+    layer had, within the same memory."""
+    from jaxserve.engine.engine_config import EngineConfig
+    from jaxserve.models.model_config import ModelConfig
+    from jaxserve.runner import runner_config
+
+    cfg = ModelConfig.from_dir(gemma[0])
+    every = runner_config.kv_bytes_per_token("float32", cfg) * PS  # a page of all 6 layers
+    opts = {k: v for k, v in OPTS.items() if k not in ("num_pages", "warmup")}
+    engine = EngineConfig(**opts, dtype="float32", kv_cache_memory_bytes=budget_pages * every)
+    rc = runner_config.resolve(cfg, None, engine, weight_bytes=0, max_logprobs=0)
+    assert rc.local_num_pages == min(budget_pages, 4 * 11 + 1)
+    assert rc.num_pages >= budget_pages
+    used = (5 * rc.local_num_pages + rc.num_pages) * every / 6  # 5 local layers, 1 global
+    assert used <= budget_pages * every
+    assert rc.num_pages > budget_pages or rc.local_num_pages == budget_pages

@@ -105,14 +105,14 @@ def resolve(
         kv_cache_dtype = "bfloat16"
     bytes_per_token = kv_bytes_per_token(dtype.name, model_cfg, draft_cfg, kv_cache_dtype=kv_cache_dtype)
     pools = kv_pools(model_cfg, draft_cfg, cfg, max_model_len, token_buckets[-1], bytes_per_token)
-    num_pages = _resolve_num_pages(cfg, max_model_len, pools.full_bytes_per_token, weight_bytes, pools.local_bytes)
+    num_pages, local_num_pages = _resolve_pools(cfg, max_model_len, bytes_per_token, weight_bytes, pools)
     spec_k = cfg.num_speculative_tokens if cfg.speculative_model else 0
     return RunnerConfig(
         max_slots=cfg.max_slots,
         page_size=cfg.page_size,
         max_model_len=max_model_len,
         num_pages=num_pages,
-        local_num_pages=min(num_pages, pools.local_pages),
+        local_num_pages=local_num_pages,
         local_window=pools.window,
         token_buckets=token_buckets,
         dtype=dtype.name,
@@ -169,6 +169,21 @@ def kv_pools(model_cfg: ModelConfig, draft_cfg, cfg, max_model_len: int, budget:
     ps = cfg.page_size
     per_seq = min(-(-max_model_len // ps), kv_math.local_pages_per_request(window, ps, budget))
     return KVPools(bytes_per_token - local_bpt, local_bpt, cfg.max_slots * per_seq + 1, window, ps)
+
+
+def _resolve_pools(cfg, max_model_len: int, bytes_per_token: int, weight_bytes: int, pools: KVPools) -> tuple[int, int]:
+    """(full pool pages, local pool pages). The local pool has its worst-case pages
+    (`kv_pools`), never more than the pages one pool of every layer would have had in the same
+    memory; sized from memory, the full pool then gets what the local pool leaves, at the full
+    layers' bytes per token: never fewer pages than before."""
+    num_pages = _resolve_num_pages(cfg, max_model_len, bytes_per_token, weight_bytes)
+    if not pools.local_pages:
+        return num_pages, 0
+    local = min(pools.local_pages, num_pages)
+    if not cfg.num_pages:
+        reserved = local * cfg.page_size * pools.local_bytes_per_token
+        num_pages = _resolve_num_pages(cfg, max_model_len, pools.full_bytes_per_token, weight_bytes, reserved)
+    return num_pages, local
 
 
 def _resolve_num_pages(
