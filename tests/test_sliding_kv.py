@@ -44,7 +44,8 @@ def test_a_request_of_eight_windows_holds_only_its_window(gemma):
     llm = LLM(path, enable_prefix_caching=False, **OPTS)
     kv, rc = llm.core.kv, llm.runner.cfg
     assert (kv.window, rc.local_window) == (WINDOW, WINDOW)
-    assert 0 < rc.local_num_pages < rc.num_pages  # 4 slots x 11 pages (+ the dummy) of 120
+    assert rc.local_num_pages == 4 * 4 + 32 // PS + 1  # 4 slots x 4 pages, a step's chunks, the dummy
+    assert rc.local_num_pages < rc.num_pages
     prompt = [int(x) for x in np.random.default_rng(0).integers(3, 512, 8 * WINDOW)]
     seq = llm.make_sequence(prompt, _greedy(3 * WINDOW))
     llm.submit(seq)
@@ -117,22 +118,23 @@ def test_mistral_every_layer_sliding_is_one_local_pool(tmp_path):
     _pools_whole(llm)
 
 
-@pytest.mark.parametrize("budget_pages", [40, 400])
-def test_pools_sized_from_memory_never_hold_fewer_pages(gemma, budget_pages):
+@pytest.mark.parametrize("slots,budget_pages", [(4, 40), (16, 40), (4, 400)])
+def test_pools_sized_from_memory_never_hold_fewer_pages(gemma, slots, budget_pages):
     """kv_cache_memory_bytes of `budget_pages` pages of every layer: the local pool takes at
-    most that many pages (its worst case, 4 slots x 11 pages + 1, when it fits), and the full
-    pool what it leaves at the full layers' bytes: at least as many pages as one pool of every
-    layer had, within the same memory."""
+    most that many pages (its worst case when it fits: each slot's window and next token, 4
+    pages of 4, a step's 32 prompt tokens, the dummy), and the full pool what it leaves at the
+    full layers' bytes: at least as many pages as one pool of every layer had, within the same
+    memory."""
     from jaxserve.engine.engine_config import EngineConfig
     from jaxserve.models.model_config import ModelConfig
     from jaxserve.runner import runner_config
 
     cfg = ModelConfig.from_dir(gemma[0])
     every = runner_config.kv_bytes_per_token("float32", cfg) * PS  # a page of all 6 layers
-    opts = {k: v for k, v in OPTS.items() if k not in ("num_pages", "warmup")}
+    opts = {k: v for k, v in OPTS.items() if k not in ("num_pages", "warmup")} | {"max_slots": slots}
     engine = EngineConfig(**opts, dtype="float32", kv_cache_memory_bytes=budget_pages * every)
     rc = runner_config.resolve(cfg, None, engine, weight_bytes=0, max_logprobs=0)
-    assert rc.local_num_pages == min(budget_pages, 4 * 11 + 1)
+    assert rc.local_num_pages == min(budget_pages, slots * 4 + 32 // PS + 1)
     assert rc.num_pages >= budget_pages
     used = (5 * rc.local_num_pages + rc.num_pages) * every / 6  # 5 local layers, 1 global
     assert used <= budget_pages * every

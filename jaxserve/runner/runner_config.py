@@ -158,17 +158,27 @@ class KVPools:
 
 
 def kv_pools(model_cfg: ModelConfig, draft_cfg, cfg, max_model_len: int, budget: int, bytes_per_token: int) -> KVPools:
-    """The sliding layers' pool: enough pages for every slot to hold its window and a step's
-    chunk (kv_math.local_pages_per_request), never more than a slot's whole context. None with a
-    draft model (its pool shares the target's page ids)."""
+    """The sliding layers' pool: every slot's window and next tokens, plus one step's prompt
+    chunks (`local_pool_pages`). None with a draft model (its pool shares the target's page ids)."""
     window = model_cfg.local_window
     if window is None or draft_cfg is not None:
         return KVPools(bytes_per_token)
     groups = model_cfg.kv_groups()
     local_bpt = bytes_per_token * len(groups["local"]) // model_cfg.num_layers
     ps = cfg.page_size
-    per_seq = min(-(-max_model_len // ps), kv_math.local_pages_per_request(window, ps, budget))
-    return KVPools(bytes_per_token - local_bpt, local_bpt, cfg.max_slots * per_seq + 1, window, ps)
+    ahead = max(cfg.num_speculative_tokens if cfg.speculative_model else 0, cfg.num_scheduler_steps - 1)
+    pages = local_pool_pages(window, ps, cfg.max_slots, budget, ahead, -(-max_model_len // ps))
+    return KVPools(bytes_per_token - local_bpt, local_bpt, pages, window, ps)
+
+
+def local_pool_pages(window: int, page_size: int, max_slots: int, budget: int, ahead: int, max_pages: int) -> int:
+    """Pages the local pool needs at most (the dummy page included). A request whose next query
+    is at s holds the pages of [s - W + 1, s) and those a step writes: a decode's token and its
+    lookahead (`ahead`), at most ceil((W + ahead) / page_size) + 2 pages (one more where a range
+    straddles a page boundary), never more than its whole context; a prompt chunk of C tokens
+    holds ceil(C / page_size) more, and a step's chunks add up to at most its token budget."""
+    per_slot = min(max_pages, -(-(window + ahead) // page_size) + 2)
+    return max_slots * per_slot + -(-budget // page_size) + 1
 
 
 def _resolve_pools(cfg, max_model_len: int, bytes_per_token: int, weight_bytes: int, pools: KVPools) -> tuple[int, int]:
