@@ -79,6 +79,11 @@ class ModelShape:
     # Hidden-size norms in every block: 2 in Llama's (before attention and the MLP), 4 in
     # Gemma 3's (before and after each)
     block_norms: int = 2
+    # Sliding-window attention: num_local_layers of the layers see only the last sliding_window
+    # positions, and the KV manager frees their pages that fell out of it, so they hold about
+    # sliding_window tokens of KV whatever the context (Gemma 3: 5 of every 6; Mistral: all)
+    sliding_window: int = 0
+    num_local_layers: int = 0
 
     def __post_init__(self) -> None:
         for f in (
@@ -101,6 +106,11 @@ class ModelShape:
                 )
             if self.num_moe_layers > self.num_layers:
                 raise ValueError(f"num_moe_layers ({self.num_moe_layers}) exceeds num_layers ({self.num_layers})")
+        if self.num_local_layers > self.num_layers or (self.num_local_layers > 0) != (self.sliding_window > 0):
+            raise ValueError(
+                f"num_local_layers ({self.num_local_layers}) needs a sliding_window and at most num_layers "
+                f"({self.num_layers})"
+            )
 
     @classmethod
     def from_hf_config(cls, cfg: Any, name: str | None = None) -> "ModelShape":
@@ -142,6 +152,7 @@ class ModelShape:
             qk_norm=get("model_type") in ("qwen3", "qwen3_moe", "gemma3", "gemma3_text"),
             block_norms=4 if get("model_type") in ("gemma3", "gemma3_text") else 2,
             **moe,
+            **_sliding_layers(get, layers),
         )
 
     @classmethod
@@ -226,6 +237,41 @@ def sparse_layers(num_layers: int, num_experts: int, mlp_only_layers, decoder_sp
     return tuple(i for i in range(num_layers) if i not in only and (i + 1) % decoder_sparse_step == 0)
 
 
+def _sliding_layers(get, layers: int) -> dict:
+    """sliding_window and num_local_layers of a config.json: Gemma 3's `layer_types` (or every
+    `sliding_window_pattern`-th layer global, 6 by default), Mistral's window in every layer,
+    Qwen2's only with `use_sliding_window`."""
+    window = get("sliding_window", None)
+    model_type = get("model_type", None)
+    if not window or (model_type in ("qwen2", "qwen3", "qwen3_moe") and not get("use_sliding_window", False)):
+        return {}
+    types = get("layer_types", None)
+    if types:
+        local = sum(t == "sliding_attention" for t in types)
+    elif model_type in ("gemma3", "gemma3_text"):
+        pattern = int(get("sliding_window_pattern", None) or 6)
+        local = sum(1 for i in range(layers) if (i + 1) % pattern)
+    else:
+        local = layers
+    return {"sliding_window": int(window), "num_local_layers": local} if local else {}
+
+
+def local_pages_per_request(window: int, page_size: int, chunk: int = 1) -> int:
+    """The local pages a request holds at most while a step computes `chunk` of its tokens: the
+    window's keys before the chunk (W - 1 positions, on at most ceil((W - 1) / page_size) + 1
+    pages) and the chunk's own. A decode step (chunk 1) holds about W / page_size + 1."""
+    return -(-(window - 1 + chunk) // page_size) + 1
+
+
+def local_kv_tokens(model: "ModelShape", context_len: float, page_size: int | None = None) -> float:
+    """Tokens of KV a request of context_len holds in each local layer: its context, at most
+    the window's pages (a decoding request's)."""
+    if not model.num_local_layers:
+        return context_len
+    cap = local_pages_per_request(model.sliding_window, page_size) * page_size if page_size else model.sliding_window
+    return min(context_len, cap)
+
+
 def _llama(
     name: str, layers: int, hidden: int, heads: int, kv: int, inter: int, vocab: int, max_pos: int
 ) -> ModelShape:
@@ -305,8 +351,25 @@ def resolve_accelerator(spec: str | Accelerator) -> Accelerator:
 
 # --------------------------------------------------------------------------- sizing
 def kv_bytes_per_token(model: ModelShape, kv_dtype: str = "bf16", pad_head_dim_to: int | None = None) -> int:
-    """K and V for every layer and KV head: what one more token of context costs in HBM."""
+    """K and V for every layer and KV head: what one token of context costs in HBM while every
+    layer holds it (the local layers only within their window: `kv_bytes_per_request`)."""
     return kv_bytes_per_token_per_chip(model, 1, kv_dtype, pad_head_dim_to)
+
+
+def kv_bytes_per_request(
+    model: ModelShape,
+    context_len: int,
+    kv_dtype: str = "bf16",
+    page_size: int | None = None,
+    num_chips: int = 1,
+    pad_head_dim_to: int | None = None,
+) -> int:
+    """KV one request of context_len holds (per chip): the full-attention layers every page of
+    its context, the sliding-window layers only their window's (`local_kv_tokens`)."""
+    tokens = math.ceil(context_len / page_size) * page_size if page_size else context_len
+    per_layer = kv_bytes_per_token_per_chip(model, num_chips, kv_dtype, pad_head_dim_to) / model.num_layers
+    full = model.num_layers - model.num_local_layers
+    return math.ceil(per_layer * (full * tokens + model.num_local_layers * local_kv_tokens(model, tokens, page_size)))
 
 
 def kv_heads_per_chip(model: ModelShape, num_chips: int) -> int:
@@ -466,10 +529,24 @@ class Plan:
     num_experts: int = 0
     experts_per_token: int = 0
     expert_bytes_per_chip: float = 0.0
+    # Sliding-window attention (0: none): num_local_layers of num_layers read and keep only the
+    # last sliding_window positions' KV
+    num_layers: int = 0
+    num_local_layers: int = 0
+    sliding_window: int = 0
+
+    def kv_read_bytes(self, kv_tokens: float) -> float:
+        """KV per chip a decode step reads for one request of kv_tokens: every position in the
+        full-attention layers, at most the window's in the sliding ones."""
+        per = self.kv_bytes_per_token_per_chip
+        if not self.num_local_layers:
+            return kv_tokens * per
+        full = self.num_layers - self.num_local_layers
+        return per / self.num_layers * (full * kv_tokens + self.num_local_layers * min(kv_tokens, self.sliding_window))
 
     def bounds(self, batch: int, kv_tokens: float | None = None) -> tuple[float, float]:
         """(memory-bound s, compute-bound s) at any batch, each request holding kv_tokens (default context_len)."""
-        kv = batch * (self.context_len if kv_tokens is None else kv_tokens) * self.kv_bytes_per_token_per_chip
+        kv = batch * self.kv_read_bytes(self.context_len if kv_tokens is None else kv_tokens)
         return _roofline(
             self.weight_bytes_read_per_chip(batch),
             kv,
@@ -549,7 +626,8 @@ def plan(
     def request_tokens(tokens: float) -> int:  # KV is allocated in whole pages
         return math.ceil(tokens / page) * page if page else math.ceil(tokens)
 
-    req_chip = request_tokens(ctx) * kv_chip
+    pad = acc.pads_head_dim_to
+    req_chip = kv_bytes_per_request(m, ctx, kv_dtype, page, chips, pad)  # local layers at their window
     max_req = max(0, free) // req_chip
     if free <= 0:
         reason = (
@@ -589,7 +667,7 @@ def plan(
         head_dim_stored=stored_head_dim(m, acc.pads_head_dim_to),
         kv_bytes_per_token=kv_bytes_per_token(m, kv_dtype),
         kv_bytes_per_token_per_chip=kv_chip,
-        kv_bytes_max_request=ctx * kv_bytes_per_token(m, kv_dtype),
+        kv_bytes_max_request=kv_bytes_per_request(m, ctx, kv_dtype),
         kv_bytes_max_request_per_chip=req_chip,
         pages_per_request=request_tokens(ctx) // page if page else None,
         pages_per_chip=max(0, free) // (page * kv_chip) if page else None,
@@ -600,6 +678,9 @@ def plan(
         num_experts=m.num_experts,
         experts_per_token=m.num_experts_per_tok,
         expert_bytes_per_chip=m.num_moe_layers * m.expert_params * dtype_bytes(weight_dtype) / chips,
+        num_layers=m.num_layers,
+        num_local_layers=m.num_local_layers,
+        sliding_window=m.sliding_window,
     )
     out.step_time_batch1_s = out.at_batch(1)[0]
     batch = max(1, out.max_concurrent_requests)
@@ -610,6 +691,13 @@ def plan(
     out.compute_bound_from_batch = _compute_bound_from_batch(out)
     if ctx > m.max_position_embeddings:
         out.notes.append(f"context {ctx} exceeds the model's max_position_embeddings {m.max_position_embeddings}")
+    if m.num_local_layers:
+        every = request_tokens(ctx) * kv_chip
+        out.notes.append(
+            f"sliding window {m.sliding_window}: {m.num_local_layers} of {m.num_layers} layers keep only their "
+            f"window's pages, so a {ctx}-token request holds {_gb(req_chip)} of KV per chip instead of "
+            f"{_gb(every)} ({_gb(every - req_chip)} saved)"
+        )
     source = "given means"
     if workload is not None:
         mean_prompt, mean_output, n = load_workload(workload)
@@ -617,14 +705,14 @@ def plan(
     if mean_prompt is not None:
         p, o = _positive("mean_prompt", mean_prompt), _positive("mean_output", mean_output)
         held = p + o / 2  # a request holds its prompt plus, averaged over its decode, half its output
-        conc = int(max(0, free) // (request_tokens(held) * kv_chip))
+        conc = int(max(0, free) // kv_bytes_per_request(m, held, kv_dtype, page, chips, pad))
         step, tps, cost = out.at_batch(max(1, conc), kv_tokens=held)
         out.traffic = {
             "source": source,
             "mean_prompt": p,
             "mean_output": o,
             "mean_kv_tokens": held,
-            "mean_kv_bytes_per_request": held * out.kv_bytes_per_token,
+            "mean_kv_bytes_per_request": kv_bytes_per_request(m, held, kv_dtype),
             "concurrent_requests": conc,
             "step_time_s": step,
             "tokens_per_s": tps if conc else 0.0,
@@ -640,9 +728,7 @@ def _compute_bound_from_batch(p: Plan) -> float | None:
     B = W / (2*P*bw/(F*chips) - K). A mixture of experts reads more experts as B grows (W(B)
     concave, rising to every expert), so compute - memory is convex in B, negative at 0, and
     crosses zero once when its final slope (the dense denominator) is positive: bisection."""
-    denom = (
-        2.0 * p.flop_params * p.bandwidth / (p.peak_flops * p.num_chips) - p.context_len * p.kv_bytes_per_token_per_chip
-    )
+    denom = 2.0 * p.flop_params * p.bandwidth / (p.peak_flops * p.num_chips) - p.kv_read_bytes(p.context_len)
     if denom <= 0:
         return None
     if not p.num_experts:

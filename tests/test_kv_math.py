@@ -491,3 +491,38 @@ def test_cli_prints_total_and_active_params(capsys: pytest.CaptureFixture[str]) 
     out = " ".join(capsys.readouterr().out.split())
     assert "30.53B params" in out and "active params per token 3.35B (8 of 128 experts" in out
     assert "weights read per step" in out and "at batch 8" in out
+
+
+def test_sliding_window_layers_count_at_their_window() -> None:
+    """Gemma 3 270M's shape (18 layers, 5 local : 1 global, window 512, 1 KV head of 256): a
+    32k-token request holds the 3 global layers' KV for every token and the 15 local layers'
+    for their window's pages only (512 / 16 + 1 = 33 pages of 16 at most), by hand."""
+    cfg = {
+        "model_type": "gemma3_text",
+        "num_hidden_layers": 18,
+        "hidden_size": 640,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,
+        "head_dim": 256,
+        "intermediate_size": 2048,
+        "vocab_size": 262144,
+        "max_position_embeddings": 32768,
+        "sliding_window": 512,
+        "layer_types": (["sliding_attention"] * 5 + ["full_attention"]) * 3,
+    }
+    m = ModelShape.from_hf_config(cfg)
+    assert (m.sliding_window, m.num_local_layers) == (512, 15)
+    per_layer_token = 2 * 256 * 2  # K and V, one head of 256, bf16
+    assert kv_bytes_per_token(m) == 18 * per_layer_token
+    assert km.local_pages_per_request(512, 16) == 33
+    ctx = 32768
+    assert km.kv_bytes_per_request(m, ctx, page_size=16) == per_layer_token * (3 * ctx + 15 * 33 * 16)
+    assert km.kv_bytes_per_request(m, 300, page_size=16) == 18 * 304 * per_layer_token  # shorter than the window
+    p = plan(m, "h100", context_len=ctx)
+    assert p.kv_bytes_max_request_per_chip == per_layer_token * (3 * ctx + 15 * 33 * 16)
+    assert p.max_concurrent_requests == p.kv_free_bytes_per_chip // p.kv_bytes_max_request_per_chip
+    assert any("sliding window 512: 15 of 18 layers" in n for n in p.notes)
+    mistral = ModelShape.from_hf_config({**cfg, "model_type": "mistral", "layer_types": None})
+    assert mistral.num_local_layers == 18  # every layer slides
+    qwen2 = ModelShape.from_hf_config({**cfg, "model_type": "qwen2", "layer_types": None})
+    assert qwen2.num_local_layers == 0  # its window applies only with use_sliding_window

@@ -38,6 +38,8 @@ def _pool_whole(llm):
     llm.flush_prefix_cache()
     llm.allocator.check()
     assert llm.allocator.num_free == llm.allocator.capacity
+    local = llm.core.kv.local  # a model with sliding layers: their pool too
+    assert local is None or local.num_free == local.capacity
 
 
 def test_long_shared_system_prompt(pair):

@@ -102,6 +102,8 @@ def engine_matches_transformers(path, hf, vocab: int, seed: int = 1, **options) 
         assert r.token_ids == hf_greedy(hf, p, m)
     llm.flush_prefix_cache()
     assert llm.allocator.num_free == llm.allocator.capacity
+    local = llm.core.kv.local  # a model with sliding layers: their pool too
+    assert local is None or local.num_free == local.capacity
 
 
 def test_engine_greedy_with_preemption_and_prefix_cache_matches_transformers(qwen3):

@@ -160,3 +160,37 @@ def test_lru_eviction_keeps_locked_and_recent():
     cache.release_match(m)
     cache.flush()
     assert alloc.num_free == alloc.capacity
+
+
+def test_a_match_ends_where_its_window_of_local_pages_is_present():
+    """With a local pool (sliding layers, window 6): a hit is cut to the longest page-aligned
+    length whose previous 5 positions' local pages are all in the tree; the cut match shares
+    and locks only what it hands out, and a local page the tree lost is taken back from the
+    next request that inserts the same tokens."""
+    from jaxserve.engine.allocator import DUMMY_PAGE as D
+
+    alloc, local = PageAllocator(16, PS), PageAllocator(16, PS)
+    cache = RadixCache(alloc, local, window=6)
+    tokens = list(range(100, 124))  # six pages
+    full = [alloc.allocate() for _ in range(6)]
+    own = [local.allocate() for _ in range(6)]
+    cache.insert(tokens, full, [own[0], own[1], D, D, own[4], own[5]])
+    m = cache.match(tokens + [1])  # resumes at 24: reads positions 19..23, pages 4 and 5
+    assert (m.num_tokens, m.pages, m.local_pages) == (24, full, [own[0], own[1], D, D, own[4], own[5]])
+    cache.release_match(m)
+    m = cache.match(tokens[:16] + [1, 2, 3, 4])  # 16 would read pages 2 and 3 (gone); 12 page 2; 8 is whole
+    assert (m.num_tokens, m.pages, m.local_pages) == (8, full[:2], own[:2])
+    assert [local.refcount[p] for p in own[:2]] == [3, 3] and alloc.refcount[full[2]] == 2
+    cache.release_match(m)
+    again = [local.allocate(), local.allocate()]
+    cache.insert(tokens[:16], full[:4], [D, D, *again])  # the same tokens with pages 2 and 3
+    m = cache.match(tokens[:16] + [1])
+    assert m.num_tokens == 16 and m.local_pages[2:] == again
+    cache.release_match(m)
+    for p in own + again:  # the requests' own references go; the tree's stay until it drops them
+        local.release(p)
+    for p in full:
+        alloc.release(p)
+    assert cache.evict_local(16) == 6 and local.num_free == local.capacity  # the nodes and full pages stay
+    assert cache.match(tokens + [1]).num_tokens == 0  # every window is gone now
+    assert cache.flush() == 6 and alloc.num_free == alloc.capacity

@@ -236,8 +236,12 @@ class Intake:
 
     def _pool_stats(self) -> dict:
         """The scheduler's, the page pool's and the prefix cache's part of `stats()`."""
-        pc, alloc = self.kv.prefix_cache, self.kv.alloc
+        pc, alloc, local = self.kv.prefix_cache, self.kv.alloc, self.kv.local
+        sliding = {}
+        if local is not None:  # the sliding layers' pool (pages out of their window are freed)
+            sliding = {"kv_local_pages_total": local.capacity, "kv_local_pages_free": local.num_free}
         return {
+            **sliding,
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
             "kv_pages_total": alloc.capacity,

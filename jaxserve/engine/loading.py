@@ -9,6 +9,7 @@ it is given, so a test or a tool can hand it other parts.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 from pathlib import Path
@@ -47,7 +48,12 @@ def load_engine(
     runner, model_cfg, tokenizer = _load_runner(path, cfg)
     eos = eos_ids(model_cfg, tokenizer)
     allocator = PageAllocator(runner.cfg.num_pages, cfg.page_size)
-    kv = KVManager(allocator, RadixCache(allocator) if cfg.enable_prefix_caching else None)
+    rc = runner.cfg
+    # the sliding layers' pool: pages that fall out of their window are freed (kv_manager)
+    local = PageAllocator(rc.local_num_pages, cfg.page_size) if rc.local_num_pages else None
+    window = rc.local_window if local is not None else None
+    cache = RadixCache(allocator, local, window) if cfg.enable_prefix_caching else None
+    kv = KVManager(allocator, cache, local=local, window=window)
     scheduler = Scheduler(
         kv,
         cfg.max_slots,
@@ -108,11 +114,22 @@ def _load_runner(path: Path, cfg: EngineConfig):
     rc = runner_config.resolve(model_cfg, draft_cfg, cfg, weight_bytes, MAX_LOGPROBS)
     runner = model_runner.ModelRunner(module, model_cfg, rc, draft, draft_cfg)
     bytes_per_token = runner_config.kv_bytes_per_token(rc.dtype, model_cfg, draft_cfg, kv_cache_dtype=rc.kv_cache_dtype)
+    pools = runner_config.kv_pools(model_cfg, draft_cfg, cfg, rc.max_model_len, rc.token_buckets[-1], bytes_per_token)
+    if rc.local_num_pages:
+        pools = dataclasses.replace(pools, local_pages=rc.local_num_pages)
+        log.info(
+            "KV cache: sliding-window layers (window %d) in their own pool of %d pages (%.1f MiB): pages out of "
+            "the window are freed, %.1f MiB saved against every layer keeping every page",
+            rc.local_window,
+            rc.local_num_pages,
+            pools.local_bytes / 2**20,
+            pools.saved_bytes(rc.num_pages) / 2**20,
+        )
     log.info(
         "KV cache: %d pages x %d tokens (%.1f MiB, %s), %d slots, max_model_len %d, attention %s",
         rc.num_pages,
         rc.page_size,
-        rc.num_pages * rc.page_size * bytes_per_token / 2**20,
+        rc.num_pages * rc.page_size * pools.full_bytes_per_token / 2**20,
         rc.dtype if rc.kv_cache_dtype == "auto" else rc.kv_cache_dtype,
         rc.max_slots,
         rc.max_model_len,

@@ -12,6 +12,14 @@ page returns to the pool only when neither the tree nor any request uses it.
   those, the tree keeps its own pages and the request keeps (and later releases) its copy.
 - lock: a running request pins its matched path; eviction takes least-recently-used
   unlocked leaves only, re-examining a parent that becomes a leaf.
+
+A model with sliding-window layers (a "local" page pool, see kv_manager) has a local page
+beside every full one of a node (the dummy page where the request that inserted it had
+already freed it). A match then ends where the local pages of the window before its end are
+all present: a request resumes there, and its first query needs the keys of the W - 1
+positions before it. Local pages are cheap to drop: `evict_local` releases the least recently
+used nodes' local pages alone (their full pages stay, and hits there shorten) when the small
+local pool runs dry.
 """
 
 from __future__ import annotations
@@ -21,7 +29,7 @@ import heapq
 import itertools
 from typing import Sequence as Seq
 
-from jaxserve.engine.allocator import PageAllocator
+from jaxserve.engine.allocator import DUMMY_PAGE, PageAllocator
 
 
 @dataclasses.dataclass(eq=False)
@@ -32,6 +40,7 @@ class Node:
     children: dict[tuple[int, ...], "Node"] = dataclasses.field(default_factory=dict)
     lock_ref: int = 0
     last_access: int = 0
+    local_pages: list[int] = dataclasses.field(default_factory=list)  # beside `pages`, with a local pool
 
 
 @dataclasses.dataclass
@@ -39,11 +48,15 @@ class Match:
     pages: list[int]  # shared (a reference taken on each) for the request's block table
     num_tokens: int  # cached tokens, possibly ending inside the last page
     node: Node  # deepest node used: locked until release
+    local_pages: list[int] = dataclasses.field(default_factory=list)  # beside `pages`; dummy ones not shared
 
 
 class RadixCache:
-    def __init__(self, allocator: PageAllocator):
+    def __init__(self, allocator: PageAllocator, local: PageAllocator | None = None, window: int | None = None):
+        """local, window: the sliding layers' page pool and their window (None: no such layers)."""
         self.alloc = allocator
+        self.local = local
+        self.window = window
         self.ps = allocator.page_size
         self.root = Node()
         self._clock = itertools.count(1)
@@ -56,8 +69,9 @@ class RadixCache:
         return tuple(tokens[i : i + self.ps])
 
     def match(self, tokens: Seq[int]) -> Match:
-        """Longest cached prefix of `tokens`; shares its pages and locks its path."""
-        node, pos, pages = self.root, 0, []
+        """Longest cached prefix of `tokens` (with a local pool: whose window of local pages is
+        all present); shares its pages and locks its path."""
+        node, pos, pages, path = self.root, 0, [], []
         now = next(self._clock)
         while True:
             node.last_access = now
@@ -74,6 +88,7 @@ class RadixCache:
             if k < len(child.pages):
                 child = self._split(child, k)
             pages += child.pages
+            path.append(child)
             pos += k * self.ps
             node = child
         # A partial page: the longest common prefix with any child's first page.
@@ -89,12 +104,43 @@ class RadixCache:
             best_child = self._split(best_child, 1) if len(best_child.pages) > 1 else best_child
             best_child.last_access = now
             pages.append(best_child.pages[0])
+            path.append(best_child)
             node = best_child
             pos += best
+        local = [p for n in path for p in n.local_pages] if self.local is not None else []
+        if self.local is not None and not self._window_present(local, pos):
+            node, pos = self._truncate(path, local, pos)
+            pages, local = pages[: pos // self.ps], local[: pos // self.ps]
         for p in pages:
             self.alloc.share(p)
+        for p in local:
+            if p != DUMMY_PAGE:
+                self.local.share(p)
         self._lock(node, +1)
-        return Match(pages, pos, node)
+        return Match(pages, pos, node, local)
+
+    def _window_present(self, local: list[int], end: int) -> bool:
+        """The local pages a request resuming at `end` reads (positions end - W + 1 .. end - 1)
+        are all present."""
+        if end == 0:
+            return True
+        lo = max(0, end - self.window + 1) // self.ps
+        return all(p != DUMMY_PAGE for p in local[lo : (end - 1) // self.ps + 1])
+
+    def _truncate(self, path: list[Node], local: list[int], pos: int) -> tuple[Node, int]:
+        """The longest page-aligned match shorter than pos whose window is present: (its deepest
+        node, split to end there, or the root; its length)."""
+        j = pos // self.ps if pos % self.ps else pos // self.ps - 1
+        while j > 0 and not self._window_present(local, j * self.ps):
+            j -= 1
+        if j == 0:
+            return self.root, 0
+        start = 0
+        for n in path:
+            if start + len(n.pages) >= j:
+                return (self._split(n, j - start) if start + len(n.pages) > j else n), j * self.ps
+            start += len(n.pages)
+        raise AssertionError("a truncated match past its path")
 
     def record(self, queried: int, hit: int) -> None:
         """Hit-rate accounting, once per admitted request (not per admission attempt)."""
@@ -104,6 +150,7 @@ class RadixCache:
     def _split(self, node: Node, k: int) -> Node:
         """Split node after k pages; returns the new upper node (holding the first k pages)."""
         upper = Node(node.tokens[: k * self.ps], node.pages[:k], node.parent, {}, node.lock_ref, node.last_access)
+        upper.local_pages, node.local_pages = node.local_pages[:k], node.local_pages[k:]
         node.parent.children[upper.tokens[: self.ps]] = upper
         node.tokens, node.pages, node.parent = node.tokens[k * self.ps :], node.pages[k:], upper
         upper.children[node.tokens[: self.ps]] = node
@@ -120,15 +167,21 @@ class RadixCache:
         self._lock(m.node, -1)
         for p in m.pages:
             self.alloc.release(p)
+        for p in m.local_pages:
+            if p != DUMMY_PAGE:
+                self.local.release(p)
 
     def unlock(self, node: Node) -> None:
         self._lock(node, -1)
 
     # -- insert ------------------------------------------------------------------------
-    def insert(self, tokens: Seq[int], pages: Seq[int]) -> int:
-        """Cache the whole pages of tokens (len(pages) * ps tokens at most). Returns how many
-        tokens were cached already (their pages stay the request's own)."""
+    def insert(self, tokens: Seq[int], pages: Seq[int], local_pages: Seq[int] = ()) -> int:
+        """Cache the whole pages of tokens (len(pages) * ps tokens at most), with their local
+        pages (a local pool: the dummy page where freed). Returns how many tokens were cached
+        already (their pages stay the request's own; a local page the tree had lost is taken)."""
         n_pages = min(len(tokens) // self.ps, len(pages))
+        if self.local is not None:
+            local_pages = list(local_pages[:n_pages]) + [DUMMY_PAGE] * (n_pages - len(local_pages))
         node, pos, i = self.root, 0, 0
         now = next(self._clock)
         while i < n_pages:
@@ -139,6 +192,11 @@ class RadixCache:
                 new = Node(tuple(tokens[pos : n_pages * self.ps]), list(pages[i:n_pages]), node, {}, 0, now)
                 for p in new.pages:
                     self.alloc.share(p)
+                if self.local is not None:
+                    new.local_pages = list(local_pages[i:n_pages])
+                    for p in new.local_pages:
+                        if p != DUMMY_PAGE:
+                            self.local.share(p)
                 self.num_cached_pages += len(new.pages)
                 node.children[key] = new
                 return pos
@@ -152,9 +210,18 @@ class RadixCache:
                 k += 1
             if k < len(child.pages):
                 child = self._split(child, k)
+            if self.local is not None:
+                self._take_local(child, local_pages[i : i + k])
             node, pos, i = child, pos + k * self.ps, i + k
         node.last_access = now
         return pos
+
+    def _take_local(self, node: Node, local_pages: Seq[int]) -> None:
+        """The request's local pages where the node had lost its own (same tokens, same KV)."""
+        for x, p in enumerate(local_pages):
+            if node.local_pages[x] == DUMMY_PAGE and p != DUMMY_PAGE:
+                self.local.share(p)
+                node.local_pages[x] = p
 
     # -- eviction ----------------------------------------------------------------------
     def evict(self, num_pages: int) -> int:
@@ -171,10 +238,45 @@ class RadixCache:
                 self.alloc.release(p)
                 if self.alloc.refcount[p] == 0:
                     freed += 1
+            self._drop_local(node, len(node.local_pages))
             self.num_cached_pages -= len(node.pages)
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(heap, (parent.last_access, id(parent), parent))
         return freed
+
+    def evict_local(self, num_pages: int) -> int:
+        """Release the tree's local pages, least recently used nodes first (each node's from its
+        first page: the last are what a match ending there reads), until num_pages came back to
+        the local pool. The nodes and their full pages stay. Returns the pages freed."""
+        freed = 0
+        nodes = sorted(
+            (n for n in self._nodes() if any(p != DUMMY_PAGE for p in n.local_pages)), key=lambda n: n.last_access
+        )
+        for node in nodes:
+            for x in range(len(node.local_pages)):
+                if freed >= num_pages:
+                    return freed
+                freed += self._drop_local(node, x + 1, start=x)
+        return freed
+
+    def _drop_local(self, node: Node, end: int, start: int = 0) -> int:
+        """Release node's local pages [start, end) (dummy in their place); returns those freed."""
+        freed = 0
+        for x in range(start, end):
+            p = node.local_pages[x]
+            if p != DUMMY_PAGE:
+                node.local_pages[x] = DUMMY_PAGE
+                self.local.release(p)
+                freed += self.local.refcount[p] == 0
+        return freed
+
+    def _nodes(self):
+        stack = [self.root]
+        while stack:
+            n = stack.pop()
+            stack.extend(n.children.values())
+            if n is not self.root:
+                yield n
 
     def flush(self) -> int:
         """Evict everything unlocked (every page, once no request runs)."""
@@ -196,6 +298,10 @@ class RadixCache:
             out += n.pages
             stack.extend(n.children.values())
         return out
+
+    def local_page_ids(self) -> list[int]:
+        """The local pages the tree holds (one reference each)."""
+        return [p for n in self._nodes() for p in n.local_pages if p != DUMMY_PAGE]
 
     @property
     def hit_rate(self) -> float:

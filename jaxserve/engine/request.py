@@ -223,6 +223,9 @@ class Sequence:
     output_ids: list[int] = dataclasses.field(default_factory=list)
     status: Status = Status.WAITING
     pages: list[int] = dataclasses.field(default_factory=list)
+    # A model with sliding-window layers: their pages (the local pool's), index for index with
+    # `pages`; the dummy page where a page fell out of the window and was freed (kv_manager)
+    local_pages: list[int] = dataclasses.field(default_factory=list)
     num_computed: int = 0
     slot: int | None = None
     finish_reason: str | None = None

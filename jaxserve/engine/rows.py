@@ -52,12 +52,13 @@ def sampling_row(
         seq.pages,
         (p.temperature, p.top_k, p.top_p, seq.seed, seq.num_generated),
         controls=controls,
+        local_pages=seq.local_pages,
     )
 
 
 def prompt_row(c) -> Chunk:
     """A prompt chunk still being filled (a scheduler chunk): a row that samples nothing."""
-    return Chunk(c.seq.all_ids[c.start : c.end], c.start, c.seq.pages)
+    return Chunk(c.seq.all_ids[c.start : c.end], c.start, c.seq.pages, local_pages=c.seq.local_pages)
 
 
 def next_tokens(c) -> list[int]:

@@ -206,6 +206,8 @@ class Scheduler:
         n = left if budget >= left + 1 + self.lookahead else min(budget, left - 1)
         if n <= 0:
             return budget
+        if self.kv.local is not None and not self.kv.allocate_local(seq, seq.num_computed + n, copies):
+            return budget  # the local pool is dry: the chunk waits for a decode to free its window
         prefills.append(PrefillChunk(seq, seq.num_computed, seq.num_computed + n))
         if n == left and self._reserve_lookahead(seq, copies):
             decodes.append(seq)  # its last token rides in the same row and samples
@@ -214,9 +216,12 @@ class Scheduler:
 
     def _reserve_lookahead(self, seq: Sequence, copies: list) -> bool:
         """A sequence joining the decodes mid-step owns pages for the k positions a speculative
-        step writes past its last token (the running ones got theirs in step 1). Without them
-        it waits: the next step's step 1 reserves them or preempts."""
-        return not self.lookahead or self.kv.allocate_slots(seq, self._decode_tokens(seq), copies)
+        step writes past its last token (the running ones got theirs in step 1), and with a
+        local pool, the local page of its last token. Without them it waits: the next step's
+        step 1 reserves them or preempts."""
+        if not self.lookahead and self.kv.local is None:
+            return True  # admission owns pages for every position through the last token
+        return self.kv.allocate_slots(seq, self._decode_tokens(seq), copies)
 
     def _decode_tokens(self, seq: Sequence, num_steps: int = 1) -> int:
         """The tokens a decoding sequence owns pages for: through its k lookahead positions, but
@@ -304,16 +309,21 @@ class Scheduler:
         decodes_pending: the decode step's tokens come later (`apply`); until then each
         decoded sequence holds one pending token (num_steps: a call of several decode steps), so
         the next step can be planned now."""
+        local = self.kv.local is not None
         for chunk in plan.prefills:
             seq = chunk.seq
             if seq.status is Status.RUNNING:
                 seq.num_computed = chunk.end
                 self.kv.cache_computed(seq)
+                if local:  # sliding layers: the pages the chunk moved past
+                    self.kv.free_out_of_window(seq)
         if decodes_pending:
             for seq in plan.decodes:
                 if seq.status is Status.RUNNING:
                     seq.num_pending += num_steps
                     seq.num_computed = seq.length - 1
+                    if local:
+                        self.kv.free_out_of_window(seq)
 
     def apply(
         self, seqs: list[Sequence], sampled: dict[str, list[tuple[int, dict[int, float] | None]]]

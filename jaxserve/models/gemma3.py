@@ -16,9 +16,8 @@ Where it differs from Llama:
 
 No soft-capping (Gemma 3 dropped Gemma 2's; a config that sets it is refused) and no
 bidirectional attention (EmbeddingGemma's; refused too). The sliding window is masked by every
-attention backend (`window` of the attention call); every layer keeps the whole context's KV
-pages, as the page pool is shared by all layers (pages that fell out of every local layer's
-window are not freed).
+attention backend (`window` of the attention call); the local layers' KV lives in a page pool
+of its own, whose pages that fell out of the window the KV manager frees (engine/kv_manager.py).
 """
 
 from __future__ import annotations

@@ -313,7 +313,8 @@ class LlamaForCausalLM(nnx.Module):
         new_cache = []
         with linear.live_rows(num_live_tokens):
             for i, layer in enumerate(self.layers):
-                x, c = layer(x, rope_cs, None if kv_cache is None else kv_cache[i], meta, attn_fn)
+                m = layer_meta(meta, self.cfg.is_sliding(i))
+                x, c = layer(x, rope_cs, None if kv_cache is None else kv_cache[i], m, attn_fn)
                 new_cache.append(c)
         x = self.norm(x)
         hidden = x
@@ -330,6 +331,15 @@ class LlamaForCausalLM(nnx.Module):
         if return_hidden:
             return logits.astype(jnp.float32), cache, hidden
         return logits.astype(jnp.float32), cache
+
+
+def layer_meta(meta, sliding: bool):
+    """A layer's attention metadata: `meta` as given, or, when the step has a page pool for the
+    sliding layers (a pair: the full layers' metadata, the local layers'), the one of the
+    layer's group: a sliding layer's block table and slots point into the local pool."""
+    if isinstance(meta, tuple):
+        return meta[1] if sliding else meta[0]
+    return meta
 
 
 def _mistral_config(get) -> dict:

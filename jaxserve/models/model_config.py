@@ -88,6 +88,22 @@ class ModelConfig:
         return int(self.sliding_window) if self.is_sliding(layer) else None
 
     @property
+    def local_window(self) -> int | None:
+        """The window W of the sliding layers (they all share it: the "local" KV group, whose
+        pages the KV manager frees once they fall out of it), None when no layer slides."""
+        if not any(self.is_sliding(i) for i in range(self.num_layers)):
+            return None
+        return int(self.sliding_window)
+
+    def kv_groups(self) -> dict[str, tuple[int, ...]]:
+        """The per-layer KV spec as groups of layers with one page pool each: "full" (full
+        attention: every page of the context) and "local" (sliding window W: only the pages
+        of the last W positions; absent when no layer slides)."""
+        local = tuple(i for i in range(self.num_layers) if self.is_sliding(i))
+        full = tuple(i for i in range(self.num_layers) if not self.is_sliding(i))
+        return {"full": full, "local": local} if local else {"full": full}
+
+    @property
     def attn_scale(self) -> float:
         """What q.k is multiplied by before the softmax."""
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
@@ -117,7 +133,13 @@ class ModelConfig:
             qk_norm=self.qk_norm,
             block_norms=self.block_norms,
             **moe,
+            **self._sliding_shape(),
         )
+
+    def _sliding_shape(self) -> dict:
+        """kv-math's sliding_window and num_local_layers (the local KV group's)."""
+        local = len(self.kv_groups().get("local", ()))
+        return {"sliding_window": int(self.sliding_window), "num_local_layers": local} if local else {}
 
     def num_params(self) -> int:
         """Every parameter, as kv-math counts the same shape (Qwen2's q/k/v biases left out)."""

@@ -79,10 +79,11 @@ def _native_kernel(*args, **kw):
     return native.ragged_paged_attention(*args, **kw)
 
 
-def _pallas_kernel(*args, interpret: bool):
+def _pallas_kernel(*args, interpret: bool, **kw):
+    """kw: a sliding layer's `sliding_window`."""
     from pallas_kernels import ragged_paged_attention as rpa
 
-    return rpa.ragged_paged_attention(*args, interpret=interpret)
+    return rpa.ragged_paged_attention(*args, interpret=interpret, **kw)
 
 
 def make(impl: str, interpret: bool = False) -> AttentionBackend:

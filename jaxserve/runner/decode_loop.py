@@ -39,14 +39,21 @@ def advance(batch: StepBatch, sampled: jax.Array, page_size: int) -> tuple[StepB
     tokens = jnp.where(real, jnp.zeros((n,), jnp.int32).at[:r].set(sampled[:n]), 0)
     positions = attn.positions + real.astype(jnp.int32)
     row = jnp.minimum(jnp.arange(n), r - 1)
-    width = attn.block_tables.shape[1]
-    index = positions // page_size
-    page = jnp.where(index < width, attn.block_tables[row, jnp.minimum(index, width - 1)], DUMMY_PAGE)
-    slots = jnp.where(real, page * page_size + positions % page_size, attn.slot_mapping)
+
+    def slots_of(tables, old):
+        width = tables.shape[1]
+        index = positions // page_size
+        page = jnp.where(index < width, tables[row, jnp.minimum(index, width - 1)], DUMMY_PAGE)
+        return jnp.where(real, page * page_size + positions % page_size, old)
+
+    slots = slots_of(attn.block_tables, attn.slot_mapping)
     meta = RaggedMetadata(slots, attn.block_tables, attn.seq_lens + live, attn.query_start_loc, positions)
     sampling = dataclasses.replace(batch.sampling, counters=batch.sampling.counters + live)
     feed = jnp.full_like(batch.feed, -1)
-    return dataclasses.replace(batch, tokens=tokens, attn=meta, sampling=sampling, feed=feed), tokens
+    local = {}
+    if batch.local_tables is not None:  # the sliding layers' pool: its slots from its own tables
+        local = {"local_slots": slots_of(batch.local_tables, batch.local_slots)}
+    return dataclasses.replace(batch, tokens=tokens, attn=meta, sampling=sampling, feed=feed, **local), tokens
 
 
 def run(step: Callable, kv, batch: StepBatch, tokens: jax.Array, num_steps: jax.Array, max_steps: int, page_size: int):

@@ -73,7 +73,7 @@ def _forward(
     logits [M, V] at the flat `token_index` only, of which the first `num_live_logits` are real
     (and with_hidden, every token's final-norm hidden state [1, N, H] third)."""
     model = nnx.merge(graphdef, params)
-    md = backend.metadata(batch.attn)
+    md = batch.layer_meta(backend.metadata)  # with a local pool, each layer group's own
     live = batch.attn.query_start_loc[-1]  # the real tokens; the bucket's padding follows them
     return model(
         tokens[None],
@@ -192,6 +192,14 @@ def _score_tokens(logits, targets, num_top: int):
 def _copy_pages(kv, src, dst):
     """Copy pages src -> dst in every array of every layer's cache tuple (scales too)."""
     return tuple(tuple(x.at[dst].set(x[src]) for x in layer) for layer in kv)
+
+
+def _copy_grouped_pages(kv, src, dst, local_src, local_dst, *, local_layers: tuple[int, ...]):
+    """`_copy_pages` with a local pool: the layers in local_layers copy local_src -> local_dst."""
+    return tuple(
+        tuple(x.at[local_dst if i in local_layers else dst].set(x[local_src if i in local_layers else src]) for x in c)
+        for i, c in enumerate(kv)
+    )
 
 
 @dataclasses.dataclass
@@ -351,8 +359,17 @@ class _Weights:
         self.eagle = isinstance(module, eagle.EagleHead)
         if self.eagle and mesh is not None:
             raise ValueError("speculative_model: an EAGLE head is not supported with tensor_parallel_size > 1")
+        # the sliding layers' own pool (rc.local_num_pages > 0): their layers' buffers hold that many pages
+        self.local_layers = cfg.kv_groups().get("local", ()) if rc.local_num_pages and not self.eagle else ()
         pool = functools.partial(
-            _empty_pool, cfg, self.eagle, rc.num_pages, rc.page_size, jnp.dtype(rc.dtype), kv_cache_dtype
+            _empty_pool,
+            cfg,
+            self.eagle,
+            rc.num_pages,
+            rc.page_size,
+            jnp.dtype(rc.dtype),
+            kv_cache_dtype,
+            rc.local_num_pages if self.local_layers else 0,
         )
         self.kv = jax.jit(pool, out_shardings=self.kv_sharding)()
         self.huge_pages = host_memory.advise_huge_pages_in_background((self.params, self.kv))  # CPU buffers only
@@ -383,8 +400,11 @@ class _Weights:
         )
         self.step = Step(f"{name}-step", ragged, store, fixed=2)
         self.score = Step(f"{name}-score", ragged, store, fixed=2)
+        copy = _copy_pages
+        if self.local_layers:
+            copy = functools.partial(_copy_grouped_pages, local_layers=tuple(self.local_layers))
         self.copy = Step(
-            f"{name}-copy", jax.jit(pin_kv(_copy_pages, self.kv_sharding, None), donate_argnums=(0,)), store, fixed=1
+            f"{name}-copy", jax.jit(pin_kv(copy, self.kv_sharding, None), donate_argnums=(0,)), store, fixed=1
         )
 
 
@@ -402,15 +422,27 @@ def _prepare(module: nnx.Module, mesh, matmul_impl: str, matmul_dtype: str) -> N
         shd.bind_mesh(module, mesh)
 
 
-def _empty_pool(cfg: ModelConfig, is_eagle: bool, num_pages: int, page_size: int, dtype, kv_cache_dtype: str):
+def _empty_pool(
+    cfg: ModelConfig,
+    is_eagle: bool,
+    num_pages: int,
+    page_size: int,
+    dtype,
+    kv_cache_dtype: str,
+    local_num_pages: int = 0,
+):
     """A model's KV page pool, zeroed: a cache tuple per layer; an EAGLE head's is its one
-    layer's KV, then the target's features in pages of the same ids."""
-    layer = functools.partial(
-        reference.empty_kv_cache, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim, dtype, kv_cache_dtype
-    )
+    layer's KV, then the target's features in pages of the same ids. local_num_pages > 0: the
+    sliding-window layers' tuples hold that many pages (the local pool's ids)."""
+
+    def layer(pages: int = num_pages):
+        return reference.empty_kv_cache(pages, page_size, cfg.num_kv_heads, cfg.head_dim, dtype, kv_cache_dtype)
+
     if is_eagle:
         return (layer(), (eagle.empty_features(num_pages, page_size, cfg.hidden_size, dtype),))
-    return tuple(layer() for _ in range(cfg.num_layers))
+    return tuple(
+        layer(local_num_pages if local_num_pages and cfg.is_sliding(i) else num_pages) for i in range(cfg.num_layers)
+    )
 
 
 def _mesh(cfg: RunnerConfig, model_cfg: ModelConfig, draft_cfg: ModelConfig | None):
@@ -515,6 +547,7 @@ class ModelRunner:
         self.table_width = -(-self.max_pages_per_seq // 2) * 2
         self.token_buckets = cfg.token_buckets
         self.num_pages = cfg.num_pages
+        self.local = cfg.local_num_pages > 0  # the sliding layers have a pool (and block tables) of their own
         self.mesh = _mesh(cfg, model_cfg, draft_cfg)
         from jaxserve.parallel import multihost
 
@@ -578,6 +611,7 @@ class ModelRunner:
             table_width=self.table_width,
             page_size=self.cfg.page_size,
             vocab_size=self.model_cfg.vocab_size,
+            local=self.local,
             **kw,
         )
 
@@ -739,15 +773,17 @@ class ModelRunner:
         return to_host(out)[: len(rows)], to_host(n_out)[: len(rows)]
 
     @replicated
-    def copy_pages(self, pairs: list[tuple[int, int]]) -> None:
-        for i in range(0, len(pairs), self.copy_batch):
-            chunk = pairs[i : i + self.copy_batch]
-            src = np.zeros((self.copy_batch,), np.int32)
-            dst = np.zeros((self.copy_batch,), np.int32)
-            src[: len(chunk)] = [a for a, _ in chunk]
-            dst[: len(chunk)] = [b for _, b in chunk]
+    def copy_pages(self, pairs: list[tuple]) -> None:
+        """Copy-on-write: (src, dst) pairs of the full pool, (src, dst, "local") of the local one."""
+        full = [p[:2] for p in pairs if len(p) == 2]
+        local = [p[:2] for p in pairs if len(p) == 3]
+        n = self.copy_batch
+        for i in range(0, max(len(full), len(local)), n):
+            arrays = [_index_pairs(full[i : i + n], n)]
+            if self.local:
+                arrays.append(_index_pairs(local[i : i + n], n))
             for w in self.models:
-                w.kv = w.copy(w.kv, src, dst)
+                w.kv = w.copy(w.kv, *(a for pair in arrays for a in pair))
 
     # -- warm-up -----------------------------------------------------------------------
     def warmup(self, progress: Callable[[str], None] | None = None, workers: int | None = None) -> float:
@@ -843,6 +879,14 @@ class ModelRunner:
         background from start; warm-up ends with this)."""
         for w in self.models:
             w.huge_pages.join()
+
+
+def _index_pairs(pairs: list, size: int) -> tuple[np.ndarray, np.ndarray]:
+    """(src, dst) index arrays of a fixed size, padded with dummy-to-dummy copies."""
+    src, dst = np.zeros((size,), np.int32), np.zeros((size,), np.int32)
+    src[: len(pairs)] = [a for a, _ in pairs]
+    dst[: len(pairs)] = [b for _, b in pairs]
+    return src, dst
 
 
 def _compile_threads() -> int:

@@ -29,6 +29,11 @@ class RunnerConfig:
     page_size: int
     max_model_len: int
     num_pages: int
+    # The sliding-window layers' own page pool (the KV manager frees its pages that fell out of
+    # the window): its pages, 0 when the model has no sliding layers (or runs a draft model, which
+    # shares the target's page ids: then every layer keeps every page), and their window
+    local_num_pages: int
+    local_window: int | None
     # The ragged step's padded token counts (the last one is the step's token budget,
     # max_num_batched_tokens); a step of T tokens has min(T, max_slots) rows.
     token_buckets: tuple[int, ...]
@@ -99,13 +104,16 @@ def resolve(
         # backend does (half the bytes every decode step reads); dtype="float32" keeps float32 pages
         kv_cache_dtype = "bfloat16"
     bytes_per_token = kv_bytes_per_token(dtype.name, model_cfg, draft_cfg, kv_cache_dtype=kv_cache_dtype)
-    num_pages = _resolve_num_pages(cfg, max_model_len, bytes_per_token, weight_bytes)
+    pools = kv_pools(model_cfg, draft_cfg, cfg, max_model_len, token_buckets[-1], bytes_per_token)
+    num_pages, local_num_pages = _resolve_pools(cfg, max_model_len, bytes_per_token, weight_bytes, pools)
     spec_k = cfg.num_speculative_tokens if cfg.speculative_model else 0
     return RunnerConfig(
         max_slots=cfg.max_slots,
         page_size=cfg.page_size,
         max_model_len=max_model_len,
         num_pages=num_pages,
+        local_num_pages=local_num_pages,
+        local_window=pools.window,
         token_buckets=token_buckets,
         dtype=dtype.name,
         attention_impl=_resolve_attention(cfg, backend, kv_cache_dtype),
@@ -129,12 +137,77 @@ def resolve(
     )
 
 
-def _resolve_num_pages(cfg, max_model_len: int, bytes_per_token: int, weight_bytes: int) -> int:
-    """The KV pool's pages: `num_pages` as given, else what the memory left holds (_pool_pages).
+@dataclasses.dataclass(frozen=True)
+class KVPools:
+    """How the KV cache splits into the full layers' pool and the sliding layers' ("local")
+    pool: bytes per token of each, the local pool's pages (0: none) and its window."""
+
+    full_bytes_per_token: int
+    local_bytes_per_token: int = 0
+    local_pages: int = 0
+    window: int | None = None
+    page_size: int = 0
+
+    @property
+    def local_bytes(self) -> int:
+        return self.local_pages * self.page_size * self.local_bytes_per_token
+
+    def saved_bytes(self, num_pages: int) -> int:
+        """What the local pool saves over keeping the sliding layers' pages in a full-size pool."""
+        return max(0, num_pages - self.local_pages) * self.page_size * self.local_bytes_per_token
+
+
+def kv_pools(model_cfg: ModelConfig, draft_cfg, cfg, max_model_len: int, budget: int, bytes_per_token: int) -> KVPools:
+    """The sliding layers' pool: every slot's window and next tokens, plus one step's prompt
+    chunks (`local_pool_pages`). None with a draft model (its pool shares the target's page ids)."""
+    window = model_cfg.local_window
+    if window is None or draft_cfg is not None:
+        return KVPools(bytes_per_token)
+    groups = model_cfg.kv_groups()
+    local_bpt = bytes_per_token * len(groups["local"]) // model_cfg.num_layers
+    ps = cfg.page_size
+    ahead = max(cfg.num_speculative_tokens if cfg.speculative_model else 0, cfg.num_scheduler_steps - 1)
+    pages = local_pool_pages(window, ps, cfg.max_slots, budget, ahead, -(-max_model_len // ps))
+    return KVPools(bytes_per_token - local_bpt, local_bpt, pages, window, ps)
+
+
+def local_pool_pages(window: int, page_size: int, max_slots: int, budget: int, ahead: int, max_pages: int) -> int:
+    """Pages the local pool needs at most (the dummy page included). A request whose next query
+    is at s holds the pages of [s - W + 1, s) and those a step writes: a decode's token and its
+    lookahead (`ahead`), at most ceil((W + ahead) / page_size) + 2 pages (one more where a range
+    straddles a page boundary), never more than its whole context; a prompt chunk of C tokens
+    holds ceil(C / page_size) more, and a step's chunks add up to at most its token budget."""
+    per_slot = min(max_pages, -(-(window + ahead) // page_size) + 2)
+    return max_slots * per_slot + -(-budget // page_size) + 1
+
+
+def _resolve_pools(cfg, max_model_len: int, bytes_per_token: int, weight_bytes: int, pools: KVPools) -> tuple[int, int]:
+    """(full pool pages, local pool pages). The local pool has its worst-case pages
+    (`kv_pools`), never more than the pages one pool of every layer would have had in the same
+    memory; sized from memory, the full pool then gets what the local pool leaves, at the full
+    layers' bytes per token: never fewer pages than before."""
+    num_pages = _resolve_num_pages(cfg, max_model_len, bytes_per_token, weight_bytes)
+    if not pools.local_pages:
+        return num_pages, 0
+    local = min(pools.local_pages, num_pages)
+    if not cfg.num_pages:
+        reserved = local * cfg.page_size * pools.local_bytes_per_token
+        num_pages = _resolve_num_pages(cfg, max_model_len, pools.full_bytes_per_token, weight_bytes, reserved)
+    return num_pages, local
+
+
+def _resolve_num_pages(
+    cfg, max_model_len: int, bytes_per_token: int, weight_bytes: int, reserved_bytes: int = 0
+) -> int:
+    """The KV pool's pages: `num_pages` as given, else what the memory left holds (_pool_pages;
+    reserved_bytes, the sliding layers' pool, comes off it first). With no full-attention layer
+    (every layer slides) the pool's pages hold no bytes: every slot at full length.
     ValueError when one request of max_model_len cannot fit beside the reserved page."""
     ps = cfg.page_size
     max_pages_per_seq = -(-max_model_len // ps)
-    num_pages = cfg.num_pages or _pool_pages(cfg, ps * bytes_per_token, max_pages_per_seq, weight_bytes)
+    if not bytes_per_token:
+        return cfg.num_pages or cfg.max_slots * max_pages_per_seq + 1
+    num_pages = cfg.num_pages or _pool_pages(cfg, ps * bytes_per_token, max_pages_per_seq, weight_bytes, reserved_bytes)
     if num_pages < max_pages_per_seq + 1:
         raise ValueError(
             f"KV cache too small: one request of max_model_len={max_model_len} needs "
@@ -298,15 +371,17 @@ def kv_bytes_per_token(dtype: str, *cfgs: ModelConfig | None, kv_cache_dtype: st
     )
 
 
-def _pool_pages(cfg, bytes_per_page: int, max_pages_per_seq: int, weight_bytes: int) -> int:
+def _pool_pages(cfg, bytes_per_page: int, max_pages_per_seq: int, weight_bytes: int, reserved: int = 0) -> int:
     budget = cfg.kv_cache_memory_bytes
     if budget is None:
         stats = jax.local_devices()[0].memory_stats() or {}  # every process: its own chips
         if "bytes_limit" in stats:
             budget = int(stats["bytes_limit"] * cfg.memory_fraction) - weight_bytes - stats.get("bytes_in_use", 0)
-        else:  # CPU: enough for every slot at full length, at most 2 GiB
-            budget = min(2 << 30, (cfg.max_slots * max_pages_per_seq + 1) * bytes_per_page)
-    return max(0, budget // bytes_per_page)
+        else:  # CPU: enough for every slot at full length, at most 2 GiB (the local pool's included)
+            return max(0, min((2 << 30) - reserved, (cfg.max_slots * max_pages_per_seq + 1) * bytes_per_page)) // (
+                bytes_per_page
+            )
+    return max(0, (budget - reserved) // bytes_per_page)
 
 
 _KV_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}

@@ -198,7 +198,7 @@ def verify(
         num_drafts = jnp.where(batch.active, k, 0).astype(jnp.int32)
         tokens = jnp.concatenate([tokens[:, :1], drafts], axis=1)
     model = nnx.merge(graphdef, params)
-    md = backend.metadata(batch.attn)  # rows of k + 1 tokens, flattened row-major as the model does
+    md = batch.layer_meta(backend.metadata)  # rows of k + 1 tokens, flattened row-major as the model does
     logits, kv, *hidden = model(
         tokens, _rows(batch, batch.positions), kv, md, backend.forward, return_hidden=with_hidden
     )  # [S, T, V]
@@ -240,7 +240,7 @@ def verify_ragged(
     place in logit_index (a row's last real place repeated past its drafts). Returns (kv,
     out_tokens [R, k+1], n_out [R]) as `verify`, by `accept_exact`."""
     model = nnx.merge(graphdef, params)
-    md = backend.metadata(batch.attn)
+    md = batch.layer_meta(backend.metadata)
     live = batch.attn.query_start_loc[-1]
     logits, kv = model(
         batch.tokens[None],

@@ -117,6 +117,19 @@ class StepBatch:
     # [N] int32: -1, or the row of the previous step whose sampled token this token takes
     # instead of tokens[n] (async scheduling: the host has not read that token yet)
     feed: jax.Array
+    # A model with sliding-window layers: their pool's slots [N] and block tables [R, P] (the
+    # dummy page where a page fell out of the window); None (no arrays) otherwise
+    local_slots: jax.Array | None = None
+    local_tables: jax.Array | None = None
+
+    def layer_meta(self, metadata=lambda md: md):
+        """What the model's layers read (`llama.layer_meta`): the step's RaggedMetadata through
+        a backend's `metadata`, or with a local pool the pair (full layers', local layers')."""
+        md = metadata(self.attn)
+        if self.local_tables is None:
+            return md
+        local = dataclasses.replace(self.attn, slot_mapping=self.local_slots, block_tables=self.local_tables)
+        return md, metadata(local)
 
     @property
     def positions(self) -> jax.Array:
@@ -173,6 +186,7 @@ class Chunk:
     sampling: tuple[float, int, float, int, int] | None = None
     num_drafts: int = 0
     controls: Controls | None = None
+    local_pages: Sequence[int] | None = None  # the sliding layers' block table (a local pool)
 
 
 def slot_mapping(pages: Sequence[int], positions: np.ndarray, page_size: int) -> np.ndarray:
@@ -226,6 +240,7 @@ def build(
     row_len: int | None = None,
     feed: Sequence[int] = (),
     defaults: Defaults | None = None,
+    local: bool = False,
 ) -> StepBatch:
     """The one place a step's device inputs are made: row i is rows[i], its tokens laid out
     one row after another in the flat token array. Rows past len(rows) are empty and tokens
@@ -233,7 +248,8 @@ def build(
     every row (padding too) spans exactly that many tokens (speculative steps, which the
     verifier reshapes to [R, k + 1]). feed[i] >= 0: row i's first token is the previous step's
     sampled token of row feed[i], read on the device. defaults (for num_rows): used where no
-    row has controls."""
+    row has controls. local: the model has a local pool; rows' `local_pages` (None: the dummy
+    page) make the local slots and block tables."""
     if len(rows) > num_rows:
         raise ValueError(f"{len(rows)} rows exceed the row bucket {num_rows}")
     tokens = np.zeros((num_tokens,), np.int32)
@@ -253,6 +269,9 @@ def build(
         bitmask = all_allowed(num_rows, vocab_size)
     num_drafts = np.zeros((num_rows,), np.int32)
     fed = np.full((num_tokens,), -1, np.int32)
+    if local:
+        local_slots = np.full((num_tokens,), DUMMY_PAGE * page_size, np.int32)
+        local_tables = np.full((num_rows, table_width), DUMMY_PAGE, np.int32)
     off = 0
     for r, c in enumerate(rows):
         m = len(c.tokens)
@@ -272,6 +291,10 @@ def build(
             tokens[off : off + m] = c.tokens
             positions[off : off + m] = pos
             slots[off : off + m] = slot_mapping(c.pages, pos, page_size)
+        if local and c.local_pages:
+            lp = c.local_pages
+            local_slots[off : off + m] = slot_mapping(lp, positions[off : off + m], page_size)
+            local_tables[r, : min(table_width, len(lp))] = lp[:table_width]
         if r < len(feed) and feed[r] >= 0:
             fed[off] = feed[r]
         n = min(table_width, len(c.pages))
@@ -307,4 +330,5 @@ def build(
         num_drafts,
         bitmask,
         fed,
+        *((local_slots, local_tables) if local else ()),
     )
