@@ -22,7 +22,7 @@ from jaxserve.engine.engine_config import EngineConfig
 from jaxserve.engine.intake import Intake
 from jaxserve.engine.kv_manager import KVManager
 from jaxserve.engine.request import RequestOutput, SamplingParams, Sequence
-from jaxserve.engine.rows import plan_rows, sampled_tokens, score
+from jaxserve.engine.rows import plan_rows, sampled_ids, score
 from jaxserve.engine.scheduler import Scheduler, StepPlan
 from jaxserve.engine.speculation import Speculation
 from jaxserve.engine.tokenizer import FastDecode
@@ -278,4 +278,4 @@ class EngineCore(Intake):
             r = step.handle.result()
             for i, c in step.scored:
                 score(c, r.prompt[i])
-            return self.scheduler.apply(step.seqs, sampled_tokens(step.seqs, r))
+            return self.scheduler.apply_ids(step.seqs, *sampled_ids(step.seqs, r))
