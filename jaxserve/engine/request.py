@@ -318,7 +318,7 @@ class RequestOutput:
         engine defers the text of a request without stop strings to whoever reads it
         (IncrementalDetokenizer.delta), so text no caller reads is never decoded."""
         if name == "text":
-            read = self.__dict__.pop("_read_text", None)
+            read = self.__dict__.get("_read_text")  # removed by read, once the text is set
             if read is not None:
                 read(self)
                 return self.__dict__["text"]

@@ -348,10 +348,11 @@ class Scheduler:
                 seq.num_computed = chunk.end
                 self.kv.cache_computed(seq)
         if decodes_pending:
+            running = Status.RUNNING
             for seq in plan.decodes:
-                if seq.status is Status.RUNNING:
+                if seq.status is running:
                     seq.num_pending += num_steps
-                    seq.num_computed = seq.length - 1
+                    seq.num_computed = len(seq.prompt_ids) + len(seq.output_ids) + seq.num_pending - 1  # length - 1
 
     def apply(
         self, seqs: list[Sequence], sampled: dict[str, list[tuple[int, dict[int, float] | None]]]

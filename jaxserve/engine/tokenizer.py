@@ -263,14 +263,16 @@ class IncrementalDetokenizer:
         the engine thread only appends to `_unread`). An output no one holds any more is
         skipped: its text goes to the next one."""
         with self._lock:
+            if "text" in out.__dict__:  # another thread read it first
+                return
             while self._unread:
                 ref, seq, n = self._unread.popleft()
                 o = ref()
                 if o is None:
                     continue
                 self._take(seq.output_ids[:n])
-                o.__dict__.pop("_read_text", None)
                 o.__dict__["text"] = self.text[self.sent_text :]
+                o.__dict__.pop("_read_text", None)
                 self.sent_text = len(self.text)
                 if o is out:
                     return
