@@ -149,3 +149,26 @@ def test_the_decode_loop_lowers_for_tpu(tok_model, monkeypatch):
     text = exported.mlir_module()
     assert "stablehlo.while" in text and "tpu_custom_call" in text
     llm.shutdown()
+
+
+def test_the_host_decided_greedy_step_gives_what_the_device_decided_one_gives(engines):
+    """Off the CPU the host tells the step when every row is greedy without controls (static
+    greedy_only: the argmax alone, no sort, noise or penalty pass). Forced on here, over greedy,
+    seeded, top-k/top-p, min_tokens and logit-bias rows mixed and alone, in steps of one and of
+    several decode steps a call, every output equals the CPU's own path."""
+    one, many = engines
+    prompts, params = _requests(None)
+    want = [one.generate(prompts, params), one.generate(prompts[:4], SamplingParams(max_tokens=20, temperature=0))]
+    got = []
+    for llm in (one, many):
+        llm.runner.greedy_static = True
+        try:
+            got.append(
+                [llm.generate(prompts, params), llm.generate(prompts[:4], SamplingParams(max_tokens=20, temperature=0))]
+            )
+        finally:
+            llm.runner.greedy_static = False
+    for g in got:
+        assert [_key(o) for o in g] == [_key(o) for o in want]
+    pool_whole(one)
+    pool_whole(many)

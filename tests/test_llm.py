@@ -226,6 +226,32 @@ def test_text_prompt_stream_and_stop_strings(llm, tok_model):
     _assert_pool_whole(llm)
 
 
+def test_deferred_text_is_the_streamed_text_however_it_is_read(llm, tok_model):
+    """A request without stop strings is not detokenized on the engine thread: each output's
+    text is decoded when first read. Read in order, in reverse, or only the last one (the
+    others dropped unread), the text is the same as the streamed text, which is the
+    tokenizer's decode of the tokens (sampled tokens include bytes of multi-byte characters)."""
+    tok = tok_model[2]
+    params = SamplingParams(max_tokens=40, temperature=1.0, seed=3, ignore_eos=True)
+    prompt = "hello world, héllo wörld ☃ 日本語"
+    ids = [llm.add_request(prompt, params) for _ in range(3)]
+    outs: dict[str, list] = {rid: [] for rid in ids}
+    while llm.has_unfinished():
+        for out in llm.step():
+            outs[out.request_id].append(out)
+    in_order, backwards, last_only = (outs[rid] for rid in ids)
+    streamed = "".join(o.text for o in in_order)
+    tokens = [t for o in in_order for t in o.token_ids]
+    assert streamed == tok.decode(tokens, skip_special_tokens=True).rstrip("\ufffd")
+    assert [o.token_ids for o in backwards] == [o.token_ids for o in in_order]  # same seed
+    texts = [o.text for o in reversed(backwards)][::-1]
+    assert "".join(texts) == streamed and len(texts) == len(in_order)
+    final = last_only[-1]
+    del last_only[:-1], outs  # the earlier outputs are dropped unread: their text goes to the last
+    assert final.text == streamed and final.finished
+    _assert_pool_whole(llm)
+
+
 def test_eos_finishes_unless_ignored(llm, tok_model, monkeypatch):
     hf = tok_model[1]
     prompt = [9, 10, 11]

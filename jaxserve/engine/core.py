@@ -22,7 +22,7 @@ from jaxserve.engine.engine_config import EngineConfig
 from jaxserve.engine.intake import Intake
 from jaxserve.engine.kv_manager import KVManager
 from jaxserve.engine.request import RequestOutput, SamplingParams, Sequence
-from jaxserve.engine.rows import plan_rows, sampled_tokens, score
+from jaxserve.engine.rows import plan_rows, sampled_ids, score
 from jaxserve.engine.scheduler import Scheduler, StepPlan
 from jaxserve.engine.speculation import Speculation
 from jaxserve.engine.tokenizer import FastDecode
@@ -44,6 +44,7 @@ class _PendingStep:
     handle: object  # model_runner.PendingStep
     seqs: list[Sequence]
     scored: list = dataclasses.field(default_factory=list)
+    needs_host_tokens: bool = False  # a row's next step needs this one's token on the host (read at once)
 
 
 class EngineCore(Intake):
@@ -217,9 +218,7 @@ class EngineCore(Intake):
             self.overlapped_steps += pending is not None
             touched += self._resolve(self._pending)
         self._pending = pending
-        if pending is not None and (
-            not self.overlap or pending.scored or any(s.needs_host_tokens for s in pending.seqs)
-        ):
+        if pending is not None and (not self.overlap or pending.scored or pending.needs_host_tokens):
             touched += self._resolve(pending)
             self._pending = None
         return touched
@@ -254,9 +253,14 @@ class EngineCore(Intake):
         with phase(self.host_times, "build"):
             in_flight = self._pending.seqs if self._pending is not None else ()
             rows, feed, targets, scored = plan_rows(plan, self.scheduler.eos, self._grammar_masks(plan), in_flight)
-        want_lp = any(s.params.logprobs is not None for s in plan.decodes)
+        # one look at every row's parameters: logprobs asked, tokens the host must see (grammar, penalties)
+        want_lp = host_tokens = False
+        for s in plan.decodes:
+            if s.params.controlled or s.params.logprobs is not None:
+                want_lp = want_lp or s.params.logprobs is not None
+                host_tokens = host_tokens or s.needs_host_tokens
         handle = self.runner.step_async(rows, want_lp, feed, targets, num_steps)
-        return _PendingStep(handle, list(plan.decodes), scored)
+        return _PendingStep(handle, list(plan.decodes), scored, host_tokens)
 
     def _grammar_masks(self, plan: StepPlan) -> dict[int, np.ndarray]:
         """Every constrained decode's allowed tokens for this step, by its index in
@@ -278,4 +282,4 @@ class EngineCore(Intake):
             r = step.handle.result()
             for i, c in step.scored:
                 score(c, r.prompt[i])
-            return self.scheduler.apply(step.seqs, sampled_tokens(step.seqs, r))
+            return self.scheduler.apply_ids(step.seqs, *sampled_ids(step.seqs, r))

@@ -135,14 +135,16 @@ class KVManager:
         With a local pool, local pages through local_end (default num_tokens): admission takes
         only full pages, a prompt's local ones come chunk by chunk (`allocate_local`).
         False when the pool (after evicting cached prefixes) cannot: the caller preempts."""
-        while len(seq.pages) < self.alloc.pages_for(num_tokens):
+        alloc, pages = self.alloc, seq.pages  # every decode row every step: attribute look-ups hoisted
+        need = -(-num_tokens // self.page_size)  # alloc.pages_for
+        while len(pages) < need:
             if not self._ensure_free_page():
                 return False
-            seq.pages.append(self.alloc.allocate())
-        first = seq.num_computed // self.page_size
-        for i in range(first, len(seq.pages)):
-            page = seq.pages[i]
-            if self.alloc.is_shared(page):
+            pages.append(alloc.allocate())
+        refcount = alloc.refcount
+        for i in range(seq.num_computed // self.page_size, len(pages)):
+            page = pages[i]
+            if refcount[page] > 1:  # alloc.is_shared
                 if not self._ensure_free_page():
                     return False
                 new = self.alloc.allocate()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import enum
+import functools
 import json
 import math
 import numbers
@@ -153,9 +154,10 @@ class SamplingParams:
     def penalized(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
-    @property
+    @functools.cached_property
     def controlled(self) -> bool:
-        """Uses a control beyond temperature/top-k/top-p/seed (the device gets a Controls row)."""
+        """Uses a control beyond temperature/top-k/top-p/seed (the device gets a Controls row).
+        Asked for every row every step: computed once (the parameters are frozen)."""
         return (
             self.constraint is not None
             or self.min_tokens > 0
@@ -313,3 +315,18 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def __getattr__(self, name: str) -> Any:
+        """`text` decoded when first read (only called when the attribute is missing): the
+        engine defers the text of a request without stop strings to whoever reads it
+        (IncrementalDetokenizer.delta), so text no caller reads is never decoded."""
+        if name == "text":
+            read = self.__dict__.get("_read_text")  # removed by read, once the text is set
+            if read is not None:
+                read(self)
+                return self.__dict__["text"]
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def __getstate__(self) -> dict:
+        self.text  # noqa: B018 -- a deferred text is decoded before the output is copied or sent
+        return self.__dict__

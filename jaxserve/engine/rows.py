@@ -20,7 +20,7 @@ from jaxserve.engine.scheduler import StepPlan
 from jaxserve.runner.step_batch import Chunk, Controls
 
 # A sequence's new tokens from one step, by request id, each with its logprobs (or None):
-# what Scheduler.apply and Scheduler.update take.
+# what Scheduler.apply and Scheduler.update take (speculative steps).
 Sampled = dict[str, list[tuple[int, dict[int, float] | None]]]
 
 
@@ -95,8 +95,20 @@ def plan_rows(
     chunk_of = {id(c.seq): c for c in plan.prefills}
     rows, feed, targets, scored = [], [], [], []
     for i, s in enumerate(plan.decodes):
-        c = chunk_of.pop(id(s), None)
-        last = 0 if s.num_pending else s.all_ids[-1]
+        c = chunk_of.pop(id(s), None) if chunk_of else None
+        p = s.params
+        if c is None and not p.controlled:  # a plain decode row (every row, in steady state): inlined
+            n_out = len(s.output_ids) + s.num_pending
+            if s.num_pending:
+                last, f = 0, prev_row[id(s)]
+            else:
+                last, f = (s.output_ids or s.prompt_ids)[-1], -1
+            sampling = (p.temperature, p.top_k, p.top_p, s.seed, n_out)
+            rows.append(Chunk([last], len(s.prompt_ids) + n_out - 1, s.pages, sampling, local_pages=s.local_pages))
+            feed.append(f)
+            targets.append(None)
+            continue
+        last = 0 if s.num_pending else (s.output_ids or s.prompt_ids)[-1]
         if c is None:
             rows.append(sampling_row(s, [last], eos, masks.get(i)))
         else:  # the prompt's last chunk and its last token: one row that samples
@@ -117,22 +129,24 @@ def plan_rows(
     return rows, feed, targets if scored else [], scored
 
 
-def sampled_tokens(seqs: list[Sequence], r) -> Sampled:
+def sampled_ids(seqs: list[Sequence], r) -> tuple[list, list[dict[int, float] | None] | None]:
     """Each sampling sequence's new tokens from a plain step's result r (the runner's
-    StepResult, row i for seqs[i]): one token with its logprobs when asked, or, for a call of
-    several decode steps, its ids in order (no logprobs)."""
-    out: Sampled = {}
+    StepResult, row i for seqs[i]), as `Scheduler.apply_ids` takes them: the step's ids in one
+    `tolist` (one int a row; a list a row from a call of several decode steps) and, when any
+    row asked, each row's logprobs (None for the others)."""
+    n = len(seqs)
     if r.steps is not None:  # several decode steps: no logprobs
-        for seq, ids in zip(seqs, r.steps.T.tolist()):
-            out[seq.request_id] = [(t, None) for t in ids]
-        return out
+        return r.steps.T[:n].tolist(), None
+    ids = r.tokens[:n].tolist()
+    if r.logprobs is None:
+        return ids, None
+    chosen, top_ids, top_lps = r.logprobs.tolist(), r.top_ids.tolist(), r.top_logprobs.tolist()
+    lps: list[dict[int, float] | None] = [None] * n
     for i, seq in enumerate(seqs):
-        n = seq.params.logprobs
-        tok = int(r.tokens[i])
-        lp = None
-        if n is not None:  # the chosen token first, then the top n (which may include it)
-            lp = {tok: float(r.logprobs[i])}
-            for j in range(n):
-                lp.setdefault(int(r.top_ids[i, j]), float(r.top_logprobs[i, j]))
-        out[seq.request_id] = [(tok, lp)]
-    return out
+        k = seq.params.logprobs
+        if k is not None:  # the chosen token first, then the top k (which may include it)
+            lp = {ids[i]: chosen[i]}
+            for t, v in zip(top_ids[i][:k], top_lps[i][:k]):
+                lp.setdefault(t, v)
+            lps[i] = lp
+    return ids, lps

@@ -22,6 +22,7 @@ recompute the same case as any other.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from collections import deque
 from typing import Iterable
@@ -112,10 +113,16 @@ class Scheduler:
         num_scheduler_steps): each owns pages for the tokens it can still keep of them."""
         copies: list[tuple[int, int]] = []
         preempted: list[Sequence] = []
+        # `running` is kept oldest first (`_take_slot`), so one pass sorts it into the sequences
+        # that decode this step and those still prefilling (no sort per step).
+        decoding, prompts = self._partition(self.running)
         # 1. Every decoding sequence needs a writable page for position length-1; when the
-        #    pool runs dry, the newest running request is preempted.
-        for seq in sorted(self.running, key=self._age):
-            if seq.status is not Status.RUNNING or seq.prefilling or self._last_token_pending(seq):
+        #    pool runs dry, the newest running request is preempted. The cached prefixes that
+        #    must make room are evicted in one pass first (the same least-recently-used leaves
+        #    one eviction per page would drop).
+        self._evict_for(decoding, num_steps)
+        for seq in decoding:
+            if seq.status is not Status.RUNNING:
                 continue
             while not self.kv.allocate_slots(seq, self._decode_tokens(seq, num_steps), copies):
                 victim = max((s for s in self.running if s.status is Status.RUNNING), key=self._age)
@@ -126,8 +133,11 @@ class Scheduler:
         # 2. The token budget: a decode token for every running sequence first. While any
         #    sequence decodes, prompt chunks get at most `max_prefill_tokens_while_decoding` of
         #    what is left: a streaming client's inter-token gap is the step's time.
-        running = sorted(self.running, key=self._age)
-        decodes = [s for s in running if not s.prefilling and not self._last_token_pending(s)]
+        if preempted:
+            decodes = [s for s in decoding if s.status is Status.RUNNING]
+            prompts = [s for s in prompts if s.status is Status.RUNNING]
+        else:
+            decodes = decoding
         per_decode = 1 + self.lookahead  # a speculative row: its last token and k drafts
         prefills, budget = [], self.max_num_batched_tokens - len(decodes) * per_decode
         if decodes and self.max_prefill_tokens_while_decoding is not None:
@@ -137,7 +147,7 @@ class Scheduler:
         #    first) into a free slot when its turn comes. Admitting no more than the budget can
         #    prefill means a request sharing a prefix with one still prefilling waits a step and
         #    then hits the cache. A prompt passed over for `PROMPT_SKIPS` steps goes first.
-        prefilling = sorted((s for s in running if s.prefilling), key=self._prompt_order)
+        prefilling = sorted(prompts, key=self._prompt_order)
         candidates = {id(s): s for s in prefilling}  # the prompts that want budget this step
         admitting = not preempted
         while budget > 0:
@@ -163,6 +173,34 @@ class Scheduler:
             passed_over = id(seq) not in planned and (seq.status is Status.WAITING or seq.prefilling)
             seq.prompt_skips = seq.prompt_skips + 1 if passed_over else 0
         return StepPlan(prefills, decodes, copies, preempted)
+
+    def _partition(self, running: list[Sequence]) -> tuple[list[Sequence], list[Sequence]]:
+        """The running sequences (oldest first) that decode this step, and those still
+        prefilling their prompt; a sequence whose pending last token finishes it by length
+        (`_last_token_pending`) is in neither. Inlined: it runs for every row every step."""
+        decoding, prompts = [], []
+        mml = self.max_model_len
+        for s in running:
+            length = len(s.prompt_ids) + len(s.output_ids) + s.num_pending
+            if s.num_computed < length - 1:
+                prompts.append(s)
+            elif not s.num_pending or (
+                len(s.output_ids) + s.num_pending < s.params.max_tokens and length < mml
+            ):  # not _last_token_pending(s)
+                decoding.append(s)
+        return decoding, prompts
+
+    def _evict_for(self, decoding: list[Sequence], num_steps: int) -> None:
+        """Evict, in one pass, the cached prefixes the decodes' new pages need beyond the free
+        ones (copy-on-write pages are left to allocate_slots, which evicts for them itself)."""
+        kv = self.kv
+        cache, free = kv.prefix_cache, kv.alloc.num_free
+        if cache is None or free >= len(decoding) * (1 + max(self.lookahead, num_steps - 1)):
+            return  # enough free pages whatever each needs (the common case: no per-row count)
+        ps = kv.page_size
+        need = sum(max(0, -(-self._decode_tokens(s, num_steps) // ps) - len(s.pages)) for s in decoding)
+        if need > free:
+            cache.evict(need - free)
 
     def _prefill_cap(self, decode_tokens: int) -> int:
         """The prompt tokens a step beside `decode_tokens` decode tokens may carry: the cap, or
@@ -270,7 +308,7 @@ class Scheduler:
     def _take_slot(self, seq: Sequence) -> None:
         seq.status = Status.RUNNING
         seq.slot = self.free_slots.pop(0)
-        self.running.append(seq)
+        bisect.insort(self.running, seq, key=self._age)  # oldest first: `schedule` sorts nothing
 
     # -- state changes -----------------------------------------------------------------
     def _preempt(self, seq: Sequence) -> None:
@@ -318,10 +356,11 @@ class Scheduler:
                 if local:  # sliding layers: the pages the chunk moved past
                     self.kv.free_out_of_window(seq)
         if decodes_pending:
+            running = Status.RUNNING
             for seq in plan.decodes:
-                if seq.status is Status.RUNNING:
+                if seq.status is running:
                     seq.num_pending += num_steps
-                    seq.num_computed = seq.length - 1
+                    seq.num_computed = len(seq.prompt_ids) + len(seq.output_ids) + seq.num_pending - 1  # length - 1
                     if local:
                         self.kv.free_out_of_window(seq)
 
@@ -337,25 +376,61 @@ class Scheduler:
             if seq.status is Status.FINISHED or seq.request_id not in sampled:
                 continue
             touched.append(seq)
-            p = seq.params
             for token, lp in sampled[seq.request_id]:
-                seq.append(token)
-                if lp is not None:
-                    seq.logprobs.append(lp)
-                if seq.status is Status.RUNNING:
-                    seq.num_computed = max(seq.num_computed, seq.length - 1)
-                n_out = len(seq.output_ids)
-                if (token in self.eos and not p.ignore_eos) or token in p.stop_token_ids:
-                    self._finish(seq, "stop")
-                elif seq.grammar is not None and seq.grammar.accept(token):  # the constrained output is complete
-                    self._finish(seq, "stop")
-                elif n_out >= p.max_tokens or len(seq.prompt_ids) + n_out >= self.max_model_len:
-                    self._finish(seq, "length")
-                if seq.status is Status.FINISHED:
+                if self._take(seq, token, lp):
                     break
             if seq.status is Status.RUNNING:  # a rejected speculative lookahead's pages go back
                 self.kv.trim(seq)
         return touched
+
+    def apply_ids(
+        self, seqs: list[Sequence], ids: list, logprobs: list[dict[int, float] | None] | None = None
+    ) -> list[Sequence]:
+        """A plain step's tokens arrive, row i for seqs[i]: ids[i] one token (logprobs[i] its
+        logprobs, when any row asked), or, from a call of several decode steps, a list of them
+        in order. What `apply` does, without a dict of pairs per row: it runs for every row
+        every step. Returns the sequences that got tokens (finished ones included)."""
+        touched = []
+        take, running, finished = self._take, Status.RUNNING, Status.FINISHED
+        trim = self.lookahead > 0  # without a lookahead a plain step's pages are all kept
+        for i, seq in enumerate(seqs):
+            if seq.status is finished:
+                continue
+            touched.append(seq)
+            tok = ids[i]
+            if type(tok) is int:
+                take(seq, tok, logprobs[i] if logprobs is not None else None)
+            else:
+                for t in tok:
+                    if take(seq, t, None):
+                        break
+            if trim and seq.status is running:
+                self.kv.trim(seq)
+        return touched
+
+    def _take(self, seq: Sequence, token: int, lp: dict[int, float] | None) -> bool:
+        """One sampled token into the sequence (Sequence.append, inlined), finishing it by a
+        stop token, its grammar's end, max_tokens or max_model_len. True when it finished."""
+        seq.num_pending = max(0, seq.num_pending - 1)
+        out = seq.output_ids
+        out.append(token)
+        if seq.history is not None:
+            seq.history.add(token)
+        if lp is not None:
+            seq.logprobs.append(lp)
+        n_out = len(out)
+        if seq.status is Status.RUNNING:
+            seq.num_computed = max(seq.num_computed, len(seq.prompt_ids) + n_out + seq.num_pending - 1)
+        p = seq.params
+        if (token in self.eos and not p.ignore_eos) or token in p.stop_token_ids:
+            self._finish(seq, "stop")
+        elif seq.grammar is not None and seq.grammar.accept(token):  # the constrained output is complete
+            self._finish(seq, "stop")
+        elif n_out >= p.max_tokens or len(seq.prompt_ids) + n_out >= self.max_model_len:
+            self._finish(seq, "length")
+        else:
+            return False
+        return True
 
     def update(self, plan: StepPlan, sampled: dict[str, list[tuple[int, dict[int, float] | None]]]) -> list[Sequence]:
         """Apply a step run synchronously: its prefills, then its sampled tokens (`apply`)."""

@@ -7,9 +7,12 @@ frontends' event loops (in its own thread, or the frontends' worker threads for 
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import logging
+import threading
+import weakref
 from pathlib import Path
 from typing import Any, Collection
 
@@ -144,7 +147,12 @@ class FastDecode:
 class IncrementalDetokenizer:
     """One request's text so far (vLLM's prefix/read offsets): decode a short window so each
     step costs O(1) tokens, hold back text that ends inside a UTF-8 character, and hold back
-    the last len(longest stop) - 1 characters while they could still start a stop string."""
+    the last len(longest stop) - 1 characters while they could still start a stop string.
+
+    A request without stop strings needs no text to decide anything, so its outputs' text is
+    deferred: decoded when a caller first reads `out.text` (in whichever thread reads it), in
+    output order, never for an output no one reads (its text goes to the next one read). Only
+    a request with stop strings is decoded on the engine thread, every step."""
 
     tokenizer: Any | None
     stop_token_ids: Collection[int]  # EOS and the request's stop tokens: never part of the text
@@ -157,24 +165,24 @@ class IncrementalDetokenizer:
     # Output tokens through the one that completed a stop string (None: no stop string yet). A
     # speculative step can accept drafts past it; plain decoding would have stopped there.
     keep: int | None = None
+    # Deferred outputs not read yet, oldest first: (the output, weakly; its sequence; how many
+    # of its output ids make its text). Appended by the engine thread, taken by readers.
+    _unread: collections.deque = dataclasses.field(default_factory=collections.deque)
+    _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
     def update(self, seq: Sequence) -> bool:
-        """Decode the sequence's new tokens. True when a stop string ended the text (the
-        caller finishes the request with reason "stop")."""
-        if self.tokenizer is None:
+        """Decode the sequence's new tokens, if it has stop strings (the others' text is
+        deferred to its readers). True when a stop string ended the text (the caller finishes
+        the request with reason "stop")."""
+        stops = seq.params.stop
+        if self.tokenizer is None or not stops:
             return False
         ids = seq.output_ids
         if seq.finish_reason == "stop" and ids and ids[-1] in self.stop_token_ids:
             ids = ids[:-1]  # the stop token itself is not text
         start = (self.prefix_offset, self.read_offset, len(self.text))
-        if self.read_offset < len(ids) and not self._advance(ids, len(ids)):
-            # The new tokens end inside a character (or add no text yet): take them one at a
-            # time, as a step of one token would, so the text never depends on how many tokens
-            # a step brought (several decode steps a call, speculation, overlapped steps).
-            for end in range(self.read_offset + 1, len(ids)):
-                self._advance(ids, end)
-        stops = seq.params.stop
-        if stops and seq.finish_reason != "abort":
+        self._take(ids)
+        if seq.finish_reason != "abort":
             window_start = max(0, self.sent_text - max(map(len, stops)))
             hits = [(i, i + len(s)) for s in stops if (i := self.text.find(s, window_start)) >= 0]
             if hits:
@@ -182,6 +190,16 @@ class IncrementalDetokenizer:
                 self.text = self.text[: min(i for i, _ in hits)]
                 return True
         return False
+
+    def _take(self, ids: list[int]) -> None:
+        """Take output ids past read_offset into the text."""
+        if self.read_offset < len(ids) and not self._advance(ids, len(ids)):
+            # The new tokens end inside a character (or add no text yet): take them one at a
+            # time, as a step of one token would, so the text never depends on how many tokens
+            # a step brought (several decode steps a call, speculation, overlapped steps, a
+            # deferred text read after several outputs).
+            for end in range(self.read_offset + 1, len(ids)):
+                self._advance(ids, end)
 
     def _advance(self, ids: list[int], end: int) -> bool:
         """Take ids[read_offset:end] into the text if they complete it (vLLM's prefix and read
@@ -207,25 +225,58 @@ class IncrementalDetokenizer:
         return len(ids)
 
     def delta(self, seq: Sequence) -> RequestOutput:
-        """What the request produced since its last output."""
+        """What the request produced since its last output (its text deferred, for a request
+        without stop strings: `_read`)."""
+        deferred = self.tokenizer is not None and not seq.params.stop
         finished = seq.status is Status.FINISHED
-        hold = 0 if finished or not seq.params.stop else max(map(len, seq.params.stop)) - 1
-        end = max(self.sent_text, len(self.text) - hold)
-        n = len(seq.output_ids) if self.keep is None else min(self.keep, len(seq.output_ids))
+        ids = seq.output_ids
+        n = len(ids) if self.keep is None else min(self.keep, len(ids))
+        if deferred:
+            text = ""
+        else:
+            hold = 0 if finished or not seq.params.stop else max(map(len, seq.params.stop)) - 1
+            end = max(self.sent_text, len(self.text) - hold)
+            text = self.text[self.sent_text : end]
+            self.sent_text = end
         out = RequestOutput(
             request_id=seq.request_id,
             prompt_token_ids=seq.prompt_ids,
-            token_ids=seq.output_ids[self.sent_tokens : max(n, self.sent_tokens)],
-            text=self.text[self.sent_text : end],
+            token_ids=ids[self.sent_tokens : max(n, self.sent_tokens)],
+            text=text,
             finish_reason=seq.finish_reason,
             logprobs=seq.logprobs[self.sent_logprobs : max(n, self.sent_logprobs)]
             if seq.params.logprobs is not None
             else None,
             num_cached_prompt_tokens=seq.num_cached_prompt_tokens,
         )
-        self.sent_text, self.sent_tokens = end, max(n, self.sent_tokens)
+        self.sent_tokens = max(n, self.sent_tokens)
         self.sent_logprobs = max(min(n, len(seq.logprobs)), self.sent_logprobs)
+        if deferred:
+            stop_token = seq.finish_reason == "stop" and n and ids[n - 1] in self.stop_token_ids
+            del out.__dict__["text"]  # RequestOutput.__getattr__ calls _read on the first read
+            out.__dict__["_read_text"] = self._read
+            self._unread.append((weakref.ref(out), seq, n - 1 if stop_token else n))
         return out
+
+    def _read(self, out: RequestOutput) -> None:
+        """Decode the text of `out` and of every unread output before it, in order (any thread:
+        the engine thread only appends to `_unread`). An output no one holds any more is
+        skipped: its text goes to the next one."""
+        with self._lock:
+            if "text" in out.__dict__:  # another thread read it first
+                return
+            while self._unread:
+                ref, seq, n = self._unread.popleft()
+                o = ref()
+                if o is None:
+                    continue
+                self._take(seq.output_ids[:n])
+                o.__dict__["text"] = self.text[self.sent_text :]
+                o.__dict__.pop("_read_text", None)
+                self.sent_text = len(self.text)
+                if o is out:
+                    return
+            out.__dict__["text"] = ""  # not this detokenizer's (never happens): no text rather than a loop
 
 
 def word_tokenizer(vocab: int, specials: bool = False) -> Any:

@@ -88,19 +88,30 @@ def _forward(
     )
 
 
-def _sample_rows(logits, batch: StepBatch, want_logprobs, *, num_logprobs: int, argmax_fn: Callable):
+def _sample_rows(
+    logits, batch: StepBatch, want_logprobs, *, num_logprobs: int, argmax_fn: Callable, greedy_only: bool = False
+):
     """Each row's token from its logits [R, V] with every sampling control and the grammar
     bitmask, and (want_logprobs, a traced bool) the chosen token's logprob and the top
-    `num_logprobs`. Which work runs is decided on the device (lax.cond): a greedy step skips the
-    top-k/top-p filters, a step without logprobs the log-softmax, so neither is a separate
-    executable. Returns (tokens [R], chosen [R], top ids [R, n], top logprobs [R, n])."""
+    `num_logprobs`. On the CPU which work runs is decided on the device (lax.cond): a greedy
+    step skips the noise and the top-k/top-p filters, a step without controls their passes, a
+    step without logprobs the log-softmax, so none is a separate executable. Elsewhere a cond's
+    predicate goes through the host, so the host says it (greedy_only, static: every row greedy
+    and none with a control or grammar): such a step is the argmax alone, no sort, noise or
+    penalty pass. Returns (tokens [R], chosen [R], top ids [R, n], top logprobs [R, n])."""
     n = max(1, num_logprobs)
     r = logits.shape[0]
 
     def run(do_sample: bool, lp: bool):
         def f(x):
             out = sample(
-                x, batch.sampling, batch.bitmask, do_sample=do_sample, num_logprobs=n if lp else 0, argmax_fn=argmax_fn
+                x,
+                batch.sampling,
+                batch.bitmask,
+                do_sample=do_sample,
+                num_logprobs=n if lp else 0,
+                argmax_fn=argmax_fn,
+                controls=not greedy_only,
             )
             if lp:
                 return out
@@ -109,6 +120,8 @@ def _sample_rows(logits, batch: StepBatch, want_logprobs, *, num_logprobs: int, 
         return f
 
     def with_lp(lp: bool):
+        if greedy_only:
+            return run(False, lp)
         if jax.default_backend() != "cpu":  # a GPU cond's predicate goes through the host
             return run(True, lp)
         do_sample = jnp.any(batch.active & (batch.sampling.temperature > 0))
@@ -136,6 +149,7 @@ def _ragged_step(
     argmax_fn: Callable = sampling.argmax,
     max_steps: int = 1,
     page_size: int = 0,
+    greedy_only: bool = False,
 ):
     """The step serving runs: every row of the batch (decodes, prompt chunks, a prompt's last
     chunk with its first sampled token) in one forward pass, each sampling row sampled at its
@@ -155,13 +169,18 @@ def _ragged_step(
     hidden state [N, H], the tokens as run [N]), the features the head is filled from.
 
     max_steps > 1 (`num_scheduler_steps`): the plain step runs `num_steps` (traced) decode
-    iterations in one call (runner/decode_loop.py); the ids come back as [max_steps, R]."""
+    iterations in one call (runner/decode_loop.py); the ids come back as [max_steps, R].
+
+    greedy_only (off the CPU): the host's word that no row samples or has a control
+    (`_sample_rows`)."""
     tokens = jnp.where(batch.feed >= 0, prev_tokens[jnp.maximum(batch.feed, 0)], batch.tokens)
     if max_steps > 1 and targets is None and not with_hidden:
 
         def one(kv, b, t):
             logits, kv = _forward(graphdef, backend, params, kv, b, t, b.logits_indices, False, b.live_rows())
-            return kv, _sample_rows(logits, b, want_logprobs, num_logprobs=num_logprobs, argmax_fn=argmax_fn)
+            return kv, _sample_rows(
+                logits, b, want_logprobs, num_logprobs=num_logprobs, argmax_fn=argmax_fn, greedy_only=greedy_only
+            )
 
         kv, out, last = decode_loop.run(one, kv, batch, tokens, num_steps, max_steps, page_size)
         return (kv, out, jnp.zeros_like(prev_tokens).at[: batch.num_rows].set(last))
@@ -172,7 +191,9 @@ def _ragged_step(
     logits, kv, *hidden = _forward(graphdef, backend, params, kv, batch, tokens, at, with_hidden, live)
     extra = ((hidden[0][0], tokens),) if with_hidden else ()
     rows = logits if targets is None else logits[batch.logits_indices]
-    out = _sample_rows(rows, batch, want_logprobs, num_logprobs=num_logprobs, argmax_fn=argmax_fn)
+    out = _sample_rows(
+        rows, batch, want_logprobs, num_logprobs=num_logprobs, argmax_fn=argmax_fn, greedy_only=greedy_only
+    )
     fed = jnp.zeros_like(prev_tokens).at[: batch.num_rows].set(out[0])
     if targets is None:
         return (kv, out, fed, *extra)
@@ -396,7 +417,7 @@ class _Weights:
 
         ragged = jitted(
             functools.partial(_ragged_step, self.graphdef, self.backend, argmax_fn=self.argmax),
-            ("num_logprobs", "num_top", "with_hidden", "max_steps", "page_size"),
+            ("num_logprobs", "num_top", "with_hidden", "max_steps", "page_size", "greedy_only"),
         )
         self.step = Step(f"{name}-step", ragged, store, fixed=2)
         self.score = Step(f"{name}-score", ragged, store, fixed=2)
@@ -570,6 +591,10 @@ class ModelRunner:
         # tokens a step its own way.
         self.max_steps = cfg.num_scheduler_steps if not self.spec_k and draft is None else 1
         self.host_times: HostTimes | None = None  # the step's host CPU time by phase, when measured
+        # Off the CPU, where a lax.cond's predicate goes through the host, the plain step comes
+        # in two executables a bucket: the argmax alone (every row greedy, no controls) and the
+        # full sampler (`_sample_rows`). On the CPU one executable decides on the device.
+        self.greedy_static = jax.default_backend() != "cpu"
         if self.spec_k:
             steps = _speculative_steps(self.target, self.draft, self.store, ps)
             self._verify, self._verify_ragged, self._propose, self._eagle_fill, self._eagle_write = steps
@@ -620,7 +645,8 @@ class ModelRunner:
         if d is None:
             sharding = self._prev_tokens.sharding  # replicated over a mesh, or the one device
             put = functools.partial(jax.device_put, device=sharding)
-            d = self._bucket_defaults[num_rows] = step_batch.Defaults.make(num_rows, self.model_cfg.vocab_size, put)
+            d = step_batch.Defaults.make(num_rows, self.model_cfg.vocab_size, put, self.table_width)
+            self._bucket_defaults[num_rows] = d
         return d
 
     # -- steps -------------------------------------------------------------------------
@@ -679,6 +705,8 @@ class ModelRunner:
         extra = (None, np.int32(num_steps)) if loop else ()
         if loop:
             eg = {"max_steps": self.max_steps, "page_size": self.cfg.page_size}
+        if self.greedy_static:  # off the CPU: an all-greedy step without controls is the argmax alone
+            eg["greedy_only"] = all(c.controls is None and (c.sampling is None or c.sampling[0] == 0) for c in rows)
         with phase(self.host_times, "dispatch"):
             w.kv, out, self._prev_tokens, *hidden = w.step(
                 w.params, w.kv, batch, self._prev_tokens, want, *extra, num_logprobs=nlp, **eg
@@ -797,6 +825,8 @@ class ModelRunner:
         order: one at a time."""
         t0 = time.perf_counter()
         jobs = [("step", t) for t in self.token_buckets]
+        if self.greedy_static:  # the full sampler's executables too (greedy rows warm the argmax's)
+            jobs += [("step-sampled", t) for t in self.token_buckets]
         if self.cfg.prompt_logprobs:
             jobs += [("score", t) for t in self.token_buckets]
         if self.spec_k:
@@ -838,8 +868,8 @@ class ModelRunner:
             n_tok = 1 + self.spec_k
             live = Chunk([0] * n_tok, 0, pages, (1.0 if rest[0] else 0.0, 0, 1.0, 0, 0))
             self.speculate([live] + [Chunk([0] * n_tok, 0, [], GREEDY)] * (a - 1))
-        else:
-            row = Chunk([0] * a, 0, pages, GREEDY)  # a tokens pick bucket a
+        else:  # a tokens pick bucket a
+            row = Chunk([0] * a, 0, pages, (1.0, 0, 1.0, 0, 0) if kind == "step-sampled" else GREEDY)
             self.step([row], True, [[0] * a] if kind == "score" else [])
 
     def time_steps(self, reps: int = 5) -> dict[str, dict[int, float]]:

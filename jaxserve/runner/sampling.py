@@ -188,21 +188,24 @@ def slot_key(seed, counter, tag: int):
     return jax.random.fold_in(key, tag)
 
 
-def sample(logits, sampling, bitmask=None, *, do_sample: bool, num_logprobs: int, argmax_fn=argmax):
+def sample(logits, sampling, bitmask=None, *, do_sample: bool, num_logprobs: int, argmax_fn=argmax, controls=True):
     """logits [S, V] float32; `sampling` (a step_batch.SamplingMetadata): per-slot
     temperature/top_k/top_p/min_p and the controls of `apply_controls`; seeds uint32 [S, 2]
     and counters int32 [S] make each slot's key; bitmask [S, ceil(V/32)] int32 or None (all
     allowed). Returns (tokens [S], chosen logprob [S], top ids [S, n], top logprobs [S, n])
     with n = num_logprobs (0 for none); logprobs are the raw model's. `argmax_fn` picks greedy
-    rows' ids (`argmax` here; the model runner passes the native kernel on the CPU)."""
+    rows' ids (`argmax` here; the model runner passes the native kernel on the CPU).
+    controls=False (static: the host knows no row has one): `apply_controls` is not traced."""
     temperature, top_k, top_p = sampling.temperature, sampling.top_k, sampling.top_p
     seeds, counters = sampling.seeds, sampling.counters
     raw = logits
-    controls = lambda x: apply_controls(x, sampling, bitmask)  # noqa: E731
-    if jax.default_backend() == "cpu":  # a GPU cond's predicate goes through the host
-        logits = jax.lax.cond(any_controls(sampling, bitmask, logits.shape[-1]), controls, lambda x: x, logits)
+    apply = lambda x: apply_controls(x, sampling, bitmask)  # noqa: E731
+    if not controls:
+        pass
+    elif jax.default_backend() == "cpu":  # a GPU cond's predicate goes through the host
+        logits = jax.lax.cond(any_controls(sampling, bitmask, logits.shape[-1]), apply, lambda x: x, logits)
     else:
-        logits = controls(logits)
+        logits = apply(logits)
     greedy = argmax_fn(logits)
     if do_sample:
         t = jnp.where(temperature > 0, temperature, 1.0)

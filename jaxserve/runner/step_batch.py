@@ -209,19 +209,50 @@ def _fill(r: int, ids: np.ndarray, row_ids, values: np.ndarray | None = None, ro
         values[r, :n] = row_values
 
 
+class BlockTables:
+    """A row bucket's block tables [R, width], kept on the host between steps: a row is
+    rewritten only when its sequence's pages changed (a decode row gains a page once every
+    page_size tokens), not rebuilt from every row's page list each step."""
+
+    def __init__(self, num_rows: int, width: int):
+        self.width = width
+        self._array = np.full((num_rows, width), DUMMY_PAGE, np.int32)
+        self._rows: list[list[int]] = [[] for _ in range(num_rows)]  # each row's pages as written
+
+    def update(self, pages_of: Sequence[Sequence[int]]) -> np.ndarray:
+        """The tables of a step whose row r has pages_of[r] (rows past them: empty), as a new
+        array: the device may still read the previous step's (on the CPU, jax can alias a
+        large numpy input rather than copy it)."""
+        arr, known, w = self._array, self._rows, self.width
+        for r, pages in enumerate(pages_of):
+            if known[r] != pages:
+                n = min(w, len(pages))
+                arr[r, :n] = pages[:n]
+                arr[r, n:] = DUMMY_PAGE
+                known[r] = list(pages)  # a copy: a sequence's list grows in place
+        for r in range(len(pages_of), len(known)):
+            if known[r]:
+                arr[r] = DUMMY_PAGE
+                known[r] = []
+        return arr.copy()
+
+
 @dataclasses.dataclass(frozen=True)
 class Defaults:
     """A row bucket's inputs for steps where no row has controls or a grammar, made once and
     kept on the device: the all-ones bitmask ([R, V/32]: 4 MiB at 256 rows of a 128k
-    vocabulary) and the no-op penalty, bias and stop lists are then neither built nor sent."""
+    vocabulary) and the no-op penalty, bias and stop lists are then neither built nor sent.
+    With them, the bucket's block tables kept on the host (`BlockTables`, given its width)."""
 
     bitmask: jax.Array
     sampling: SamplingMetadata
+    tables: BlockTables | None = None
 
     @classmethod
-    def make(cls, num_rows: int, vocab_size: int, put=jnp.asarray) -> "Defaults":
+    def make(cls, num_rows: int, vocab_size: int, put=jnp.asarray, table_width: int = 0) -> "Defaults":
         bitmask = all_allowed(num_rows, vocab_size)
-        return cls(put(bitmask), jax.tree.map(put, SamplingMetadata.make(num_rows, vocab_size)))
+        tables = BlockTables(num_rows, table_width) if table_width else None
+        return cls(put(bitmask), jax.tree.map(put, SamplingMetadata.make(num_rows, vocab_size)), tables)
 
 
 def all_allowed(num_rows: int, vocab_size: int) -> np.ndarray:
@@ -248,14 +279,116 @@ def build(
     every row (padding too) spans exactly that many tokens (speculative steps, which the
     verifier reshapes to [R, k + 1]). feed[i] >= 0: row i's first token is the previous step's
     sampled token of row feed[i], read on the device. defaults (for num_rows): used where no
-    row has controls. local: the model has a local pool; rows' `local_pages` (None: the dummy
-    page) make the local slots and block tables."""
+    row has controls or a grammar, and its block tables kept between steps. local: the model
+    has a local pool; rows' `local_pages` (None: the dummy page) make the local slots and block
+    tables.
+
+    A step of plain decode rows only (one token each, sampling, no controls) without a local
+    pool, the steady state of serving, is laid out column by column (`_decode_batch`); any
+    other step row by row."""
     if len(rows) > num_rows:
         raise ValueError(f"{len(rows)} rows exceed the row bucket {num_rows}")
+    tables = defaults.tables if defaults is not None and defaults.tables is not None else None
+    if tables is not None and tables.width != table_width:
+        tables = None
+    if (
+        row_len is None
+        and not local
+        and defaults is not None
+        and len(rows) <= num_tokens
+        and all(len(c.tokens) == 1 and c.sampling is not None and c.controls is None for c in rows)
+    ):
+        return _decode_batch(rows, num_rows, num_tokens, table_width, page_size, feed, defaults, tables)
+    if tables is not None:
+        table = tables.update([c.pages for c in rows])
+    else:
+        table = np.full((num_rows, table_width), DUMMY_PAGE, np.int32)
+        for r, c in enumerate(rows):
+            n = min(table_width, len(c.pages))
+            table[r, :n] = c.pages[:n]
+    return _row_batch(rows, num_rows, num_tokens, table, page_size, vocab_size, row_len, feed, defaults, local)
+
+
+def _decode_batch(
+    rows: Sequence[Chunk],
+    num_rows: int,
+    num_tokens: int,
+    table_width: int,
+    page_size: int,
+    feed: Sequence[int],
+    defaults: Defaults,
+    tables: BlockTables | None,
+) -> StepBatch:
+    """`build` of plain decode rows: each input made from one list over the rows (no numpy call
+    per row), the block tables rewritten only where a row's pages changed, the controls and
+    bitmask the bucket's no-op ones already on the device. Row r is flat token r."""
+    n = len(rows)
+    pages_of = [c.pages for c in rows]
+    if tables is not None:
+        table = tables.update(pages_of)
+    else:
+        table = np.full((num_rows, table_width), DUMMY_PAGE, np.int32)
+        for r, pages in enumerate(pages_of):
+            m = min(table_width, len(pages))
+            table[r, :m] = pages[:m]
+    starts = np.array([c.start for c in rows], np.int64)
+    tokens = np.zeros((num_tokens,), np.int32)
+    tokens[:n] = [c.tokens[0] for c in rows]
+    positions = np.zeros((num_tokens,), np.int32)
+    positions[:n] = starts
+    # a position past the row's pages writes to the dummy page (slot_mapping's rule)
+    index = starts // page_size
+    held = np.array([len(p) for p in pages_of], np.int64)
+    page = table[np.arange(n), np.minimum(index, table_width - 1)] if n else np.zeros((0,), np.int32)
+    slots = np.full((num_tokens,), DUMMY_PAGE * page_size, np.int32)
+    slots[:n] = np.where(index < held, page.astype(np.int64) * page_size + starts % page_size, DUMMY_PAGE * page_size)
+    seq_lens = np.zeros((num_rows,), np.int32)
+    seq_lens[:n] = starts + 1
+    qsl = np.full((num_rows + 1,), n, np.int32)
+    qsl[: n + 1] = np.arange(n + 1)
+    logits_indices = np.zeros((num_rows,), np.int32)
+    logits_indices[:n] = qsl[:n]
+    active = np.zeros((num_rows,), bool)
+    active[:n] = True
+    fed = np.full((num_tokens,), -1, np.int32)
+    m = min(len(feed), n)
+    fed[:m] = feed[:m]
+    basics = SamplingMetadata.basics(num_rows)
+    if n:
+        t, k, p, seed, counter = zip(*[c.sampling for c in rows])
+        basics["temperature"][:n], basics["top_k"][:n], basics["top_p"][:n] = t, k, p
+        basics["counters"][:n] = counter
+        seeds = np.array(seed, np.uint64)
+        basics["seeds"][:n, 0], basics["seeds"][:n, 1] = seeds & 0xFFFFFFFF, seeds >> 32
+    return StepBatch(
+        tokens,
+        RaggedMetadata(slots, table, seq_lens, qsl, positions),
+        logits_indices,
+        active,
+        dataclasses.replace(defaults.sampling, **basics),
+        np.zeros((num_rows,), np.int32),
+        defaults.bitmask,
+        fed,
+    )
+
+
+def _row_batch(
+    rows: Sequence[Chunk],
+    num_rows: int,
+    num_tokens: int,
+    tables: np.ndarray,
+    page_size: int,
+    vocab_size: int,
+    row_len: int | None,
+    feed: Sequence[int],
+    defaults: Defaults | None,
+    local: bool,
+) -> StepBatch:
+    """`build` of any rows (prompt chunks, speculative rows, controls), row by row, given the
+    step's block tables. The grammar bitmask [R, V/32] is built only when a row has one."""
     tokens = np.zeros((num_tokens,), np.int32)
     positions = np.zeros((num_tokens,), np.int32)
     slots = np.full((num_tokens,), DUMMY_PAGE * page_size, np.int32)
-    tables = np.full((num_rows, table_width), DUMMY_PAGE, np.int32)
     seq_lens = np.zeros((num_rows,), np.int32)
     qsl = np.zeros((num_rows + 1,), np.int32)
     logits_indices = np.zeros((num_rows,), np.int32)
@@ -263,12 +396,13 @@ def build(
     plain = defaults is not None and all(c.controls is None for c in rows)
     if plain:  # only the per-row basics are made here
         sm = dataclasses.replace(defaults.sampling, **SamplingMetadata.basics(num_rows))
-        bitmask = defaults.bitmask
     else:
         sm = SamplingMetadata.make(num_rows, vocab_size)
-        bitmask = all_allowed(num_rows, vocab_size)
+    masked = any(c.controls is not None and c.controls.bitmask is not None for c in rows)
+    bitmask = defaults.bitmask if defaults is not None and not masked else all_allowed(num_rows, vocab_size)
     num_drafts = np.zeros((num_rows,), np.int32)
     fed = np.full((num_tokens,), -1, np.int32)
+    table_width = tables.shape[1]
     if local:
         local_slots = np.full((num_tokens,), DUMMY_PAGE * page_size, np.int32)
         local_tables = np.full((num_rows, table_width), DUMMY_PAGE, np.int32)
@@ -281,7 +415,7 @@ def build(
             off = r * row_len
         if off + m > num_tokens:
             raise ValueError(f"row {r}: {off + m} tokens exceed the bucket of {num_tokens}")
-        if m == 1:  # a decode row, the common case: scalars, no per-row numpy calls
+        if m == 1:  # a decode row: scalars, no per-row numpy calls
             p, i = c.start, c.start // page_size
             tokens[off] = c.tokens[0]
             positions[off] = p
@@ -297,8 +431,6 @@ def build(
             local_tables[r, : min(table_width, len(lp))] = lp[:table_width]
         if r < len(feed) and feed[r] >= 0:
             fed[off] = feed[r]
-        n = min(table_width, len(c.pages))
-        tables[r, :n] = c.pages[:n]
         seq_lens[r] = c.start + m
         qsl[r] = off
         off += m
@@ -310,14 +442,8 @@ def build(
             t, k, p, seed, counter = c.sampling
             sm.temperature[r], sm.top_k[r], sm.top_p[r], sm.counters[r] = t, k, p, counter
             sm.seeds[r] = (seed & 0xFFFFFFFF, seed >> 32)
-        ctl = c.controls
-        if ctl is not None:
-            sm.row_controls[r], sm.min_tokens[r] = ctl.values, ctl.min_tokens
-            _fill(r, sm.penalty_ids, ctl.penalty_ids, sm.penalty_counts, ctl.penalty_counts)
-            _fill(r, sm.bias_ids, ctl.bias_ids, sm.bias_values, ctl.bias_values)
-            _fill(r, sm.stop_ids, ctl.stop_ids)
-            if ctl.bitmask is not None:
-                bitmask[r] = ctl.bitmask
+        if c.controls is not None:
+            _fill_controls(r, c.controls, sm, bitmask)
     for r in range(len(rows), num_rows):  # padding rows: empty (uniform rows: row_len padding tokens each)
         qsl[r + 1] = (r + 1) * row_len if row_len is not None else off
         qsl[r] = qsl[r + 1] - (row_len or 0)
@@ -332,3 +458,13 @@ def build(
         fed,
         *((local_slots, local_tables) if local else ()),
     )
+
+
+def _fill_controls(r: int, ctl: Controls, sm: SamplingMetadata, bitmask) -> None:
+    """Row r's sampling controls (and grammar bitmask row) into the step's arrays."""
+    sm.row_controls[r], sm.min_tokens[r] = ctl.values, ctl.min_tokens
+    _fill(r, sm.penalty_ids, ctl.penalty_ids, sm.penalty_counts, ctl.penalty_counts)
+    _fill(r, sm.bias_ids, ctl.bias_ids, sm.bias_values, ctl.bias_values)
+    _fill(r, sm.stop_ids, ctl.stop_ids)
+    if ctl.bitmask is not None:
+        bitmask[r] = ctl.bitmask
