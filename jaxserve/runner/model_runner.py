@@ -189,9 +189,15 @@ def _score_tokens(logits, targets, num_top: int):
     return chosen, rank, top_ids.astype(jnp.int32), top_lp
 
 
-def _copy_pages(kv, src, dst):
-    """Copy pages src -> dst in every array of every layer's cache tuple (scales too)."""
-    return tuple(tuple(x.at[dst].set(x[src]) for x in layer) for layer in kv)
+def _copy_pages(kv, src, dst, *, layers: int = 1):
+    """Copy pages src -> dst in every array of every layer's cache tuple (scales too); in a
+    stacked pool (`layers` layers a tuple, layer l's page p at l * P + p) in every layer."""
+
+    def copy(x):
+        by_layer = x.reshape(layers, x.shape[0] // layers, *x.shape[1:])
+        return by_layer.at[:, dst].set(by_layer[:, src]).reshape(x.shape)
+
+    return tuple(tuple(copy(x) for x in group) for group in kv)
 
 
 @dataclasses.dataclass
@@ -351,8 +357,19 @@ class _Weights:
         self.eagle = isinstance(module, eagle.EagleHead)
         if self.eagle and mesh is not None:
             raise ValueError("speculative_model: an EAGLE head is not supported with tensor_parallel_size > 1")
+        # Off a mesh every layer's pages share one tuple of arrays (reference.PoolLayer: a call
+        # then takes and returns 2 pool arrays, not 2 a layer); under one, a tuple a layer (the
+        # sharded attention takes a layer's pages).
+        self.kv_layers = cfg.num_layers if mesh is None and not self.eagle else 1
         pool = functools.partial(
-            _empty_pool, cfg, self.eagle, rc.num_pages, rc.page_size, jnp.dtype(rc.dtype), kv_cache_dtype
+            _empty_pool,
+            cfg,
+            self.eagle,
+            rc.num_pages,
+            rc.page_size,
+            jnp.dtype(rc.dtype),
+            kv_cache_dtype,
+            self.kv_layers,
         )
         self.kv = jax.jit(pool, out_shardings=self.kv_sharding)()
         self.huge_pages = host_memory.advise_huge_pages_in_background((self.params, self.kv))  # CPU buffers only
@@ -384,7 +401,13 @@ class _Weights:
         self.step = Step(f"{name}-step", ragged, store, fixed=2)
         self.score = Step(f"{name}-score", ragged, store, fixed=2)
         self.copy = Step(
-            f"{name}-copy", jax.jit(pin_kv(_copy_pages, self.kv_sharding, None), donate_argnums=(0,)), store, fixed=1
+            f"{name}-copy",
+            jax.jit(
+                pin_kv(functools.partial(_copy_pages, layers=self.kv_layers), self.kv_sharding, None),
+                donate_argnums=(0,),
+            ),
+            store,
+            fixed=1,
         )
 
 
@@ -402,14 +425,19 @@ def _prepare(module: nnx.Module, mesh, matmul_impl: str, matmul_dtype: str) -> N
         shd.bind_mesh(module, mesh)
 
 
-def _empty_pool(cfg: ModelConfig, is_eagle: bool, num_pages: int, page_size: int, dtype, kv_cache_dtype: str):
-    """A model's KV page pool, zeroed: a cache tuple per layer; an EAGLE head's is its one
-    layer's KV, then the target's features in pages of the same ids."""
+def _empty_pool(
+    cfg: ModelConfig, is_eagle: bool, num_pages: int, page_size: int, dtype, kv_cache_dtype: str, stacked: int = 1
+):
+    """A model's KV page pool, zeroed: a cache tuple per layer, or (stacked > 1) one tuple of
+    every layer's pages (reference.stacked_pool); an EAGLE head's is its one layer's KV, then
+    the target's features in pages of the same ids."""
     layer = functools.partial(
         reference.empty_kv_cache, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim, dtype, kv_cache_dtype
     )
     if is_eagle:
         return (layer(), (eagle.empty_features(num_pages, page_size, cfg.hidden_size, dtype),))
+    if stacked > 1:
+        return reference.stacked_pool(layer, stacked)
     return tuple(layer() for _ in range(cfg.num_layers))
 
 
