@@ -57,30 +57,45 @@ def kinds(layers: int = 32, pages: int = 961) -> None:
             v = write_pages(v, new, slots + i * pages * 16)
         return (k, v), x + sum(q[0, 0] for q in p)
 
-    state = {}
-
-    def run(name, fn, p, kv, closed=False):
+    def make(fn, p, kv, closed=False):
+        state = {"kv": kv}
         if closed:
-            jitted = jax.jit(lambda kv, x: fn(p, kv, x), donate_argnums=0)
-            exe = jitted.lower(kv, x).compile()
+            exe = jax.jit(lambda kv, x: fn(p, kv, x), donate_argnums=0).lower(kv, x).compile()
             args = lambda: (state["kv"], x)  # noqa: E731
         else:
             exe = jax.jit(fn, donate_argnums=1).lower(p, kv, x).compile()
             args = lambda: (p, state["kv"], x)  # noqa: E731
-        state["kv"] = kv
 
         def call():
             state["kv"], y = exe(*args())
             return y
 
-        print(f"{name:48s} host {timed(call)[0]:.3f} ms")
+        return call
 
     zeros = lambda n: jnp.zeros((n, 16, 2, 64), jnp.uint16)  # noqa: E731
-    run("195 weights, per-layer pool (64 in, 64 out)", per_layer, params, [zeros(pages) for _ in range(2 * layers)])
-    run("195 weights, stacked pool (2 in, 2 out)", stacked, params, (zeros(layers * pages), zeros(layers * pages)))
+    stacked_kv = lambda: (zeros(layers * pages), zeros(layers * pages))  # noqa: E731
     per_kind = [jnp.stack(params[i::6][:layers]) for i in range(6)]
-    run("6 weights stacked per kind, stacked pool", stacked, per_kind, (zeros(layers * pages), zeros(layers * pages)))
-    run("weights closed over (const args), stacked pool", stacked, params, (zeros(layers * pages),) * 2, closed=True)
+    calls = {
+        "195 weights, per-layer pool (64 in, 64 out)": make(
+            per_layer, params, [zeros(pages) for _ in range(2 * layers)]
+        ),
+        "195 weights, stacked pool (2 in, 2 out)": make(stacked, params, stacked_kv()),
+        "6 weights stacked per kind, stacked pool": make(stacked, per_kind, stacked_kv()),
+        "weights closed over (const args), stacked pool": make(stacked, params, stacked_kv(), closed=True),
+    }
+    alternate(calls, reps=200)
+
+
+def alternate(calls: dict, reps: int) -> None:
+    """Each call in turn, `reps` times (order reversed every other pass), then the medians."""
+    out = {name: ([], []) for name in calls}
+    for i in range(reps):
+        for name in calls if i % 2 else reversed(list(calls)):
+            h, w = timed(calls[name], reps=1, skip=0)
+            out[name][0].append(h)
+            out[name][1].append(w)
+    for name, (h, w) in out.items():
+        print(f"{name:48s} host {np.median(h[2:]):.3f} ms a call, wall {np.median(w[2:]):.2f} ms")
 
 
 def slices(layers: int = 16, k: int = 512, n: int = 1536, rows: int = 8) -> None:
@@ -170,14 +185,7 @@ def step(model: str | None = None, rows: int = 64, context: int = 128, reps: int
             return out
 
         calls[name + ", weights closed over"] = call_closed
-    out = {name: ([], []) for name in calls}
-    for i in range(reps):
-        for name in calls if i % 2 else reversed(list(calls)):
-            h, wl = timed(calls[name], reps=1, skip=0)
-            out[name][0].append(h)
-            out[name][1].append(wl)
-    for name, (h, wl) in out.items():
-        print(f"{name:40s} host {np.median(h):.3f} ms a call, wall {np.median(wl):.2f} ms")
+    alternate(calls, reps)
 
 
 if __name__ == "__main__":
