@@ -126,8 +126,59 @@ def read_pages(pages, scales, idx):
     return dequantize(pages[idx], scales[idx])
 
 
+# -- a pool of every layer's pages in one set of arrays ---------------------------------------
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PoolLayer:
+    """One layer of a stacked pool: `arrays` hold every layer's pages one layer after another
+    ([L * P, page_size, KVH, D], scales likewise), this layer's page p at `first_page + p`.
+    Block tables and slot mappings keep the layer's own page ids (the same for every layer);
+    `write_kv` and the attention backends add the offset.
+
+    Why: a jitted step's call costs the host time per array it takes and returns (the pool is
+    donated and comes back), so a pool of two arrays instead of two a layer takes 62 fewer
+    arguments and 62 fewer outputs a step on a 32-layer model. A static offset into the one
+    buffer, unlike a slice of a stacked [L, P, ...] array, costs no copy on any backend."""
+
+    arrays: tuple
+    first_page: int = dataclasses.field(metadata=dict(static=True))
+
+
+def pool_layer(pool, layer: int, num_layers: int):
+    """Layer `layer`'s cache in a model's pool: `pool[layer]` where the pool is one cache tuple
+    a layer, a `PoolLayer` where it is one stacked tuple of every layer's pages (length 1)."""
+    if len(pool) == num_layers:
+        return pool[layer]
+    (arrays,) = pool
+    return PoolLayer(tuple(arrays), layer * (arrays[0].shape[0] // num_layers))
+
+
+def pool_with_layer(pool, layer: int, cache):
+    """The pool with layer `layer`'s cache replaced by `cache` (what its write returned)."""
+    if isinstance(cache, PoolLayer):
+        return (cache.arrays,)
+    return (*pool[:layer], cache, *pool[layer + 1 :])
+
+
+def stacked_pool(layers, num_layers: int):
+    """A pool of `num_layers` layers in one cache tuple of stacked arrays, from `layers`, a
+    function that makes one layer's zeroed cache tuple of pages [P, ...]."""
+    one = layers()
+    return (tuple(jnp.zeros((num_layers * x.shape[0], *x.shape[1:]), x.dtype) for x in one),)
+
+
+def page_offset(cache) -> int:
+    """Where a layer's page 0 sits in the arrays its cache holds (0 but in a stacked pool)."""
+    return cache.first_page if isinstance(cache, PoolLayer) else 0
+
+
 def split_cache(kv_pages):
-    """(k_pages, v_pages, k_scales, v_scales) of a layer's cache tuple; scales None if unquantized."""
+    """(k_pages, v_pages, k_scales, v_scales) of a layer's cache tuple; scales None if unquantized.
+    For a `PoolLayer`, the stacked arrays (its pages at `page_offset`)."""
+    if isinstance(kv_pages, PoolLayer):
+        return split_cache(kv_pages.arrays)
     if is_quantized(kv_pages):
         return tuple(kv_pages)
     k_pages, v_pages = kv_pages
@@ -159,7 +210,11 @@ def write_kv(cache, k, v, slot_mapping):
     dequantized (in k's dtype), so a fresh prompt attending to its own k/v ("prefill") sees
     exactly the values a later chunk or decode step reads from the pages: a prompt's result
     does not depend on whether its prefix came from the prefix cache or where a chunk
-    boundary fell."""
+    boundary fell. A `PoolLayer` writes at its layer's pages and comes back as one."""
+    if isinstance(cache, PoolLayer):
+        ps = cache.arrays[0].shape[1]
+        arrays, k, v = write_kv(cache.arrays, k, v, slot_mapping + cache.first_page * ps)
+        return PoolLayer(arrays, cache.first_page), k, v
     if not is_quantized(cache):  # float pages (a "bfloat16" pool: its bits, see BF16_BITS)
         if cache[0].dtype == BF16_BITS:
             kb, vb = k.astype(jnp.bfloat16), v.astype(jnp.bfloat16)

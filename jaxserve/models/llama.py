@@ -25,7 +25,8 @@ from jaxserve.models.model_config import ModelConfig
 from pallas_kernels import reference
 from pallas_kernels.reference import RaggedMetadata
 
-# per layer (k_pages, v_pages), or quantized (k_pages, v_pages, k_scales, v_scales)
+# per layer (k_pages, v_pages), or quantized (k_pages, v_pages, k_scales, v_scales); or one such
+# tuple of every layer's pages stacked (reference.pool_layer: the runner's pool off a mesh)
 KVCache = tuple[tuple[jax.Array, ...], ...]
 
 
@@ -310,12 +311,12 @@ class LlamaForCausalLM(nnx.Module):
         CPU matmul projects only those onto the vocabulary, the step's largest single read."""
         x = self.embed(tokens)
         rope_cs = self.rope(positions, x.dtype)
-        new_cache = []
+        pool, n = kv_cache, len(self.layers)  # one cache tuple a layer, or every layer's stacked
         with linear.live_rows(num_live_tokens):
             for i, layer in enumerate(self.layers):
                 m = layer_meta(meta, self.cfg.is_sliding(i))
-                x, c = layer(x, rope_cs, None if kv_cache is None else kv_cache[i], m, attn_fn)
-                new_cache.append(c)
+                x, c = layer(x, rope_cs, None if pool is None else reference.pool_layer(pool, i, n), m, attn_fn)
+                pool = None if pool is None else reference.pool_with_layer(pool, i, c)
         x = self.norm(x)
         hidden = x
         if token_index is not None:
@@ -327,10 +328,9 @@ class LlamaForCausalLM(nnx.Module):
         else:
             with linear.live_rows(num_live_logits):
                 logits = self.lm_head(x)
-        cache = None if kv_cache is None else tuple(new_cache)
         if return_hidden:
-            return logits.astype(jnp.float32), cache, hidden
-        return logits.astype(jnp.float32), cache
+            return logits.astype(jnp.float32), pool, hidden
+        return logits.astype(jnp.float32), pool
 
 
 def layer_meta(meta, sliding: bool):

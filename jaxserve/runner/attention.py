@@ -55,13 +55,14 @@ def paged_forward(kernel: Callable) -> Callable:
     def forward(q, k, v, kv_cache, md, *, scale, window=None):
         del k, v
         k_pages, v_pages, k_scales, v_scales = reference.split_cache(kv_cache)
+        offset = reference.page_offset(kv_cache)  # a layer of a stacked pool: its pages' place
         out = kernel(
             q.reshape(-1, *q.shape[-2:]),
             k_pages,
             v_pages,
             md.query_start_loc,
             md.seq_lens,
-            md.block_tables,
+            md.block_tables + offset if offset else md.block_tables,
             md.positions,
             scale,
             k_scales,

@@ -210,9 +210,15 @@ def _score_tokens(logits, targets, num_top: int):
     return chosen, rank, top_ids.astype(jnp.int32), top_lp
 
 
-def _copy_pages(kv, src, dst):
-    """Copy pages src -> dst in every array of every layer's cache tuple (scales too)."""
-    return tuple(tuple(x.at[dst].set(x[src]) for x in layer) for layer in kv)
+def _copy_pages(kv, src, dst, *, layers: int = 1):
+    """Copy pages src -> dst in every array of every layer's cache tuple (scales too); in a
+    stacked pool (`layers` layers a tuple, layer l's page p at l * P + p) in every layer."""
+
+    def copy(x):
+        by_layer = x.reshape(layers, x.shape[0] // layers, *x.shape[1:])
+        return by_layer.at[:, dst].set(by_layer[:, src]).reshape(x.shape)
+
+    return tuple(tuple(copy(x) for x in group) for group in kv)
 
 
 def _copy_grouped_pages(kv, src, dst, local_src, local_dst, *, local_layers: tuple[int, ...]):
@@ -382,6 +388,11 @@ class _Weights:
             raise ValueError("speculative_model: an EAGLE head is not supported with tensor_parallel_size > 1")
         # the sliding layers' own pool (rc.local_num_pages > 0): their layers' buffers hold that many pages
         self.local_layers = cfg.kv_groups().get("local", ()) if rc.local_num_pages and not self.eagle else ()
+        # Off a mesh every layer's pages share one tuple of arrays (reference.PoolLayer: a call
+        # then takes and returns 2 pool arrays, not 2 a layer); under one, a tuple a layer (the
+        # sharded attention takes a layer's pages), and so with a local pool (its layers' pages
+        # are fewer).
+        self.kv_layers = cfg.num_layers if mesh is None and not self.eagle and not self.local_layers else 1
         pool = functools.partial(
             _empty_pool,
             cfg,
@@ -391,6 +402,7 @@ class _Weights:
             jnp.dtype(rc.dtype),
             kv_cache_dtype,
             rc.local_num_pages if self.local_layers else 0,
+            self.kv_layers,
         )
         self.kv = jax.jit(pool, out_shardings=self.kv_sharding)()
         self.huge_pages = host_memory.advise_huge_pages_in_background((self.params, self.kv))  # CPU buffers only
@@ -421,7 +433,7 @@ class _Weights:
         )
         self.step = Step(f"{name}-step", ragged, store, fixed=2)
         self.score = Step(f"{name}-score", ragged, store, fixed=2)
-        copy = _copy_pages
+        copy = functools.partial(_copy_pages, layers=self.kv_layers)
         if self.local_layers:
             copy = functools.partial(_copy_grouped_pages, local_layers=tuple(self.local_layers))
         self.copy = Step(
@@ -451,16 +463,20 @@ def _empty_pool(
     dtype,
     kv_cache_dtype: str,
     local_num_pages: int = 0,
+    stacked: int = 1,
 ):
-    """A model's KV page pool, zeroed: a cache tuple per layer; an EAGLE head's is its one
-    layer's KV, then the target's features in pages of the same ids. local_num_pages > 0: the
-    sliding-window layers' tuples hold that many pages (the local pool's ids)."""
+    """A model's KV page pool, zeroed: a cache tuple per layer, or (stacked > 1) one tuple of
+    every layer's pages (reference.stacked_pool); an EAGLE head's is its one layer's KV, then
+    the target's features in pages of the same ids. local_num_pages > 0: the sliding-window
+    layers' tuples hold that many pages (the local pool's ids; never stacked)."""
 
     def layer(pages: int = num_pages):
         return reference.empty_kv_cache(pages, page_size, cfg.num_kv_heads, cfg.head_dim, dtype, kv_cache_dtype)
 
     if is_eagle:
         return (layer(), (eagle.empty_features(num_pages, page_size, cfg.hidden_size, dtype),))
+    if stacked > 1:
+        return reference.stacked_pool(layer, stacked)
     return tuple(
         layer(local_num_pages if local_num_pages and cfg.is_sliding(i) else num_pages) for i in range(cfg.num_layers)
     )
