@@ -1,9 +1,9 @@
 """What a jitted step's call costs the host by kind of argument, and what each remedy saves
 (docs/architecture.md, "Why the step is called with ~220 arrays").
 
-    python scripts/dispatch_costs.py kinds    # synthetic: 195 weights, 64 per-layer KV arrays or 2 stacked
-    python scripts/dispatch_costs.py slices   # a slice of stacked / flattened weights feeding the native matmul
-    python scripts/dispatch_costs.py step     # the engine's decode step, per-layer KV pool against stacked
+    python -m jaxserve.tools.bench.dispatch_costs kinds    # synthetic: 195 weights, 64 per-layer KV arrays or 2 stacked
+    python -m jaxserve.tools.bench.dispatch_costs slices   # a slice of stacked / flattened weights feeding the native matmul
+    python -m jaxserve.tools.bench.dispatch_costs step     # the engine's decode step, per-layer KV pool against stacked
 
 Host time is the calling thread's CPU (`time.thread_time`) around the call; the device runs the
 program after it returns, so wall time (the call and `block_until_ready`) is the device's.

@@ -2,7 +2,7 @@
 in the 5 local : 1 global pattern (10 local, window 64), 2 KV heads of 64, a 4,096-token
 vocabulary and 4,096 positions, saved with save_pretrained to the directory given.
 
-    python scripts/make_gemma_bench.py GEMMA_DIR
+    python -m jaxserve.tools.bench.gemma_model GEMMA_DIR
 """
 
 from __future__ import annotations
