@@ -288,9 +288,8 @@ def build(
     other step row by row."""
     if len(rows) > num_rows:
         raise ValueError(f"{len(rows)} rows exceed the row bucket {num_rows}")
-    tables = defaults.tables if defaults is not None and defaults.tables is not None else None
-    if tables is not None and tables.width != table_width:
-        tables = None
+    kept = defaults.tables if defaults is not None else None
+    table = _block_tables([c.pages for c in rows], num_rows, table_width, kept)
     if (
         row_len is None
         and not local
@@ -298,39 +297,36 @@ def build(
         and len(rows) <= num_tokens
         and all(len(c.tokens) == 1 and c.sampling is not None and c.controls is None for c in rows)
     ):
-        return _decode_batch(rows, num_rows, num_tokens, table_width, page_size, feed, defaults, tables)
-    if tables is not None:
-        table = tables.update([c.pages for c in rows])
-    else:
-        table = np.full((num_rows, table_width), DUMMY_PAGE, np.int32)
-        for r, c in enumerate(rows):
-            n = min(table_width, len(c.pages))
-            table[r, :n] = c.pages[:n]
+        return _decode_batch(rows, num_rows, num_tokens, table, page_size, feed, defaults)
     return _row_batch(rows, num_rows, num_tokens, table, page_size, vocab_size, row_len, feed, defaults, local)
+
+
+def _block_tables(pages_of: Sequence[Sequence[int]], num_rows: int, width: int, kept: BlockTables | None) -> np.ndarray:
+    """The step's block tables [num_rows, width]: from the bucket's kept tables where it has
+    them (of this width), else made afresh (rows past pages_of: the dummy page)."""
+    if kept is not None and kept.width == width:
+        return kept.update(pages_of)
+    table = np.full((num_rows, width), DUMMY_PAGE, np.int32)
+    for r, pages in enumerate(pages_of):
+        n = min(width, len(pages))
+        table[r, :n] = pages[:n]
+    return table
 
 
 def _decode_batch(
     rows: Sequence[Chunk],
     num_rows: int,
     num_tokens: int,
-    table_width: int,
+    table: np.ndarray,
     page_size: int,
     feed: Sequence[int],
     defaults: Defaults,
-    tables: BlockTables | None,
 ) -> StepBatch:
     """`build` of plain decode rows: each input made from one list over the rows (no numpy call
-    per row), the block tables rewritten only where a row's pages changed, the controls and
-    bitmask the bucket's no-op ones already on the device. Row r is flat token r."""
-    n = len(rows)
+    per row) beside the step's block tables (`_block_tables`), the controls and bitmask the
+    bucket's no-op ones already on the device. Row r is flat token r."""
+    n, table_width = len(rows), table.shape[1]
     pages_of = [c.pages for c in rows]
-    if tables is not None:
-        table = tables.update(pages_of)
-    else:
-        table = np.full((num_rows, table_width), DUMMY_PAGE, np.int32)
-        for r, pages in enumerate(pages_of):
-            m = min(table_width, len(pages))
-            table[r, :m] = pages[:m]
     starts = np.array([c.start for c in rows], np.int64)
     tokens = np.zeros((num_tokens,), np.int32)
     tokens[:n] = [c.tokens[0] for c in rows]
