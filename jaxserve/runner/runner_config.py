@@ -227,6 +227,8 @@ def _resolve_attention(cfg, backend: str, kv_cache_dtype: str) -> str:
         if backend != "cpu" or not native.available():
             why = "it runs on the CPU only" if backend != "cpu" else native.unavailable_reason()
             raise ValueError(f"attention_impl='native' is unavailable here: {why}")
+    if cfg.attention_impl == "cudnn" and backend == "tpu":
+        raise ValueError("attention_impl='cudnn' needs a CUDA GPU (the CPU runs it with XLA standing in for cuDNN)")
     attention_impl = cfg.attention_impl or default_attention(backend)
     if kv_cache_dtype == "fp8" and attention_impl == "native":
         if cfg.attention_impl == "native":
