@@ -36,7 +36,11 @@ import jax.numpy as jnp
 from pallas_kernels import reference
 from pallas_kernels.reference import RaggedMetadata
 
-IMPLEMENTATIONS = ("cudnn", "xla")
+# "cudnn" / "xla": jax.nn.dot_product_attention's; "tokamax": PyPI tokamax's flash attention,
+# Mosaic GPU (Hopper and Blackwell) else its Triton kernel; "tokamax-xla": tokamax's XLA one
+# (its CPU stand-in). tokamax is optional: imported only when asked for.
+IMPLEMENTATIONS = ("cudnn", "xla", "tokamax", "tokamax-xla")
+TOKAMAX_KERNELS = {"tokamax": ("mosaic", "triton"), "tokamax-xla": ("xla",)}
 # cuDNN's fused attention takes 16-bit inputs and head dims that are multiples of 8, up to 256
 # from Hopper on (128 before); elsewhere `supported` routes every row to the paged kernel.
 CUDNN_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -86,7 +90,7 @@ def split(md: RaggedMetadata) -> PromptSplit:
 
 def supported(q, implementation: str) -> bool:
     """Whether `implementation` takes q's dtype and head dim (a static, trace-time answer)."""
-    if implementation == "xla":
+    if implementation != "cudnn":
         return True
     return jnp.dtype(q.dtype) in CUDNN_DTYPES and q.shape[-1] % 8 == 0 and q.shape[-1] <= CUDNN_MAX_HEAD_DIM
 
@@ -103,7 +107,11 @@ def dense(q, k, v, plan: PromptSplit, *, scale: float, implementation: str, wind
     keep = (row[:, None] == row[None, :]) & (pos[None, :] <= pos[:, None]) & live[:, None] & live[None, :]
     if window:
         keep &= pos[None, :] > pos[:, None] - window
-    out = jax.nn.dot_product_attention(
+    if implementation in TOKAMAX_KERNELS:
+        fused, impl = _tokamax().dot_product_attention, TOKAMAX_KERNELS[implementation]
+    else:
+        fused, impl = jax.nn.dot_product_attention, implementation
+    out = fused(
         q[order][None],
         k[order][None],
         v[order][None],
@@ -112,10 +120,23 @@ def dense(q, k, v, plan: PromptSplit, *, scale: float, implementation: str, wind
         is_causal=True,
         query_seq_lengths=plan.fresh_count,
         key_value_seq_lengths=plan.fresh_count,
-        implementation=implementation,
+        implementation=impl,
     )[0]
     out = jnp.where(live[:, None, None], out, jnp.zeros((), out.dtype))
     return jnp.zeros_like(out).at[order].set(out, unique_indices=True)
+
+
+def _tokamax():
+    """tokamax, imported. Its options are absl flags, and the first read of one parses sys.argv
+    unless absl's flags are parsed already: under a server or pytest that command line is not
+    tokamax's and the parse raises. Marking them parsed keeps every flag at its default."""
+    from absl import flags
+
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()
+    import tokamax
+
+    return tokamax
 
 
 def fresh_tokens(plan: PromptSplit) -> jax.Array:

@@ -201,3 +201,43 @@ def test_mask_keeps_rows_apart():
             q[lo:hi], k[lo:hi], v[lo:hi], prompt_attention.split(one), scale=0.25, implementation="xla"
         )
         close(both[lo:hi], alone, jnp.float32)
+
+
+def test_tokamax_matches_oracle():
+    """attention_impl="tokamax" where PyPI tokamax is installed (optional): its XLA kernel, the
+    CPU stand-in of its Mosaic GPU / Triton ones, in the same split step, against the oracle."""
+    pytest.importorskip("tokamax")
+    rows = [(30, 30), (1, 45), (5, 60), (12, 12)]
+    q, k, v, clean, cache, md = step(np.random.default_rng(5), rows, 4, 8, 2, 4, 64, jnp.bfloat16)
+    want = _oracle(q, *clean, md.query_start_loc, md.seq_lens, md.block_tables, md.positions, 0.125)
+    backend = attention.prompt_split("tokamax", native.ragged_paged_attention, "tokamax-xla")
+    close(run(backend, q, k, v, cache, md, 0.125), want, jnp.bfloat16)
+
+
+def test_tokamax_lowers_for_cuda(monkeypatch):
+    """tokamax's GPU kernels lowered for CUDA inside the split step, with its own cross-compile
+    switch on (it checks the local device otherwise) and a Hopper's compute capability."""
+    pytest.importorskip("tokamax")
+    from tokamax._src import config, gpu_utils
+
+    monkeypatch.setattr(gpu_utils, "_compute_capability", lambda device=None: 9.0)
+    sd, bf, i32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.int32
+    n, r, kvh, d, ps = 256, 4, 2, 128, 16
+    kernel = functools.partial(ragged_paged_attention, backend="gpu", interpret=False)
+
+    def lowered(backend):
+        def f(q, k, v, cache, slots, bt, sl, qsl, pos):
+            md = backend.metadata(RaggedMetadata(slots, bt, sl, qsl, pos))
+            return backend.forward(q, k, v, cache, md, scale=0.1)
+
+        skip = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+        with config.cross_compile(True):
+            return jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=skip)(*args).mlir_module()
+
+    pages = sd((64, ps, kvh, d), bf)
+    kv = sd((n, kvh, d), bf)
+    args = (sd((n, 4 * kvh, d), bf), kv, kv, (pages, pages), sd((n,), i32), sd((r, 16), i32))
+    args += (sd((r,), i32), sd((r + 1,), i32), sd((n,), i32))
+    calls = "__gpu$xla.gpu.triton"
+    paged_only = lowered(attention.AttentionBackend("pallas", attention.paged_forward(kernel))).count(calls)
+    assert lowered(attention.prompt_split("tokamax", kernel, "tokamax")).count(calls) > paged_only >= 1

@@ -14,6 +14,7 @@ in `pallas_kernels/`; the model, the runner and the engine do not change.
 | `pallas` | `ragged_paged_attention.ragged_paged_attention`: Mosaic (TPU) or Triton (GPU) lowering | TPU / GPU default |
 | `xla` | `reference.ragged_paged_attention_chunked`: a jnp online-softmax loop over pages | anywhere; fp8 pages on the CPU |
 | `cudnn` | fresh prompts: `prompt_attention.dense` (cuDNN's fused attention); the rest: `pallas` | GPU, bf16/fp16 (CPU: XLA stands in) |
+| `tokamax` | the same with tokamax's flash attention (Mosaic GPU, else Triton) for fresh prompts | GPU with PyPI tokamax installed |
 
 Every kernel takes the oracle's arguments (`reference.ragged_paged_attention`), so one adapter
 (`paged_forward`) turns any of them into a backend's forward.
@@ -120,7 +121,10 @@ def prompt_split(name: str, kernel: Callable, implementation: str) -> AttentionB
     return AttentionBackend(name, forward, metadata=prompt_attention.split)
 
 
-IMPLS = ("native", "pallas", "xla", "cudnn")
+# The prompt-split backends: attention_impl -> prompt_attention's implementation (compiled,
+# interpreted: the CPU's stand-in). "tokamax" needs PyPI tokamax (optional).
+PROMPT_IMPLS = {"cudnn": ("cudnn", "xla"), "tokamax": ("tokamax", "tokamax-xla")}
+IMPLS = ("native", "pallas", "xla", *PROMPT_IMPLS)
 
 
 def make(impl: str, interpret: bool = False) -> AttentionBackend:
@@ -132,7 +136,7 @@ def make(impl: str, interpret: bool = False) -> AttentionBackend:
         return AttentionBackend("pallas", paged_forward(functools.partial(_pallas_kernel, interpret=interpret)))
     if impl == "xla":
         return AttentionBackend("xla", paged_forward(reference.ragged_paged_attention_chunked))
-    if impl == "cudnn":
+    if impl in PROMPT_IMPLS:
         kernel = functools.partial(_pallas_kernel, interpret=interpret)
-        return prompt_split("cudnn", kernel, "xla" if interpret else "cudnn")
+        return prompt_split(impl, kernel, PROMPT_IMPLS[impl][interpret])
     raise ValueError(f"attention_impl must be one of {IMPLS}, got {impl!r}")
