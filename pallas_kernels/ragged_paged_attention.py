@@ -345,7 +345,6 @@ def _gpu_kernel(
     *rest,
     page_size: int,
     pages_per_block: int,
-    blocks_per_split: int,
     scale: float,
     quantized: bool,
     split: bool,
@@ -353,12 +352,14 @@ def _gpu_kernel(
 ):
     """One (item, kv head, split) program.
 
-    q_ref [G*bq, D] (the head group's rows of the item); lim_ref [G*bq]; info_ref [2] =
-    (page blocks to read, bound), windowed [4] = (those, the first page block any slot sees, 0)
-    and then start_ref [G*bq] (each row's first visible key) before the pages; bt_ref [Pp]: the item's row of the block table; k_ref/v_ref
+    q_ref [G*bq, D] (the head group's rows of the item); lim_ref [G*bq]; info_ref [4] =
+    (page blocks to read, bound, the first page block any slot sees (0 without a window), page
+    blocks per split for this item); windowed: then start_ref [G*bq] (each row's first visible
+    key) before the pages; bt_ref [Pp]: the item's row of the block table; k_ref/v_ref
     [num_pages, ps, D]: this KV head's view of the whole pool (a pointer); quantized:
-    ks_ref/vs_ref [num_pages, ps]. Split s walks page blocks [s * blocks_per_split, ...) of
-    the item's; split: it writes its unnormalised acc [G*bq, D] and m, l [G*bq] for
+    ks_ref/vs_ref [num_pages, ps]. Split s walks the item's page blocks [first + s * per_split,
+    first + (s + 1) * per_split): a long item uses every split, a short one the first few (the
+    rest see nothing); split: it writes its unnormalised acc [G*bq, D] and m, l [G*bq] for
     combine_splits, else (one split) the normalised output o_ref [G*bq, D].
     """
     start_ref, rest = (rest[0], rest[1:]) if windowed else (None, rest)
@@ -395,10 +396,9 @@ def _gpu_kernel(
         jnp.zeros((rows, 1), jnp.float32),
         jnp.zeros((rows, d), jnp.float32),
     )
-    first = pl.program_id(2) * blocks_per_split
-    last = jnp.minimum(first + blocks_per_split, steps)  # stops at the item's last visible key
-    if windowed:  # and starts at its first
-        first = jnp.maximum(first, info_ref[2])
+    per_split = info_ref[3]
+    first = info_ref[2] + pl.program_id(2) * per_split  # from the item's first block (a window's)
+    last = jnp.minimum(first + per_split, steps)  # to its last visible key
     m, l, acc = lax.fori_loop(first, jnp.maximum(first, last), body, init)
     if split:
         acc_ref, m_ref, l_ref = outs
@@ -436,19 +436,21 @@ def _ragged_gpu(
     n = min(_next_pow2(pages_per_block or max(1, 64 // ps)), _next_pow2(p))
     pp = _next_pow2(p)  # Triton blocks are powers of two; padding entries (page 0) are never read
     span = n * ps
-    splits = gpu_splits(w, kvh, g * bq * d, _cdiv(p, n), num_splits)
-    per_split = _cdiv(_cdiv(p, n), splits)  # page blocks each split walks
+    blocks = _cdiv(p, n)
+    splits = gpu_splits(w, kvh, g * bq * d, blocks, num_splits)
+    if num_splits is None:  # long items of a step with many items (a mixed step's decode rows)
+        splits = max(splits, gpu_long_item_splits(w, kvh, g * bq * d, blocks))
     bt = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, pp - p)))[items.row]  # [W, Pp]
     steps = (items.bound + span - 1) // span
-    info = [steps, items.bound]
-    if windowed:  # a power of two wide, as Triton blocks are
-        info += [items.first // span, jnp.zeros_like(steps)]
-    info = jnp.stack(info, axis=-1).astype(jnp.int32)  # [W, 2], windowed [W, 4]
+    first = items.first // span if windowed else jnp.zeros_like(steps)
+    # each item's own blocks spread evenly over the splits (not the table's width): a row far
+    # shorter than max_model_len still uses every split
+    per_split = jnp.maximum(_cdiv_traced(steps - first, splits), 1)
+    info = jnp.stack([steps, items.bound, first, per_split], axis=-1).astype(jnp.int32)  # [W, 4]
     kernel = functools.partial(
         _gpu_kernel,
         page_size=ps,
         pages_per_block=n,
-        blocks_per_split=per_split,
         scale=scale,
         quantized=quantized,
         split=splits > 1,
@@ -519,6 +521,30 @@ def gpu_splits(items: int, kv_heads: int, item_elems: int, blocks: int, num_spli
     return max(1, min(num_splits, blocks))
 
 
+# A mixed step has too many items for gpu_splits (34 items x 8 KV heads already fill an H200),
+# yet its decode rows each walk their whole context in one program while the chunk's items are
+# short: the step lasts as long as its longest item (docs/kernels.md, "H200 results": 5.8x a
+# split-K decode kernel). So such a step is split too: a split of a full-width item walks at
+# least MIN_BLOCKS_PER_SPLIT page blocks, at most MAX_LONG_ITEM_SPLITS splits, and the partials
+# of every item (the grid is uniform) stay within _MAX_LONG_ITEM_PARTIAL_BYTES; each item
+# spreads its own blocks over the splits (a short one walks a block or none in each).
+MIN_BLOCKS_PER_SPLIT = 4
+MAX_LONG_ITEM_SPLITS = 8
+_MAX_LONG_ITEM_PARTIAL_BYTES = 64 << 20
+
+
+def gpu_long_item_splits(items: int, kv_heads: int, item_elems: int, blocks: int) -> int:
+    """Splits for a step's longest items whatever the item count: enough that an item of
+    `blocks` page blocks (the block table's width) splits into pieces of MIN_BLOCKS_PER_SPLIT,
+    capped by MAX_LONG_ITEM_SPLITS and the partials' bytes."""
+    by_bytes = _MAX_LONG_ITEM_PARTIAL_BYTES // (items * kv_heads * (item_elems + 2) * 4)
+    return max(1, min(MAX_LONG_ITEM_SPLITS, blocks // MIN_BLOCKS_PER_SPLIT, by_bytes))
+
+
+def _cdiv_traced(a: jax.Array, b: int) -> jax.Array:
+    return (a + b - 1) // b
+
+
 # -- public entry points --------------------------------------------------------------------
 
 
@@ -586,8 +612,10 @@ def ragged_paged_attention(
     power of two with G * block_q >= 16), pages_per_block (TPU: pages per grid step, default 128 tokens'
     worth; GPU: pages per loop iteration, default 64 tokens' worth), kv_heads_per_block (TPU;
     default lowering.tpu_kv_heads_per_block), num_warps / num_stages (GPU), num_splits (GPU: split-K, each
-    item's pages cut across that many programs and merged after; default from gpu_splits: several
-    for a small decode batch, 1 for a mixed step). None are tuned on hardware.
+    item's pages cut across that many programs and merged after; default: gpu_splits' (enough
+    programs for a small decode batch) or gpu_long_item_splits' (a mixed step's long items),
+    whichever is larger; each item spreads its own page blocks over them). None are tuned on
+    hardware.
     sliding_window W (None or 0: full attention): token n sees only keys j > positions[n] - W.
     """
     backend, interpret = resolve(backend, interpret)
