@@ -352,9 +352,10 @@ def _gpu_kernel(
 ):
     """One (item, kv head, split) program.
 
-    q_ref [G*bq, D] (the head group's rows of the item); lim_ref [G*bq]; info_ref [4] =
+    q_ref [G*bq, D] (the head group's rows of the item); lim_ref [G*bq]; info_ref [8] =
     (page blocks to read, bound, the first page block any slot sees (0 without a window), page
-    blocks per split for this item); windowed: then start_ref [G*bq] (each row's first visible
+    blocks per split for this item, then [full_from, full_to): the blocks every live slot sees
+    whole, run without masks, 0, 0); windowed: then start_ref [G*bq] (each row's first visible
     key) before the pages; bt_ref [Pp]: the item's row of the block table; k_ref/v_ref
     [num_pages, ps, D]: this KV head's view of the whole pool (a pointer); quantized:
     ks_ref/vs_ref [num_pages, ps]. Split s walks the item's page blocks [first + s * per_split,
@@ -376,19 +377,21 @@ def _gpu_kernel(
     if quantized:
         q = q.astype(jnp.float32)
 
-    def body(it, carry):
+    def body(it, carry, masked=True):
         pages = bt_ref[pl.ds(it * n, n)]
         k = k_ref[pages].reshape(span, d)
         v = v_ref[pages].reshape(span, d)
         if quantized:  # dequantize per token: int8/fp8 times its bfloat16 scale, in float32
             k = k.astype(jnp.float32) * ks_ref[pages].reshape(span, 1).astype(jnp.float32)
             v = v.astype(jnp.float32) * vs_ref[pages].reshape(span, 1).astype(jnp.float32)
+        s = dot_nt(q, k) * scale
+        if not masked:  # every key below every live slot's limit: no NaN slot, nothing hidden
+            return online_softmax_step(*carry, s, None, v)
         kpos = it * span + lax.broadcasted_iota(jnp.int32, (span,), 0)
         v = jnp.where((kpos < bound)[:, None], v, jnp.zeros_like(v))
         mask = kpos[None, :] < limit[:, None]
         if windowed:
             mask = mask & (kpos[None, :] >= start_ref[...][:, None])
-        s = dot_nt(q, k) * scale
         return online_softmax_step(*carry, s, mask, v)
 
     init = (
@@ -398,8 +401,13 @@ def _gpu_kernel(
     )
     per_split = info_ref[3]
     first = info_ref[2] + pl.program_id(2) * per_split  # from the item's first block (a window's)
-    last = jnp.minimum(first + per_split, steps)  # to its last visible key
-    m, l, acc = lax.fori_loop(first, jnp.maximum(first, last), body, init)
+    last = jnp.maximum(first, jnp.minimum(first + per_split, steps))  # to its last visible key
+    # the diagonal's and the window edge's blocks masked, the whole ones between not
+    a = jnp.clip(info_ref[4], first, last)
+    b = jnp.clip(info_ref[5], a, last)
+    carry = lax.fori_loop(first, a, body, init)
+    carry = lax.fori_loop(a, b, functools.partial(body, masked=False), carry)
+    m, l, acc = lax.fori_loop(b, last, body, carry)
     if split:
         acc_ref, m_ref, l_ref = outs
         acc_ref[...] = acc
@@ -446,7 +454,10 @@ def _ragged_gpu(
     # each item's own blocks spread evenly over the splits (not the table's width): a row far
     # shorter than max_model_len still uses every split
     per_split = jnp.maximum(_cdiv_traced(steps - first, splits), 1)
-    info = jnp.stack([steps, items.bound, first, per_split], axis=-1).astype(jnp.int32)  # [W, 4]
+    full_from, full_to = _whole_blocks(items, span)
+    zero = jnp.zeros_like(steps)
+    info = [steps, items.bound, first, per_split, full_from, full_to, zero, zero]  # 8: a power of two
+    info = jnp.stack(info, axis=-1).astype(jnp.int32)  # [W, 8]
     kernel = functools.partial(
         _gpu_kernel,
         page_size=ps,
@@ -519,6 +530,19 @@ def gpu_splits(items: int, kv_heads: int, item_elems: int, blocks: int, num_spli
         num_splits = _cdiv(GPU_TARGET_PROGRAMS, items * kv_heads)
         num_splits = min(num_splits, max(1, _MAX_PARTIAL_BYTES // (items * kv_heads * (item_elems + 2) * 4)))
     return max(1, min(num_splits, blocks))
+
+
+def _whole_blocks(items: WorkItems, span: int) -> tuple[jax.Array, jax.Array]:
+    """[W] page blocks [full_from, full_to) that every slot of the item that sees a key sees
+    whole: past the largest window start, before the smallest limit (the diagonal's block and
+    the context's last are partial). Slots that see nothing are not counted (their rows are
+    never gathered back); an item without such a slot gets an empty range."""
+    live = items.limit > items.start
+    big = jnp.iinfo(jnp.int32).max
+    full_to = jnp.min(jnp.where(live, items.limit, big), axis=1) // span
+    full_from = (jnp.max(jnp.where(live, items.start, 0), axis=1) + span - 1) // span
+    any_live = jnp.any(live, axis=1)
+    return jnp.where(any_live, full_from, 0), jnp.where(any_live, full_to, 0)
 
 
 # A mixed step has too many items for gpu_splits (34 items x 8 KV heads already fill an H200),

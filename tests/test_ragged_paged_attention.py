@@ -296,6 +296,44 @@ def test_work_items_cover_every_token_once(qlens, bq):
     assert (it.bound == it.limit.max(axis=1)).all()
 
 
+_plan_windowed = jax.jit(plan_work_items, static_argnames=("num_tokens", "block_q", "max_keys", "sliding_window"))
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    rows=st.lists(st.tuples(st.integers(0, 70), st.integers(0, 300)), min_size=5, max_size=5),
+    bq=st.sampled_from([1, 16, 64]),
+    span=st.sampled_from([16, 64]),
+    window=st.sampled_from([None, 40]),
+)
+def test_whole_blocks_are_visible_to_every_live_slot(rows, bq, span, window):
+    """The GPU kernel runs the page blocks in [full_from, full_to) without masks: every key in
+    them must be visible to every slot of the item that sees any key (past its window start,
+    before its limit), and an item far from its diagonal must get such blocks."""
+    from pallas_kernels.ragged_paged_attention import _whole_blocks
+
+    qlens = [t for t, _ in rows]
+    ctxs = [t + extra for t, extra in rows]
+    qsl = np.concatenate([[0], np.cumsum(qlens)]).astype(np.int32)
+    n = 360  # static: 5 rows of at most 70 tokens, then padding
+    pos = np.zeros(n, np.int32)
+    for r, (t, c) in enumerate(zip(qlens, ctxs)):
+        pos[qsl[r] : qsl[r + 1]] = c - t + np.arange(t)
+    items = _plan_windowed(
+        jnp.asarray(qsl), jnp.asarray(ctxs, jnp.int32), jnp.asarray(pos), num_tokens=n, block_q=bq,
+        max_keys=1024, sliding_window=window,
+    )  # fmt: skip
+    lo, hi = (np.asarray(x) for x in jax.jit(_whole_blocks, static_argnums=1)(items, span))
+    limit, start = np.asarray(items.limit), np.asarray(items.start)
+    for w in range(limit.shape[0]):
+        live = limit[w] > start[w]
+        if hi[w] > lo[w]:
+            assert live.any()
+            assert (start[w][live] <= lo[w] * span).all() and (limit[w][live] >= hi[w] * span).all()
+        if live.any() and window is None and limit[w][live].min() >= 2 * span:
+            assert hi[w] > lo[w]  # a block wholly below the item's diagonal exists: it is used
+
+
 @pytest.mark.parametrize("quantized", [False, True])
 def test_attention_entry_point(quantized):
     """The backend's forward over this kernel reads the cache tuple and the duck-typed metadata;
