@@ -1,7 +1,7 @@
 """The `cudnn` attention backend (runner/attention.py: prompt_split): fresh prompts through a
 dense fused attention over the step's own k/v, every other row through the paged kernel, in
 one call. On the CPU XLA's `dot_product_attention` stands in for cuDNN (the same code path,
-`implementation="xla"`); the oracle is `reference.ragged_paged_attention` over the whole step.
+`implementation="xla"`); under JAX_PLATFORMS=cuda `test_matches_oracle` runs cuDNN itself. The oracle is `reference.ragged_paged_attention` over the whole step.
 Pages no live context reaches hold NaN. cuDNN itself is checked by lowering for CUDA with
 jax.export: without a GPU the cuDNN path refuses to trace (it asks the CUDA plugin for cuDNN's
 version), so the test answers that one question and lowers the rest for real."""
@@ -65,9 +65,16 @@ def step_rows(draw):
     return rows
 
 
+ON_GPU = jax.default_backend() == "gpu"
+
+
 def hybrid():
-    """The cudnn backend with XLA standing in for cuDNN, over the native paged kernel (fast on
-    the CPU, and it never reads a dead slot: the poisoned pages would show it)."""
+    """The cudnn backend: on a GPU cuDNN itself over the compiled ragged kernel (float32 steps
+    then run wholly on the ragged kernel); elsewhere XLA standing in for cuDNN over the native
+    paged kernel (fast on the CPU, and it never reads a dead slot: the poisoned pages would
+    show it)."""
+    if ON_GPU:
+        return attention.make("cudnn", interpret=False)
     return attention.prompt_split("cudnn", native.ragged_paged_attention, "xla")
 
 

@@ -138,5 +138,5 @@ def make(impl: str, interpret: bool = False) -> AttentionBackend:
         return AttentionBackend("xla", paged_forward(reference.ragged_paged_attention_chunked))
     if impl in PROMPT_IMPLS:
         kernel = functools.partial(_pallas_kernel, interpret=interpret)
-        return prompt_split(impl, kernel, PROMPT_IMPLS[impl][interpret])
+        return prompt_split(impl, kernel, PROMPT_IMPLS[impl][1 if interpret else 0])
     raise ValueError(f"attention_impl must be one of {IMPLS}, got {impl!r}")
