@@ -125,6 +125,8 @@ def prompt_split(name: str, kernel: Callable, implementation: str) -> AttentionB
 # interpreted: the CPU's stand-in). "tokamax" needs PyPI tokamax (optional).
 PROMPT_IMPLS = {"cudnn": ("cudnn", "xla"), "tokamax": ("tokamax", "tokamax-xla")}
 IMPLS = ("native", "pallas", "xla", *PROMPT_IMPLS)
+# backends whose kernels are custom calls: under a mesh they run per chip (shard_attention)
+CUSTOM_CALL_IMPLS = ("native", "pallas", *PROMPT_IMPLS)
 
 
 def make(impl: str, interpret: bool = False) -> AttentionBackend:
