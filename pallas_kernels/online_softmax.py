@@ -35,11 +35,15 @@ def online_softmax_step(m_prev, l_prev, acc_prev, s, mask, v):
     """One block of the streaming softmax: fold scores s [R, C] (float32, already scaled)
     and values v [C, D] into the running max m [R, 1], sum l [R, 1] and accumulator
     acc [R, D]. Masked entries contribute exactly zero, even before the row has seen any
-    visible key (when exp(s - m) would be exp(0) = 1)."""
-    s = jnp.where(mask, s, MASK_VALUE)
+    visible key (when exp(s - m) would be exp(0) = 1). mask None: every entry is visible (a
+    block wholly below every row's diagonal and inside its context), no select is emitted."""
+    if mask is not None:
+        s = jnp.where(mask, s, MASK_VALUE)
     m_new = jnp.maximum(m_prev, jnp.max(s, axis=-1, keepdims=True))
     corr = jnp.exp(m_prev - m_new)
-    p = jnp.where(mask, jnp.exp(s - m_new), 0.0)
+    p = jnp.exp(s - m_new)
+    if mask is not None:
+        p = jnp.where(mask, p, 0.0)
     l_new = l_prev * corr + jnp.sum(p, axis=-1, keepdims=True)
     acc_new = acc_prev * corr + dot_nn(p.astype(v.dtype), v)
     return m_new, l_new, acc_new

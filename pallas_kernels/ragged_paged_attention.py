@@ -345,7 +345,6 @@ def _gpu_kernel(
     *rest,
     page_size: int,
     pages_per_block: int,
-    blocks_per_split: int,
     scale: float,
     quantized: bool,
     split: bool,
@@ -353,12 +352,15 @@ def _gpu_kernel(
 ):
     """One (item, kv head, split) program.
 
-    q_ref [G*bq, D] (the head group's rows of the item); lim_ref [G*bq]; info_ref [2] =
-    (page blocks to read, bound), windowed [4] = (those, the first page block any slot sees, 0)
-    and then start_ref [G*bq] (each row's first visible key) before the pages; bt_ref [Pp]: the item's row of the block table; k_ref/v_ref
+    q_ref [G*bq, D] (the head group's rows of the item); lim_ref [G*bq]; info_ref [8] =
+    (page blocks to read, bound, the first page block any slot sees (0 without a window), page
+    blocks per split for this item, then [full_from, full_to): the blocks every live slot sees
+    whole, run without masks, 0, 0); windowed: then start_ref [G*bq] (each row's first visible
+    key) before the pages; bt_ref [Pp]: the item's row of the block table; k_ref/v_ref
     [num_pages, ps, D]: this KV head's view of the whole pool (a pointer); quantized:
-    ks_ref/vs_ref [num_pages, ps]. Split s walks page blocks [s * blocks_per_split, ...) of
-    the item's; split: it writes its unnormalised acc [G*bq, D] and m, l [G*bq] for
+    ks_ref/vs_ref [num_pages, ps]. Split s walks the item's page blocks [first + s * per_split,
+    first + (s + 1) * per_split): a long item uses every split, a short one the first few (the
+    rest see nothing); split: it writes its unnormalised acc [G*bq, D] and m, l [G*bq] for
     combine_splits, else (one split) the normalised output o_ref [G*bq, D].
     """
     start_ref, rest = (rest[0], rest[1:]) if windowed else (None, rest)
@@ -375,19 +377,21 @@ def _gpu_kernel(
     if quantized:
         q = q.astype(jnp.float32)
 
-    def body(it, carry):
+    def body(it, carry, masked=True):
         pages = bt_ref[pl.ds(it * n, n)]
         k = k_ref[pages].reshape(span, d)
         v = v_ref[pages].reshape(span, d)
         if quantized:  # dequantize per token: int8/fp8 times its bfloat16 scale, in float32
             k = k.astype(jnp.float32) * ks_ref[pages].reshape(span, 1).astype(jnp.float32)
             v = v.astype(jnp.float32) * vs_ref[pages].reshape(span, 1).astype(jnp.float32)
+        s = dot_nt(q, k) * scale
+        if not masked:  # every key below every live slot's limit: no NaN slot, nothing hidden
+            return online_softmax_step(*carry, s, None, v)
         kpos = it * span + lax.broadcasted_iota(jnp.int32, (span,), 0)
         v = jnp.where((kpos < bound)[:, None], v, jnp.zeros_like(v))
         mask = kpos[None, :] < limit[:, None]
         if windowed:
             mask = mask & (kpos[None, :] >= start_ref[...][:, None])
-        s = dot_nt(q, k) * scale
         return online_softmax_step(*carry, s, mask, v)
 
     init = (
@@ -395,11 +399,15 @@ def _gpu_kernel(
         jnp.zeros((rows, 1), jnp.float32),
         jnp.zeros((rows, d), jnp.float32),
     )
-    first = pl.program_id(2) * blocks_per_split
-    last = jnp.minimum(first + blocks_per_split, steps)  # stops at the item's last visible key
-    if windowed:  # and starts at its first
-        first = jnp.maximum(first, info_ref[2])
-    m, l, acc = lax.fori_loop(first, jnp.maximum(first, last), body, init)
+    per_split = info_ref[3]
+    first = info_ref[2] + pl.program_id(2) * per_split  # from the item's first block (a window's)
+    last = jnp.maximum(first, jnp.minimum(first + per_split, steps))  # to its last visible key
+    # the diagonal's and the window edge's blocks masked, the whole ones between not
+    a = jnp.clip(info_ref[4], first, last)
+    b = jnp.clip(info_ref[5], a, last)
+    carry = lax.fori_loop(first, a, body, init)
+    carry = lax.fori_loop(a, b, functools.partial(body, masked=False), carry)
+    m, l, acc = lax.fori_loop(b, last, body, carry)
     if split:
         acc_ref, m_ref, l_ref = outs
         acc_ref[...] = acc
@@ -436,19 +444,24 @@ def _ragged_gpu(
     n = min(_next_pow2(pages_per_block or max(1, 64 // ps)), _next_pow2(p))
     pp = _next_pow2(p)  # Triton blocks are powers of two; padding entries (page 0) are never read
     span = n * ps
-    splits = gpu_splits(w, kvh, g * bq * d, _cdiv(p, n), num_splits)
-    per_split = _cdiv(_cdiv(p, n), splits)  # page blocks each split walks
+    blocks = _cdiv(p, n)
+    splits = gpu_splits(w, kvh, g * bq * d, blocks, num_splits)
+    if num_splits is None:  # long items of a step with many items (a mixed step's decode rows)
+        splits = max(splits, gpu_long_item_splits(w, kvh, g * bq * d, blocks))
     bt = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, pp - p)))[items.row]  # [W, Pp]
     steps = (items.bound + span - 1) // span
-    info = [steps, items.bound]
-    if windowed:  # a power of two wide, as Triton blocks are
-        info += [items.first // span, jnp.zeros_like(steps)]
-    info = jnp.stack(info, axis=-1).astype(jnp.int32)  # [W, 2], windowed [W, 4]
+    first = items.first // span if windowed else jnp.zeros_like(steps)
+    # each item's own blocks spread evenly over the splits (not the table's width): a row far
+    # shorter than max_model_len still uses every split
+    per_split = jnp.maximum(_cdiv_traced(steps - first, splits), 1)
+    full_from, full_to = _whole_blocks(items, span)
+    zero = jnp.zeros_like(steps)
+    info = [steps, items.bound, first, per_split, full_from, full_to, zero, zero]  # 8: a power of two
+    info = jnp.stack(info, axis=-1).astype(jnp.int32)  # [W, 8]
     kernel = functools.partial(
         _gpu_kernel,
         page_size=ps,
         pages_per_block=n,
-        blocks_per_split=per_split,
         scale=scale,
         quantized=quantized,
         split=splits > 1,
@@ -519,6 +532,43 @@ def gpu_splits(items: int, kv_heads: int, item_elems: int, blocks: int, num_spli
     return max(1, min(num_splits, blocks))
 
 
+def _whole_blocks(items: WorkItems, span: int) -> tuple[jax.Array, jax.Array]:
+    """[W] page blocks [full_from, full_to) that every slot of the item that sees a key sees
+    whole: past the largest window start, before the smallest limit (the diagonal's block and
+    the context's last are partial). Slots that see nothing are not counted (their rows are
+    never gathered back); an item without such a slot gets an empty range."""
+    live = items.limit > items.start
+    big = jnp.iinfo(jnp.int32).max
+    full_to = jnp.min(jnp.where(live, items.limit, big), axis=1) // span
+    full_from = (jnp.max(jnp.where(live, items.start, 0), axis=1) + span - 1) // span
+    any_live = jnp.any(live, axis=1)
+    return jnp.where(any_live, full_from, 0), jnp.where(any_live, full_to, 0)
+
+
+# A mixed step has too many items for gpu_splits (34 items x 8 KV heads already fill an H200),
+# yet its decode rows each walk their whole context in one program while the chunk's items are
+# short: the step lasts as long as its longest item (docs/kernels.md, "H200 results": 5.8x a
+# split-K decode kernel). So such a step is split too: a split of a full-width item walks at
+# least MIN_BLOCKS_PER_SPLIT page blocks, at most MAX_LONG_ITEM_SPLITS splits, and the partials
+# of every item (the grid is uniform) stay within _MAX_LONG_ITEM_PARTIAL_BYTES; each item
+# spreads its own blocks over the splits (a short one walks a block or none in each).
+MIN_BLOCKS_PER_SPLIT = 4
+MAX_LONG_ITEM_SPLITS = 8
+_MAX_LONG_ITEM_PARTIAL_BYTES = 64 << 20
+
+
+def gpu_long_item_splits(items: int, kv_heads: int, item_elems: int, blocks: int) -> int:
+    """Splits for a step's longest items whatever the item count: enough that an item of
+    `blocks` page blocks (the block table's width) splits into pieces of MIN_BLOCKS_PER_SPLIT,
+    capped by MAX_LONG_ITEM_SPLITS and the partials' bytes."""
+    by_bytes = _MAX_LONG_ITEM_PARTIAL_BYTES // (items * kv_heads * (item_elems + 2) * 4)
+    return max(1, min(MAX_LONG_ITEM_SPLITS, blocks // MIN_BLOCKS_PER_SPLIT, by_bytes))
+
+
+def _cdiv_traced(a: jax.Array, b: int) -> jax.Array:
+    return (a + b - 1) // b
+
+
 # -- public entry points --------------------------------------------------------------------
 
 
@@ -586,8 +636,10 @@ def ragged_paged_attention(
     power of two with G * block_q >= 16), pages_per_block (TPU: pages per grid step, default 128 tokens'
     worth; GPU: pages per loop iteration, default 64 tokens' worth), kv_heads_per_block (TPU;
     default lowering.tpu_kv_heads_per_block), num_warps / num_stages (GPU), num_splits (GPU: split-K, each
-    item's pages cut across that many programs and merged after; default from gpu_splits: several
-    for a small decode batch, 1 for a mixed step). None are tuned on hardware.
+    item's pages cut across that many programs and merged after; default: gpu_splits' (enough
+    programs for a small decode batch) or gpu_long_item_splits' (a mixed step's long items),
+    whichever is larger; each item spreads its own page blocks over them). None are tuned on
+    hardware.
     sliding_window W (None or 0: full attention): token n sees only keys j > positions[n] - W.
     """
     backend, interpret = resolve(backend, interpret)

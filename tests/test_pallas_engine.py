@@ -27,8 +27,21 @@ def _prompts() -> list[list[int]]:
     return prompts + [shared + [5, 6, 7], shared + [9, 10, 11, 12]]
 
 
+def _greedy(llm, prompts, params) -> list[list[int]]:
+    """All prompts but the last in one batch, then the last (a prefix-cache hit on the one before)."""
+    got = [r.token_ids for r in llm.generate(prompts[:-1], params)]
+    return got + [r.token_ids for r in llm.generate(prompts[-1:], params)]
+
+
+@pytest.fixture(scope="module")
+def xla_greedy(tok_model) -> list[list[int]]:
+    """The XLA path's greedy tokens for _prompts(), the reference of the tests below."""
+    params = SamplingParams(max_tokens=8, **GREEDY)
+    return _greedy(LLM(tok_model[0], attention_impl="xla", **ENGINE, **COLD), _prompts(), params)
+
+
 @pytest.mark.parametrize("backend", ["tpu", "gpu"])
-def test_pallas_engine_matches_xla_greedy(tok_model, backend, monkeypatch):
+def test_pallas_engine_matches_xla_greedy(tok_model, xla_greedy, backend, monkeypatch):
     import pallas_kernels.lowering as lowering
     import pallas_kernels.ragged_paged_attention as rpa
 
@@ -42,16 +55,10 @@ def test_pallas_engine_matches_xla_greedy(tok_model, backend, monkeypatch):
         return real(*args, **kw)
 
     monkeypatch.setattr(rpa, "ragged_paged_attention", spy)
-    d = tok_model[0]
-    prompts = _prompts()
-    params = SamplingParams(max_tokens=8, **GREEDY)
-    xla = LLM(d, attention_impl="xla", **ENGINE, **COLD)
-    want = [r.token_ids for r in xla.generate(prompts[:-1], params)]
-    want += [r.token_ids for r in xla.generate(prompts[-1:], params)]
-    pallas = LLM(d, attention_impl="pallas", interpret=True, **ENGINE)
+    want = xla_greedy
+    pallas = LLM(tok_model[0], attention_impl="pallas", interpret=True, **ENGINE)
     assert pallas.runner.attention_impl == "pallas"
-    got = [r.token_ids for r in pallas.generate(prompts[:-1], params)]
-    got += [r.token_ids for r in pallas.generate(prompts[-1:], params)]  # after the first: a prefix hit
+    got = _greedy(pallas, _prompts(), SamplingParams(max_tokens=8, **GREEDY))  # the last: a prefix hit
     assert got == want
     assert pallas.prefix_cache.hit_tokens > 0, "the prefix-hit path was not exercised"
     assert pallas.compiles_since_warmup() == 0
@@ -73,3 +80,27 @@ def test_pallas_speculative_verify_matches_xla(tok_model):
     got = [r.token_ids for r in pallas.generate(prompts, params)]
     assert got == want
     assert pallas.spec_stats.steps > 0, "no verification step ran"
+
+
+def test_cudnn_engine_matches_xla_greedy(tok_model, xla_greedy, monkeypatch):
+    """attention_impl="cudnn" (fresh prompts through the dense fused attention, XLA standing in
+    for cuDNN on the CPU; chunks after a cached prefix, prefix hits and decode through the
+    interpreted Pallas kernel) gives the XLA path's greedy tokens, with no compile after warm-up."""
+    from pallas_kernels import prompt_attention
+
+    traced = []
+    real = prompt_attention.dense
+
+    def spy(q, *args, **kw):  # trace time: the steps that carry fresh prompts went through it
+        traced.append(kw["implementation"])
+        return real(q, *args, **kw)
+
+    monkeypatch.setattr(prompt_attention, "dense", spy)
+    want = xla_greedy
+    hybrid = LLM(tok_model[0], attention_impl="cudnn", interpret=True, **ENGINE)
+    assert hybrid.runner.attention_impl == "cudnn"
+    got = _greedy(hybrid, _prompts(), SamplingParams(max_tokens=8, **GREEDY))
+    assert got == want
+    assert hybrid.prefix_cache.hit_tokens > 0, "the prefix-hit path was not exercised"
+    assert hybrid.compiles_since_warmup() == 0
+    assert traced and set(traced) == {"xla"}

@@ -32,7 +32,7 @@ from pallas_kernels.ragged_paged_attention import plan_work_items, ragged_paged_
 # JAX_PLATFORMS=cuda) and is interpreted elsewhere. On a GPU the TPU lowering would only be
 # interpreted again, so that run checks the Triton kernel alone.
 BACKENDS = ["gpu"] if jax.default_backend() == "gpu" else ["tpu", "gpu"]
-_oracle = jax.jit(reference.ragged_paged_attention, static_argnums=7)
+_oracle = jax.jit(reference.ragged_paged_attention, static_argnums=7, static_argnames="sliding_window")
 
 
 def attention(q, k, v, kv_pages, md, *, scale, **knobs):
@@ -167,6 +167,52 @@ def test_gpu_splits_policy():
     assert gpu_splits(1, 8, 16 * 128, blocks=64, num_splits=5) == 5
 
 
+def test_gpu_long_item_splits_policy():
+    """A step with many items still splits its long items: the H200's mixed step (16 decode
+    rows at 4,096 keys + a 256-token chunk: 34 items x 8 KV heads) gets 7 splits where
+    gpu_splits gives 1; none for tables too narrow to split; the partials' bytes cap it."""
+    from pallas_kernels.ragged_paged_attention import MIN_BLOCKS_PER_SPLIT, gpu_long_item_splits
+
+    assert gpu_long_item_splits(34, 8, 64 * 128, blocks=64) == 7  # 64 MiB / 9.1 MB a split
+    assert gpu_long_item_splits(4, 2, 16 * 64, blocks=64) == 8  # at most MAX_LONG_ITEM_SPLITS
+    assert gpu_long_item_splits(4, 2, 16 * 64, blocks=2 * MIN_BLOCKS_PER_SPLIT) == 2
+    assert gpu_long_item_splits(4, 2, 16 * 64, blocks=MIN_BLOCKS_PER_SPLIT - 1) == 1
+    assert gpu_long_item_splits(512, 8, 64 * 128, blocks=64) == 1
+
+
+def test_gpu_mixed_step_splits_long_items(monkeypatch):
+    """A mixed step past the programs target (here a target of 1, so gpu_splits gives 1) takes
+    the long-item splits: decode rows over long contexts, a chunk, a verify row, an empty row
+    and padding, each item spreading its own page blocks over the splits, against the oracle;
+    the merge of the partials runs (the split path was taken)."""
+    import pallas_kernels.ragged_paged_attention as rpa
+
+    monkeypatch.setattr(rpa, "GPU_TARGET_PROGRAMS", 1)
+    merged = []
+    real = rpa.combine_splits
+    monkeypatch.setattr(rpa, "combine_splits", lambda acc, *a: merged.append(acc.shape[0]) or real(acc, *a))
+    rng = np.random.default_rng(8)
+    qlens, ctxs = [1, 40, 1, 4, 0, 1], [1900, 40, 600, 700, 0, 33]
+    q, k, v, kb, vb, meta = ragged_batch(rng, qlens, ctxs, 5, 16, 2, 2, 64, jnp.float32)
+    want = _oracle(q, k, v, *_args(meta), 0.125)
+    got = ragged_paged_attention(q, kb, vb, *_args(meta), 0.125, backend="gpu", interpret=True, pages_per_block=2)
+    close(got, want, jnp.float32)
+    assert merged and merged[0] == 8  # 1,900 keys at 2 pages a block: 60 blocks, 8 splits
+
+
+def test_gpu_windowed_split_k():
+    """Split-K over a windowed layer: each item's splits cover its blocks from its first
+    visible one (the window's), not from key 0."""
+    rng = np.random.default_rng(9)
+    qlens, ctxs = [1, 3, 1], [1500, 800, 90]
+    q, k, v, kb, vb, meta = ragged_batch(rng, qlens, ctxs, 2, 16, 2, 4, 64, jnp.float32)
+    want = _oracle(q, k, v, *_args(meta), 0.125, sliding_window=300)
+    got = ragged_paged_attention(
+        q, kb, vb, *_args(meta), 0.125, backend="gpu", interpret=True, num_splits=4, sliding_window=300
+    )
+    close(got, want, jnp.float32)
+
+
 def _quantized(rng, qlens, ctxs, ps, kvh, ratio, d, kind):
     """An 8-bit pool (reference.quantize_kv) with NaN scales wherever no live context reaches:
     (q, clean cache tuple, poisoned cache tuple, meta)."""
@@ -248,6 +294,44 @@ def test_work_items_cover_every_token_once(qlens, bq):
     assert (it.token_item[tok] == w_idx).all() and (it.token_slot[tok] == s_idx).all()
     assert (it.valid == live).all()
     assert (it.bound == it.limit.max(axis=1)).all()
+
+
+_plan_windowed = jax.jit(plan_work_items, static_argnames=("num_tokens", "block_q", "max_keys", "sliding_window"))
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    rows=st.lists(st.tuples(st.integers(0, 70), st.integers(0, 300)), min_size=5, max_size=5),
+    bq=st.sampled_from([1, 16, 64]),
+    span=st.sampled_from([16, 64]),
+    window=st.sampled_from([None, 40]),
+)
+def test_whole_blocks_are_visible_to_every_live_slot(rows, bq, span, window):
+    """The GPU kernel runs the page blocks in [full_from, full_to) without masks: every key in
+    them must be visible to every slot of the item that sees any key (past its window start,
+    before its limit), and an item far from its diagonal must get such blocks."""
+    from pallas_kernels.ragged_paged_attention import _whole_blocks
+
+    qlens = [t for t, _ in rows]
+    ctxs = [t + extra for t, extra in rows]
+    qsl = np.concatenate([[0], np.cumsum(qlens)]).astype(np.int32)
+    n = 360  # static: 5 rows of at most 70 tokens, then padding
+    pos = np.zeros(n, np.int32)
+    for r, (t, c) in enumerate(zip(qlens, ctxs)):
+        pos[qsl[r] : qsl[r + 1]] = c - t + np.arange(t)
+    items = _plan_windowed(
+        jnp.asarray(qsl), jnp.asarray(ctxs, jnp.int32), jnp.asarray(pos), num_tokens=n, block_q=bq,
+        max_keys=1024, sliding_window=window,
+    )  # fmt: skip
+    lo, hi = (np.asarray(x) for x in jax.jit(_whole_blocks, static_argnums=1)(items, span))
+    limit, start = np.asarray(items.limit), np.asarray(items.start)
+    for w in range(limit.shape[0]):
+        live = limit[w] > start[w]
+        if hi[w] > lo[w]:
+            assert live.any()
+            assert (start[w][live] <= lo[w] * span).all() and (limit[w][live] >= hi[w] * span).all()
+        if live.any() and window is None and limit[w][live].min() >= 2 * span:
+            assert hi[w] > lo[w]  # a block wholly below the item's diagonal exists: it is used
 
 
 @pytest.mark.parametrize("quantized", [False, True])
@@ -366,3 +450,19 @@ def test_compiled_lowerings_block_q(backend, platform, block_q):
 
     args = (sd((64, 4, 64), bf), pages, pages, sd((5,), i32), sd((4,), i32), sd((4, 9), i32), sd((64,), i32))
     assert ("tpu_custom_call" if backend == "tpu" else "triton") in export_for(platform, f, *args).mlir_module()
+
+
+def test_compiled_lowering_mixed_step_splits():
+    """A mixed step past the programs target (49 items x 8 KV heads over 4,096-key tables)
+    lowers to Triton with the long-item splits its default takes (5 here)."""
+    from pallas_kernels.ragged_paged_attention import gpu_long_item_splits
+
+    assert gpu_long_item_splits(49, 8, 64 * 128, blocks=64) == 5
+    sd, bf, i32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.int32
+    pages = sd((600, 16, 8, 128), bf)
+
+    def f(q, kp, vp, qsl, sl, bt, pos):
+        return ragged_paged_attention(q, kp, vp, qsl, sl, bt, pos, 0.1, backend="gpu", interpret=False)
+
+    args = (sd((512, 32, 128), bf), pages, pages, sd((18,), i32), sd((17,), i32), sd((17, 256), i32), sd((512,), i32))
+    assert "triton" in export_for("cuda", f, *args).mlir_module()

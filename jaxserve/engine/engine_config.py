@@ -94,8 +94,9 @@ class EngineConfig:
     )
     attention_impl: str | None = option(
         None,
-        "attention kernel (default: pallas on TPU/GPU, native on the CPU)",
-        choices=("xla", "pallas", "native"),
+        "attention kernel (default: pallas on TPU/GPU, native on the CPU; cudnn / tokamax: fresh "
+        "prompts through cuDNN's / tokamax's fused attention on a GPU, the rest through pallas)",
+        choices=("xla", "pallas", "native", "cudnn", "tokamax"),
     )
     # native: weights packed into panels, streamed by the C++ kernel.
     matmul_impl: str | None = option(

@@ -408,7 +408,7 @@ class _Weights:
         self.huge_pages = host_memory.advise_huge_pages_in_background((self.params, self.kv))  # CPU buffers only
         self.backend = attention.make(rc.attention_impl, rc.interpret)
         self.argmax = default_argmax(mesh)
-        if mesh is not None and rc.attention_impl in ("pallas", "native"):  # custom calls XLA cannot split
+        if mesh is not None and rc.attention_impl in attention.CUSTOM_CALL_IMPLS:  # XLA cannot split them
             from jaxserve.parallel import sharding as shd
 
             self.backend = self.backend.wrap(lambda fn: shd.shard_attention(fn, cfg, mesh))

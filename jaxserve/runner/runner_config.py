@@ -10,6 +10,7 @@ here, at start, with a ValueError naming the option.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 
 import jax
 import jax.numpy as jnp
@@ -227,6 +228,10 @@ def _resolve_attention(cfg, backend: str, kv_cache_dtype: str) -> str:
         if backend != "cpu" or not native.available():
             why = "it runs on the CPU only" if backend != "cpu" else native.unavailable_reason()
             raise ValueError(f"attention_impl='native' is unavailable here: {why}")
+    if cfg.attention_impl in ("cudnn", "tokamax") and backend == "tpu":
+        raise ValueError(f"attention_impl={cfg.attention_impl!r} needs a GPU (the CPU runs it with XLA standing in)")
+    if cfg.attention_impl == "tokamax" and importlib.util.find_spec("tokamax") is None:
+        raise ValueError("attention_impl='tokamax' needs the tokamax package (pip install tokamax)")
     attention_impl = cfg.attention_impl or default_attention(backend)
     if kv_cache_dtype == "fp8" and attention_impl == "native":
         if cfg.attention_impl == "native":
