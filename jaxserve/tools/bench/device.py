@@ -78,7 +78,10 @@ def make_plan(rehearse: bool, engine_opts: dict | None = None) -> dict:
         probes = {"copy_bytes": 4 << 30, "gemm_n": 8192, "reps": 5}
         attn = {"heads": 32, "kv_heads": 8, "head_dim": 128, "prefill": [2048, 8192], "reps": 5}
         ragged = ["64x4096+0", "1x8192+0", "16x4096+256"]
-        engine = {"dtype": "bfloat16", "max_slots": 64, "max_model_len": 8192 + 256, "kv_cache_memory_bytes": 16 << 30}
+        # two token buckets (64: decode of up to 64 rows; 512: prompt chunks): each bucket an 8B
+        # step compiles costs tens of seconds of the lease
+        engine = {"dtype": "bfloat16", "max_slots": 64, "max_model_len": 8192 + 256,
+                  "kv_cache_memory_bytes": 16 << 30, "token_buckets": [64, 512]}  # fmt: skip
         work = {"ttft_prompts": [2048, 8192], "tpot_prompt": 512, "tpot_tokens": 64, "slots": 64,
                 "throughput_prompt": 1024, "throughput_tokens": 128, "trace_steps": 20, "generate_batches": [1, 64]}  # fmt: skip
     engine = {**engine, "enable_prefix_caching": False, **(engine_opts or {})}  # every prompt is prefilled

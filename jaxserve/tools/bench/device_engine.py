@@ -120,11 +120,10 @@ def run_engine(plan: dict, rec: Record, out_dir: str) -> None:
         "config": {"requests": slots, "prompt": plen, "tokens": olen},
     }
     _guarded(rec, base, lambda: _throughput(llm, rng, slots, plen, olen, vocab))
-    base = {"name": "engine decode step", "impl": "jaxserve",
-            "config": {"rows": slots, "context": plen, "steps": plan["trace_steps"]},
-            "bytes": weight_bytes + kv_token * slots * (plen + plan["trace_steps"] // 2 + 4)}  # fmt: skip
+    base = {"name": "engine decode step", "impl": "jaxserve", "config": {"rows": slots, "steps": plan["trace_steps"]}}
     keep = str(Path(out_dir) / "engine-trace.perfetto.json.gz")
-    _guarded(rec, base, lambda: _step_shares(llm, rng, slots, plen, plan["trace_steps"], vocab, keep))
+    sizes = (weight_bytes, kv_token)
+    _guarded(rec, base, lambda: _step_shares(llm, rng, slots, plen, plan["trace_steps"], vocab, keep, sizes))
 
 
 def _guarded(rec: Record, base: dict, measure) -> None:
@@ -162,18 +161,23 @@ def _throughput(llm, rng, slots: int, plen: int, olen: int, vocab: int) -> dict:
     return {"ms": 1e3 * wall, "timing": "wall-clock", "output_tok_s": slots * olen / wall}
 
 
-def _step_shares(llm, rng, slots: int, plen: int, steps: int, vocab: int, keep: str) -> dict:
-    """`steps` decode steps of `slots` rows under the profiler: wall, host CPU by phase, device busy."""
+def _step_shares(llm, rng, slots: int, plen: int, steps: int, vocab: int, keep: str, sizes: tuple[int, int]) -> dict:
+    """`steps` decode steps of `slots` rows under the profiler: wall, host CPU by phase, device busy;
+    the bytes a step reads: the weights and the rows' live KV (their mean length over the steps)."""
     from jaxserve.engine.request import SamplingParams
     from jaxserve.runner.host_times import HostTimes
     from jaxserve.tools.bench.host import _steady
 
-    params = SamplingParams(max_tokens=steps + 16, ignore_eos=True, temperature=0.0)
+    # long enough that the first admitted is still decoding when the last one's prefill ends
+    params = SamplingParams(max_tokens=llm.max_model_len - plen - 1, ignore_eos=True, temperature=0.0)
     ids = [llm.add_request(p, params) for p in _prompts(rng, slots, plen, vocab)]
     _steady(llm)
+    if len(llm.scheduler.running) != slots:
+        raise ValueError(f"only {len(llm.scheduler.running)} of {slots} requests decode at once")
     times = HostTimes()
     llm.core.time_host(times)
     cpu = []
+    live = [sum(seq.length for seq in llm.scheduler.running)]
 
     def run():
         c0 = time.thread_time()
@@ -184,13 +188,16 @@ def _step_shares(llm, rng, slots: int, plen: int, steps: int, vocab: int, keep: 
     with traced(keep=keep) as t:
         t.call("engine steps", run)
     llm.core.time_host(None)
+    live.append(sum(seq.length for seq in llm.scheduler.running))
     for rid in ids:
         llm.abort(rid)
     while llm.has_unfinished():
         llm.step()
     wall = t.wall_ms["engine steps"][0] / steps
     device, clock = t.times("engine steps")
-    row = {"ms": wall, "timing": "wall-clock", "host_cpu_ms": 1e3 * cpu[0] / steps,
+    weight_bytes, kv_token = sizes
+    row = {"ms": wall, "timing": "wall-clock", "host_cpu_ms": 1e3 * cpu[0] / steps, "live_tokens": sum(live) / 2,
+           "bytes": weight_bytes + int(kv_token * sum(live) / 2),
            "phases_ms": {k: 1e3 * v / steps for k, v in times.seconds.items()},
            "device_busy_ms": device[0] / steps if clock == "device-trace" else None,
            "device_timing": clock, "trace_error": t.trace_error,
