@@ -129,3 +129,18 @@ def test_only_rejects_an_unknown_section(tmp_path, capsys):
 
     assert cli.main(["bench", "device", "--only", "probes,gpu", "--out", str(tmp_path)]) == 2
     assert "unknown section" in capsys.readouterr().err
+
+
+def test_a_section_over_its_budget_is_killed_and_the_json_still_written(tmp_path):
+    """The engine section cannot load in 6 s: it is killed at its budget, and device.json says so."""
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "jaxserve.cli", "bench", "device", "--rehearse", "--only", "engine", "--budget-s", "6",
+         "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert time.monotonic() - t0 < 30
+    sec = json.loads((tmp_path / device.JSON_NAME).read_text())["sections"]["engine"]
+    assert sec["rc"] is None and "killed at its budget of 6 s" in sec["error"]
+    assert 6 <= sec["seconds"] < 10

@@ -41,6 +41,9 @@ SHARES = {  # what each section took in rehearsals (the CPU) and is expected to 
     "rehearse": {"probes": 0.06, "kernels": 0.31, "engine": 0.37, "torch": 0.26},
 }
 SOFT = 0.85  # a section starts no new figure after this share of its budget; it is killed at all of it
+# On an accelerator the sections share jax's persistent compilation cache: a second run on the same
+# machine (a rerun inside one lease) skips the 8B model's compiles.
+XLA_CACHE = "/tmp/jaxserve-device-xla-cache"
 JSON_NAME = "device.json"
 
 
@@ -116,7 +119,9 @@ def bound(row: dict, probes: dict) -> None:
             row["device_fraction_of_bound"] = options[kind] / row["device_busy_ms"]
 
 
-def _section(name: str, plan: dict, budget_s: float, out_dir: Path, tmp: Path) -> tuple[dict, list[dict]]:
+def _section(
+    name: str, plan: dict, budget_s: float, out_dir: Path, tmp: Path, rehearse: bool
+) -> tuple[dict, list[dict]]:
     """Run one section in a child process with a hard limit of budget_s; (its fields, its figures)."""
     plan_file, rec_file = tmp / f"{name}.plan.json", tmp / f"{name}.json"
     plan_file.write_text(json.dumps(plan))
@@ -124,7 +129,10 @@ def _section(name: str, plan: dict, budget_s: float, out_dir: Path, tmp: Path) -
            str(SOFT * budget_s), str(out_dir)]  # fmt: skip
     t0, fields = time.monotonic(), {"budget_s": budget_s}
     try:
-        proc = subprocess.run(cmd, timeout=budget_s, stdin=subprocess.DEVNULL)
+        env = dict(os.environ)
+        if not rehearse:
+            env.setdefault("JAX_COMPILATION_CACHE_DIR", XLA_CACHE)
+        proc = subprocess.run(cmd, timeout=budget_s, stdin=subprocess.DEVNULL, env=env)
         fields["rc"] = proc.returncode
         if proc.returncode:
             fields["error"] = f"the section's process exited with {proc.returncode} (its output is in the log)"
@@ -168,7 +176,7 @@ def run(args, argv) -> dict:
         for name in only:
             budget = total * shares[name] / share
             print(f"== {name}: budget {budget:.0f} s", flush=True)
-            fields, rows = _section(name, plan[name], budget, out_dir, Path(tmp))
+            fields, rows = _section(name, plan[name], budget, out_dir, Path(tmp), args.rehearse)
             probes = fields.get("probes") or probes
             doc["sections"][name] = fields
             doc["measurements"] += rows

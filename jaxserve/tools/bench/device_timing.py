@@ -103,7 +103,8 @@ class Timer:
     def times(self, label: str) -> tuple[list[float], str]:
         """(ms of each call, the clock: DEVICE_TRACE or WALL_CLOCK)."""
         dev = self.device.get(label)
-        if dev and len(dev) == len(self.wall_ms.get(label, ())):
+        # every call must have device time: none inside a window means the trace's clocks did not line up
+        if dev and len(dev) == len(self.wall_ms.get(label, ())) and min(dev) > 0:
             return dev, DEVICE_TRACE
         return self.wall_ms.get(label, []), WALL_CLOCK
 

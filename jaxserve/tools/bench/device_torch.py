@@ -103,8 +103,14 @@ def _sdpa(torch, plan, rec, clock, device, dtype) -> None:
 
             def measure(backend=backend):
                 with sdpa_kernel([backend]):
-                    times = _best(clock, lambda: sdpa(q, k, v, is_causal=True, enable_gqa=True), plan["reps"])
-                return {"ms": statistics.median(times), "timing": clock.name}
+                    try:
+                        times = _best(clock, lambda: sdpa(q, k, v, is_causal=True, enable_gqa=True), plan["reps"])
+                        gqa = "enable_gqa"
+                    except RuntimeError:  # a backend without GQA: K and V repeated per query head, untimed
+                        ke, ve = (x.repeat_interleave(h // kvh, dim=1) for x in (k, v))
+                        times = _best(clock, lambda: sdpa(q, ke, ve, is_causal=True), plan["reps"])
+                        gqa = "repeated"
+                return {"ms": statistics.median(times), "timing": clock.name, "gqa": gqa}
 
             _add(rec, {"name": "prefill", "impl": name, "config": config, "bytes": nbytes, "flops": flops}, measure)
 
