@@ -135,40 +135,57 @@ def _cell(rec: Record, t, name: str, impl: str, config: dict, fn, args, want, nb
 
 
 def run_kernels(plan: dict, rec: Record) -> None:
-    """Prefill at each of plan["prefill"] and each plan["ragged"] step; see the module's doc."""
+    """Each plan["ragged"] step (the engine's kernel: decode first, a lease's first concern), then
+    prefill at each of plan["prefill"]; see the module's doc."""
     import jax
-    import jax.numpy as jnp
-    import numpy as np
 
-    from jaxserve.tools.bench.kernels import _ragged_steps, ragged_case, ragged_implementations
-    from pallas_kernels import reference
+    from jaxserve.tools.bench.kernels import ragged_implementations
 
-    dtype, reps = _dtype(plan), plan["reps"]
-    heads, kv_heads, d = plan["heads"], plan["kv_heads"], plan["head_dim"]
-    scale = 1 / math.sqrt(d)
     ragged = ragged_implementations(jax.default_backend())
     with traced() as t:
-        for s in plan["prefill"]:
-            keys = jax.random.split(jax.random.PRNGKey(s), 3)
-            q = jax.random.normal(keys[0], (1, s, heads, d), dtype)
-            k, v = (jax.random.normal(kk, (1, s, kv_heads, d), dtype) for kk in keys[1:])
-            want = jax.jit(prefill_implementations(scale)["xla"])(q, k, v).astype(jnp.float32)
-            impls = {**prefill_implementations(scale), **{f"jaxserve-{n}": _ragged_prefill(f, scale) for n, f in ragged.items()}}  # fmt: skip
-            nbytes, flops = 2 * q.nbytes + k.nbytes + v.nbytes, 4 * heads * d * s * (s + 1) // 2
-            config = {"tokens": s, "heads": heads, "kv_heads": kv_heads, "head_dim": d, "dtype": dtype.name}
-            for impl, fn in impls.items():
-                _cell(rec, t, "prefill", impl, config, fn, (q, k, v), want, nbytes, flops, reps)
-        oracle = jax.jit(reference.ragged_paged_attention, static_argnums=7)
-        rng = np.random.default_rng(1)
-        for rows, ctx, tok, c in _ragged_steps(plan["ragged"]):
-            args, nbytes, flops, config = ragged_case(rows, ctx, tok, c, heads, kv_heads, d, dtype, rng)
-            want = oracle(*args, scale).astype(jnp.float32)
-            for impl, fn in ragged.items():
-                f = functools.partial(fn, scale=scale)
-                _cell(rec, t, "ragged step", f"jaxserve-{impl}", config, f, args, want, nbytes, flops, reps)
+        _ragged_cells(plan, rec, t, ragged)
+        _prefill_cells(plan, rec, t, ragged)
     for row in rec.rows:  # the device's clock, now that the trace is read
         if "_label" in row:
             times, row["timing"] = t.times(row.pop("_label"))
             row["ms"] = statistics.median(times)
     rec.extra["trace_error"] = t.trace_error
     rec.flush()
+
+
+def _ragged_cells(plan: dict, rec: Record, t, ragged: dict) -> None:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxserve.tools.bench.kernels import _ragged_steps, ragged_case
+    from pallas_kernels import reference
+
+    dtype, heads, kv_heads, d = _dtype(plan), plan["heads"], plan["kv_heads"], plan["head_dim"]
+    scale = 1 / math.sqrt(d)
+    oracle = jax.jit(reference.ragged_paged_attention, static_argnums=7)
+    rng = np.random.default_rng(1)
+    for rows, ctx, tok, c in _ragged_steps(plan["ragged"]):
+        args, nbytes, flops, config = ragged_case(rows, ctx, tok, c, heads, kv_heads, d, dtype, rng)
+        want = oracle(*args, scale).astype(jnp.float32)
+        for impl, fn in ragged.items():
+            f = functools.partial(fn, scale=scale)
+            _cell(rec, t, "ragged step", f"jaxserve-{impl}", config, f, args, want, nbytes, flops, plan["reps"])
+
+
+def _prefill_cells(plan: dict, rec: Record, t, ragged: dict) -> None:
+    import jax
+    import jax.numpy as jnp
+
+    dtype, heads, kv_heads, d = _dtype(plan), plan["heads"], plan["kv_heads"], plan["head_dim"]
+    scale = 1 / math.sqrt(d)
+    for s in plan["prefill"]:
+        keys = jax.random.split(jax.random.PRNGKey(s), 3)
+        q = jax.random.normal(keys[0], (1, s, heads, d), dtype)
+        k, v = (jax.random.normal(kk, (1, s, kv_heads, d), dtype) for kk in keys[1:])
+        want = jax.jit(prefill_implementations(scale)["xla"])(q, k, v).astype(jnp.float32)
+        impls = {**prefill_implementations(scale), **{f"jaxserve-{n}": _ragged_prefill(f, scale) for n, f in ragged.items()}}  # fmt: skip
+        nbytes, flops = 2 * q.nbytes + k.nbytes + v.nbytes, 4 * heads * d * s * (s + 1) // 2
+        config = {"tokens": s, "heads": heads, "kv_heads": kv_heads, "head_dim": d, "dtype": dtype.name}
+        for impl, fn in impls.items():
+            _cell(rec, t, "prefill", impl, config, fn, (q, k, v), want, nbytes, flops, plan["reps"])
