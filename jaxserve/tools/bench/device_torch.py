@@ -131,10 +131,12 @@ def _generate(torch, plan, rec, clock, device, dtype) -> None:
                 "dtype": str(next(model["m"].parameters()).dtype)}  # fmt: skip
 
     _add(rec, {"name": "transformers model init", "impl": "transformers", "config": {"device": device}}, build)
-    p, n, vocab = plan["tpot_prompt"], plan["tpot_tokens"], plan["config"]["vocab_size"]
+    n, vocab = plan["tpot_tokens"], plan["config"]["vocab_size"]
     for batch in plan["generate_batches"]:
+        # at the engine's slot count, its throughput prompts (the decode step it is compared with)
+        p = plan["throughput_prompt"] if batch == plan["slots"] else plan["tpot_prompt"]
 
-        def tpot(batch=batch):
+        def tpot(batch=batch, p=p):
             ids = torch.randint(3, vocab, (batch, p), device=device)
             run = lambda k: model["m"].generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=k,  # noqa: E731
                                                 min_new_tokens=k, do_sample=False, pad_token_id=0)  # fmt: skip
