@@ -129,7 +129,7 @@ def _section(
            str(SOFT * budget_s), str(out_dir)]  # fmt: skip
     t0, fields = time.monotonic(), {"budget_s": budget_s}
     try:
-        env = dict(os.environ)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # its lines reach the log as they are printed
         if not rehearse:
             env.setdefault("JAX_COMPILATION_CACHE_DIR", XLA_CACHE)
         proc = subprocess.run(cmd, timeout=budget_s, stdin=subprocess.DEVNULL, env=env)
@@ -227,5 +227,4 @@ def section_main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("PYTHONUNBUFFERED", "1")
     sys.exit(section_main(sys.argv[1:]))
