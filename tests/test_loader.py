@@ -156,6 +156,29 @@ def test_bfloat16_weights_cast_to_compute_dtype(tmp_path):
     np.testing.assert_array_equal(emb, hf.model.embed_tokens.weight.float().detach().numpy())
 
 
+def test_random_init_dir_makes_the_familys_own_weights_in_dtype(tmp_path):
+    """A config.json with loader.RANDOM_INIT and no weights: load_model makes, in one jit and in
+    bfloat16 from the start, exactly the weights the family's own initializers make eagerly with
+    that seed (the oracle), unit norms included; nothing is cached; quantization is refused."""
+    from jaxserve.models import registry
+
+    config = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=32, intermediate_size=64,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=96,
+                  max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=False)  # fmt: skip
+    path = loader.write_random_init(tmp_path / "random", config, seed=3, std=0.05)
+    model, cfg = load_model(path, dtype=jnp.bfloat16, cache_dir=tmp_path / "cache")
+    want = registry.family(cfg.architecture).model(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(3), init_std=0.05)
+    got, ref = _params(model), _params(want)
+    assert sorted(got) == sorted(ref) and len(got) == 2 + 2 * 9 + 1  # embed, head, norm; 9 per layer
+    for name, w in got.items():
+        assert w.dtype == jnp.bfloat16, name
+        np.testing.assert_array_equal(w.astype(np.float32), ref[name].astype(np.float32), err_msg=name)
+    assert float(np.std(got[str(("embed_tokens", "embedding"))].astype(np.float32))) == pytest.approx(0.05, rel=0.1)
+    assert not (tmp_path / "cache").exists()
+    with pytest.raises(ValueError, match="quantization is not supported"):
+        load_model(path, quantization="int8")
+
+
 @pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2"])
 def test_config_from_the_converted_cache_equals_transformers(kind, hf_models, tmp_path):
     from jaxserve.models.model_config import ModelConfig

@@ -32,6 +32,11 @@ log = logging.getLogger("jaxserve.loader")
 
 _CACHE_FORMAT = 2  # 2: the meta file carries the ModelConfig
 
+# A model directory holding config.json and this file ({"seed": int, "std": float}) and no weights:
+# load_model makes the weights on the device from jax.random (random_init). A model of a real one's
+# shape (Llama-3.1-8B's 16 GB in bfloat16) then needs no checkpoint written, read or cast on the host.
+RANDOM_INIT = "jaxserve_random_init.json"
+
 
 def default_dtype() -> jnp.dtype:
     """bfloat16 on accelerators; float32 on CPU, where XLA's bf16 matmuls are 7-20x slower."""
@@ -233,6 +238,8 @@ def load_model(
     quant.check_mode(quantization)
     keep = tuple(keep_full_precision)
     dtype = jnp.dtype(dtype or default_dtype())
+    if (path / RANDOM_INIT).is_file():
+        return random_init(path, dtype, quantization)
     cfg = None
     if use_cache:
         fp = fingerprint(path, dtype, quantization, keep)
@@ -278,6 +285,34 @@ def load_model(
     for p, var in flat:
         leaves.append((p, var.replace(jnp.asarray(arrays[tensors[p].key]))))
     state = nnx.from_flat_state(leaves)
+    return nnx.merge(graphdef, state), cfg
+
+
+def write_random_init(out: Path, config: dict, seed: int = 0, std: float = 0.02) -> Path:
+    """A model directory whose weights load_model makes on the device: `config` (a transformers
+    config.json's fields) and the RANDOM_INIT marker with the seed and the weights' std."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    (out / RANDOM_INIT).write_text(json.dumps({"seed": seed, "std": std}))
+    return out
+
+
+def random_init(path: Path, dtype, quantization: str | None = None) -> tuple[nnx.Module, ModelConfig]:
+    """The model of `path`'s config.json with seeded random weights made where jax computes (the
+    accelerator), in `dtype` from the start: the family's own initializers (normal(std)
+    projections and embeddings, unit norms) under one jit, so no float32 copy and no host
+    array ever exists. Weights only for benchmarks (`jaxserve bench device`): nothing is cached."""
+    if quantization is not None:
+        raise ValueError(f"model: {path} has random weights ({RANDOM_INIT}); quantization is not supported there")
+    spec = json.loads((path / RANDOM_INIT).read_text())
+    cfg = read_config(path)
+    family = registry.family(cfg.architecture)
+    seed, std = int(spec.get("seed", 0)), float(spec.get("std", 0.02))
+    make = lambda: nnx.split(family.model(cfg, dtype=dtype, rngs=nnx.Rngs(seed), init_std=std))  # noqa: E731
+    graphdef, _ = nnx.eval_shape(make)
+    state = jax.jit(lambda: make()[1])()
+    log.info("made random %s weights (seed %d, std %g, %s) on %s", cfg.architecture, seed, std, dtype.name,
+             jax.devices()[0].device_kind)  # fmt: skip
     return nnx.merge(graphdef, state), cfg
 
 

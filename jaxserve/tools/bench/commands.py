@@ -43,6 +43,8 @@ SUBCOMMANDS = {
     "startup": "a fresh process's time to its first token, with empty caches (cold) and filled ones (warm)",
     "profile": "one decode step under the JAX profiler: time per op and op kind (fusions, the native kernels)",
     "lm-eval": "lm-evaluation-harness against `jaxserve serve`, beside lm-eval's hf backend on the same checkpoint",
+    "device": "the prepared accelerator run (probes, kernels, the engine on an 8B shape, torch), <= 8 min; "
+    "--rehearse on the CPU",
 }
 
 
@@ -94,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _parsers() -> dict:
     """{subcommand: (its flags, its command)}."""
-    from jaxserve.tools.bench import lm_eval, profile, quality, startup, structured
+    from jaxserve.tools.bench import device, lm_eval, profile, quality, startup, structured
 
     return {
         "throughput": (_add_throughput, cmd_throughput),
@@ -108,6 +110,7 @@ def _parsers() -> dict:
         "startup": (startup.add_arguments, cmd_startup),
         "profile": (profile.add_arguments, cmd_profile),
         "lm-eval": (lm_eval.add_arguments, cmd_lm_eval),
+        "device": (device.add_arguments, cmd_device),
     }
 
 
@@ -609,6 +612,12 @@ def cmd_lm_eval(args, argv) -> dict:
     from jaxserve.tools.bench import lm_eval
 
     return lm_eval.run(args, argv)
+
+
+def cmd_device(args, argv) -> dict:
+    from jaxserve.tools.bench import device
+
+    return device.run(args, argv)
 
 
 # -- entry -----------------------------------------------------------------------------------------

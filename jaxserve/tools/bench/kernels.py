@@ -398,6 +398,39 @@ def ragged_implementations(backend: str) -> dict:
     return impls
 
 
+def ragged_case(rows, ctx, t, c, heads, kv_heads, d, dtype, rng, page: int = 16):
+    """One ragged step's arguments (q, k_pages, v_pages, query_start_loc, seq_lens, block_tables,
+    positions): `rows` decode rows at context `ctx` plus a `t`-token chunk at context `c`, pages
+    scattered in a pool of just their number; with its bytes (every live K and V once, q and the
+    output), FLOPs (4 x H x D per visible (query, key) pair, causal in the chunk) and config."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    lens = [ctx] * rows + ([c] if t else [])
+    qlens = [1] * rows + ([t] if t else [])
+    need = [-(-n // page) for n in lens]
+    num_pages = 1 + sum(need)
+    perm = 1 + rng.permutation(num_pages - 1)  # pages scattered in the pool
+    bt = np.zeros((len(lens), max(need)), np.int32)
+    used = 0
+    for r, p in enumerate(need):
+        bt[r, :p] = perm[used : used + p]
+        used += p
+    key = jax.random.split(jax.random.PRNGKey(rows * 7 + t), 3)
+    kp = jax.random.normal(key[0], (num_pages, page, kv_heads, d), dtype)
+    vp = jax.random.normal(key[1], (num_pages, page, kv_heads, d), dtype)
+    q = jax.random.normal(key[2], (sum(qlens), heads, d), dtype)
+    qsl = np.concatenate([[0], np.cumsum(qlens)]).astype(np.int32)
+    pos = np.concatenate([np.arange(L - k, L) for L, k in zip(lens, qlens)]).astype(np.int32)
+    call_args = (q, kp, vp, jnp.asarray(qsl), jnp.asarray(lens, jnp.int32), jnp.asarray(bt), jnp.asarray(pos))
+    nbytes = 2 * sum(lens) * kv_heads * d * dtype.itemsize + 2 * q.size * dtype.itemsize
+    pairs = rows * ctx + sum(c - t + i + 1 for i in range(t))  # (query token, visible key)
+    config = {"decode_rows": rows, "decode_context": ctx, "chunk_tokens": t, "chunk_context": c, "heads": heads,
+              "kv_heads": kv_heads, "head_dim": d, "page_size": page, "dtype": dtype.name}  # fmt: skip
+    return call_args, nbytes, 4 * heads * d * pairs, config
+
+
 def bench_ragged(args, steps, backend, dtype, heads, kv_heads, d, probe, streams) -> list[dict]:
     """One ragged step's attention: decode rows plus a prompt chunk in one flat call, as the
     engine's mixed step runs it (runner/attention.py). Bytes: every row's live K and V once,
@@ -410,47 +443,14 @@ def bench_ragged(args, steps, backend, dtype, heads, kv_heads, d, probe, streams
 
     from pallas_kernels import reference
 
-    page = 16
     scale = 1 / math.sqrt(d)
     impls = ragged_implementations(backend)
     oracle = jax.jit(reference.ragged_paged_attention, static_argnums=7)
     rng = np.random.default_rng(1)
     out = []
     for rows, ctx, t, c in steps:
-        lens = [ctx] * rows + ([c] if t else [])
-        qlens = [1] * rows + ([t] if t else [])
-        need = [-(-n // page) for n in lens]
-        num_pages = 1 + sum(need)
-        perm = 1 + rng.permutation(num_pages - 1)  # pages scattered in the pool
-        bt = np.zeros((len(lens), max(need)), np.int32)
-        used = 0
-        for r, p in enumerate(need):
-            bt[r, :p] = perm[used : used + p]
-            used += p
-        key = jax.random.split(jax.random.PRNGKey(rows * 7 + t), 3)
-        kp = jax.random.normal(key[0], (num_pages, page, kv_heads, d), dtype)
-        vp = jax.random.normal(key[1], (num_pages, page, kv_heads, d), dtype)
-        n = sum(qlens)
-        q = jax.random.normal(key[2], (n, heads, d), dtype)
-        qsl = np.concatenate([[0], np.cumsum(qlens)]).astype(np.int32)
-        pos = np.concatenate([np.arange(L - k, L) for L, k in zip(lens, qlens)]).astype(np.int32)
-        call_args = (q, kp, vp, jnp.asarray(qsl), jnp.asarray(lens, jnp.int32), jnp.asarray(bt), jnp.asarray(pos))
-        kv_bytes = 2 * sum(lens) * kv_heads * d * dtype.itemsize
-        nbytes = kv_bytes + 2 * q.size * dtype.itemsize
-        pairs = rows * ctx + sum(c - t + i + 1 for i in range(t))  # (query token, visible key)
-        flops = 4 * heads * d * pairs
+        call_args, nbytes, flops, config = ragged_case(rows, ctx, t, c, heads, kv_heads, d, dtype, rng)
         want = oracle(*call_args, scale).astype(jnp.float32)
-        config = {
-            "decode_rows": rows,
-            "decode_context": ctx,
-            "chunk_tokens": t,
-            "chunk_context": c,
-            "heads": heads,
-            "kv_heads": kv_heads,
-            "head_dim": d,
-            "page_size": page,
-            "dtype": dtype.name,
-        }
         for name, fn in impls.items():
             f = jax.jit(functools.partial(fn, scale=scale))
             r = _timed_cell(
