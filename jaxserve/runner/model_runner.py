@@ -289,12 +289,17 @@ class PendingStep:
         return StepResult(*host, prompt)
 
 
-def logit_places(qsl: np.ndarray, rows: Sequence[Chunk], num_rows: int, k: int) -> tuple[np.ndarray, int, np.ndarray]:
+def logit_places(
+    qsl: np.ndarray, rows: Sequence[Chunk], num_rows: int, k: int, num_tokens: int
+) -> tuple[np.ndarray, int, np.ndarray]:
     """Where a prompt-lookup verify step takes logits (speculative.verify_ragged): the flat
     index of each row's last token and its drafts, row after row, then padding; how many are
     real; and gather [num_rows, k + 1], each (row, j)'s place among them (its last real place
-    past its drafts). A row without drafts (or without sampling) takes one place."""
-    index = np.zeros((num_rows * (k + 1),), np.int32)
+    past its drafts). A row without drafts (or without sampling) takes one place. Every place
+    is a distinct token of the step, so there are at most num_tokens: the vocabulary's
+    projection, the argmax and the sampler run over that many places, not num_rows x (k + 1)
+    (at batch 1 a step of 8 tokens had 8 x 16 places at k = 15, each a row of the vocabulary)."""
+    index = np.zeros((min(num_rows * (k + 1), num_tokens),), np.int32)
     gather = np.zeros((num_rows, k + 1), np.int32)
     m = 0
     for i, c in enumerate(rows):
@@ -808,7 +813,7 @@ class ModelRunner:
         t = bucket_for(self.token_buckets, sum(len(c.tokens) for c in rows))
         r = self.rows_for(t)
         batch = self.batch(rows, r, t)
-        index, num_logits, gather = logit_places(batch.attn.query_start_loc, rows, r, k)
+        index, num_logits, gather = logit_places(batch.attn.query_start_loc, rows, r, k, t)
         do_sample = bool(np.any(batch.active & (batch.sampling.temperature > 0)))
         w = self.target
         w.kv, out, n_out = self._verify_ragged(
