@@ -167,14 +167,18 @@ class EngineCore(Intake):
         finished_now = self._drain_inbox()
         touched: list[Sequence] = []
         spec = self.speculation
+        read_early = False
         if self._pending is not None and spec is not None and spec.may_speculate(self.scheduler.running):
             # a speculative step proposes from every token: read the step in flight first, so
             # the plan below sees them (lengths, pages for the lookahead, who finished)
             touched += self._resolve(self._pending)
             self._pending = None
+            read_early = True
             t0 = time.perf_counter()  # the verify step's own time: the plain step read here was timed as one
         plan, num_steps = self._schedule()
         verify = spec.choose(plan, self._pending is not None) if spec is not None else None
+        if read_early and verify is None:  # the overlap given up for a step that then ran plain
+            spec.plain_after_read += 1
         if verify is not None:
             touched += self.scheduler.update(plan, spec.run(plan, verify))
         else:  # logprobs, grammars, penalties, biases and min_p/min_tokens run in the ragged step

@@ -46,6 +46,9 @@ class Speculation:
         # Steps with more decoding sequences than this run plain (EngineConfig's comment).
         self.max_batch = runner.cfg.speculative_disable_by_batch_size
         self.plain_steps = 0  # steps run plain because of it (or the policy)
+        # steps whose in-flight step was read first to speculate, that then ran plain (each gives
+        # up a plain step's overlap of host and device)
+        self.plain_after_read = 0
 
     def may_speculate(self, running: Iterable[Sequence]) -> bool:
         """Whether the next step may speculate: its decoding sequences are no more than
@@ -103,6 +106,7 @@ class Speculation:
         return {
             **self.stats.as_dict(),
             "spec_plain_steps": self.plain_steps,
+            "spec_plain_after_read": self.plain_after_read,
             **({"spec_step_seconds": self.policy.costs.table} if self.policy is not None else {}),
         }
 

@@ -205,6 +205,9 @@ def _add_speculative(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-len", type=positive, default=128)
     p.add_argument("--batch", type=positive, default=1, help="requests in flight at once (default 1)")
     p.add_argument("--rounds", type=positive, default=2)
+    p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=None, help="generate "
+                   "--output-len tokens past EOS (default: for code and editing, text without an end; chat and "
+                   "edit answers end at EOS, --output-len at most)")  # fmt: skip
     out_flag(p)
 
 
@@ -546,7 +549,8 @@ def cmd_speculative(args, argv) -> dict:
         if args.prompts in ("chat", "edit"):
             tok = llms[0].tokenizer
             prompts = [tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in prompts]
-        requests = [Request(p, args.output_len) for p in prompts]
+        ignore_eos = args.ignore_eos if args.ignore_eos is not None else args.prompts in ("code", "editing")
+        requests = [Request(p, args.output_len, until_eos=not ignore_eos) for p in prompts]
         for cfg, name in zip(configs, labels):
             cfg.label = name
 
@@ -574,7 +578,13 @@ def cmd_speculative(args, argv) -> dict:
             f"{[round(a, 2) for a in s['acceptance_by_position'] or []]}, identical outputs {s['identical_outputs']}",
             flush=True,
         )
-    workload = {"kind": args.prompts, "num_requests": len(requests), "output_len": args.output_len, "batch": args.batch}
+    workload = {
+        "kind": args.prompts,
+        "num_requests": len(requests),
+        "output_len": args.output_len,
+        "ignore_eos": ignore_eos,
+        "batch": args.batch,
+    }
     return result.document("speculative", argv, workload=workload, configs=results, summary=summary)
 
 

@@ -61,7 +61,11 @@ def run_offline(
             sp = params[i] if params is not None else None
             if sp is None:
                 sp = SamplingParams(
-                    max_tokens=r.output_len, temperature=r.temperature, top_p=r.top_p, ignore_eos=True, seed=i
+                    max_tokens=r.output_len,
+                    temperature=r.temperature,
+                    top_p=r.top_p,
+                    ignore_eos=not r.until_eos,
+                    seed=i,
                 )
             rid = llm.add_request(r.prompt, sp)
             timers[rid] = (i, timer)

@@ -51,13 +51,15 @@ WORDS = (
 
 @dataclasses.dataclass(frozen=True)
 class Request:
-    """One request: a prompt (token ids, or text), how many tokens to generate (EOS ignored)
+    """One request: a prompt (token ids, or text), how many tokens to generate (EOS ignored
+    unless `until_eos`: then at most that many, an answer that ends where the model ends it)
     and how: greedy unless the workload samples."""
 
     prompt: list[int] | str
     output_len: int
     temperature: float = 0.0
     top_p: float = 1.0
+    until_eos: bool = False
 
     @property
     def prompt_len(self) -> int:
