@@ -16,21 +16,34 @@ from pallas_kernels import reference
 from pallas_kernels.reference import RaggedMetadata
 
 
-@pytest.mark.parametrize("impl,kv_dtype", [("native", "bfloat16"), ("xla", "int8"), ("xla", "auto")])
-def test_a_stacked_pool_runs_as_a_pool_a_layer(tmp_path, impl, kv_dtype):
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    """(graphdef, params, cfg) of a random 3-layer Llama in float32."""
     from conftest import make_hf_model
     from flax import nnx
 
+    path = tmp_path_factory.mktemp("llama")
+    make_hf_model("llama", path, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                  num_key_value_heads=2, num_hidden_layers=3)  # fmt: skip
+    model, cfg = load_model(path, dtype=jnp.float32)
+    return (*nnx.split(model), cfg)
+
+
+def _backend(impl: str):
     from jaxserve.runner import attention
     from pallas_kernels import native
 
     if impl == "native" and not native.available():
         pytest.skip(native.unavailable_reason())
-    make_hf_model("llama", tmp_path, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                  num_key_value_heads=2, num_hidden_layers=3)  # fmt: skip
-    model, cfg = load_model(tmp_path, dtype=jnp.float32)
-    graphdef, params = nnx.split(model)
-    backend = attention.make(impl)
+    return attention.make(impl)
+
+
+@pytest.mark.parametrize("impl,kv_dtype", [("native", "bfloat16"), ("xla", "int8"), ("xla", "auto")])
+def test_a_stacked_pool_runs_as_a_pool_a_layer(tiny_llama, impl, kv_dtype):
+    from flax import nnx
+
+    graphdef, params, cfg = tiny_llama
+    backend = _backend(impl)
     ps, num_pages = 4, 8
 
     @jax.jit
@@ -99,25 +112,16 @@ def test_copy_pages_in_a_stacked_pool_copies_every_layer():
 
 @pytest.mark.parametrize("impl", ["native", "xla"])
 @pytest.mark.parametrize("tokens", [1, 2, 5])
-def test_a_step_writes_the_donated_pool_in_place(tmp_path, impl, tokens):
+def test_a_step_writes_the_donated_pool_in_place(tiny_llama, impl, tokens):
     """The compiled step holds no copy of a pool array: a batch-1 decode step (one token) once
     made XLA write each layer's token twice, into two whole copies of the pool, which cost a step
     time in proportion to the pool's size (90 ms at 64 MiB against 0.5 ms for two tokens)."""
     import re
 
-    from conftest import make_hf_model
     from flax import nnx
 
-    from jaxserve.runner import attention
-    from pallas_kernels import native
-
-    if impl == "native" and not native.available():
-        pytest.skip(native.unavailable_reason())
-    make_hf_model("llama", tmp_path, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                  num_key_value_heads=2, num_hidden_layers=3)  # fmt: skip
-    model, cfg = load_model(tmp_path, dtype=jnp.float32)
-    graphdef, params = nnx.split(model)
-    backend = attention.make(impl)
+    graphdef, params, cfg = tiny_llama
+    backend = _backend(impl)
     ps, num_pages = 4, 64
 
     def step(kv, toks, md):
