@@ -318,7 +318,6 @@ def write_pages(pages, new, slot_mapping):
     new [B,T,KVH] into [num_pages, ps, KVH] likewise)."""
     n, ps = pages.shape[:2]
     rest = pages.shape[2:]
-    flat = pages.reshape(n * ps, *rest)
     slots, new = slot_mapping.reshape(-1), new.reshape(-1, *rest).astype(pages.dtype)
     if slots.shape[0] == 1:
         # One token (a batch-1 decode step): XLA rewrites a one-index scatter into a bounds-checked
@@ -326,10 +325,12 @@ def write_pages(pages, new, slot_mapping):
         # for each shape its users read (the attention's [P, ps, ...] and the next layer's flat
         # view), each into a whole copy of the pool (a 1-row step of a 64 MiB pool took ~90 ms, of
         # two rows 0.5 ms). One dynamic-update-slice of the pages' own shape writes in place; a
-        # slot is always in range (padding writes the dummy page).
+        # slot is always in range (padding writes the dummy page). More tokens stay one scatter of
+        # the flat view: a scatter indexed by (page, offset) writes in place too, but took 1.8x
+        # as long at 2,048 tokens.
         zeros = (0,) * len(rest)
         return jax.lax.dynamic_update_slice(pages, new[None], (slots[0] // ps, slots[0] % ps, *zeros))
-    return flat.at[slots].set(new).reshape(pages.shape)
+    return pages.reshape(n * ps, *rest).at[slots].set(new).reshape(pages.shape)
 
 
 def paged_attention_chunked(
