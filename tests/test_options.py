@@ -66,3 +66,12 @@ def test_gin_types_are_checked_by_the_declaration():
         load_config([], ["ServeConfig.memory_fraction = 'x'"])
     assert load_config([], ["ServeConfig.token_buckets = [16, 32]"]).token_buckets == (16, 32)
     assert load_config([], ["ServeConfig.memory_fraction = 1"]).memory_fraction == 1.0
+
+
+def test_attention_impl_choices_are_the_backends_attention_makes():
+    """EngineConfig declares the choices without importing jax; attention.IMPLS is what
+    attention.make builds: the two lists name the same backends."""
+    from jaxserve.runner import attention
+
+    (field,) = [f for f in dataclasses.fields(EngineConfig) if f.name == "attention_impl"]
+    assert set(field.metadata["choices"]) == set(attention.IMPLS)

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jaxserve import kv_math
 from jaxserve.models import eagle
 from jaxserve.models.model_config import ModelConfig
+from jaxserve.runner import attention
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,7 +229,7 @@ def _resolve_attention(cfg, backend: str, kv_cache_dtype: str) -> str:
         if backend != "cpu" or not native.available():
             why = "it runs on the CPU only" if backend != "cpu" else native.unavailable_reason()
             raise ValueError(f"attention_impl='native' is unavailable here: {why}")
-    if cfg.attention_impl in ("cudnn", "tokamax") and backend == "tpu":
+    if cfg.attention_impl in attention.PROMPT_IMPLS and backend == "tpu":
         raise ValueError(f"attention_impl={cfg.attention_impl!r} needs a GPU (the CPU runs it with XLA standing in)")
     if cfg.attention_impl == "tokamax" and importlib.util.find_spec("tokamax") is None:
         raise ValueError("attention_impl='tokamax' needs the tokamax package (pip install tokamax)")
